@@ -1,0 +1,101 @@
+"""The `dflash-mlx` command line."""
+
+import sys
+from collections import Counter
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from dflash_mlx.errors import DFlashError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="DFlash block-diffusion speculative decoding on MLX.",
+)
+err = Console(stderr=True, highlight=False)
+
+
+def fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    raise typer.Exit(1)
+
+
+@app.callback()
+def main():
+    """DFlash block-diffusion speculative decoding on MLX."""
+
+
+@app.command()
+def generate(
+    model: Optional[str] = typer.Option(
+        None, "--model", help="Alias (e.g. qwen3-4b), Hugging Face repo id or local directory."
+    ),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", help="DFlash drafter: repo id, directory or alias (default: the model's own)."
+    ),
+    prompt: Optional[str] = typer.Option(
+        None, "--prompt", "-p", help="Prompt text; '-' or no flag reads stdin."
+    ),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", min=1, help="Most tokens to generate."),
+    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Sample from the k most likely tokens (0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Min-p filter (0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", min=1, max=64, help="Tokens per verify block (default: the drafter's)."
+    ),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    chat_template: bool = typer.Option(
+        True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."
+    ),
+    enable_thinking: Optional[bool] = typer.Option(
+        None, "--enable-thinking/--disable-thinking", help="Turn the template's thinking mode on or off."
+    ),
+    verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
+):
+    """Generate text with DFlash speculative decoding, streaming it."""
+    import dflash_mlx
+    from dflash_mlx.prompt import build_prompt
+    from dflash_mlx.sampling import SamplingParams
+
+    if model is None:
+        fail("pass --model: an alias (e.g. qwen3-4b), a Hugging Face repo id or a local directory.")
+    if prompt is None or prompt == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            fail("give a prompt with --prompt, or pipe it on stdin.")
+        prompt = sys.stdin.read()
+    try:
+        params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+        pair = dflash_mlx.load(model, draft)
+        if enable_thinking is None and pair.resolved is not None:
+            enable_thinking = pair.resolved.enable_thinking
+        ids = build_prompt(pair.tokenizer, prompt, system, chat_template, enable_thinking)
+        if verbose:
+            cfg = pair.drafter.args
+            err.print(
+                f"target {pair.target_path} ({pair.target.model_type}, {pair.target.num_layers} layers)\n"
+                f"drafter {pair.draft_path} (block {cfg.block_size}, taps {cfg.target_layer_ids})\n"
+                f"prompt {len(ids)} tokens, block size {block_size or cfg.block_size}, {params}"
+            )
+        stats = None
+        for event in dflash_mlx.stream_generate(
+            pair, ids, max_tokens=max_tokens, sampling=params, block_size=block_size
+        ):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            stats = event.stats
+    except DFlashError as e:
+        fail(str(e))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if verbose:
+        hist = Counter(stats.acceptance_lengths)
+        err.print("acceptance histogram: " + ", ".join(f"{k}:{hist[k]}" for k in sorted(hist)))
+    err.print(stats.line())
+
+
+if __name__ == "__main__":
+    app()

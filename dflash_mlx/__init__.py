@@ -1,0 +1,19 @@
+"""DFlash block-diffusion speculative decoding on MLX."""
+
+from .errors import DFlashError
+from .generate import GenerationEvent, GenerationStats, generate, stream_generate
+from .load import DFlashPair, load
+from .sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DFlashError",
+    "DFlashPair",
+    "GenerationEvent",
+    "GenerationStats",
+    "SamplingParams",
+    "generate",
+    "load",
+    "stream_generate",
+]

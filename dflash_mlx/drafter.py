@@ -1,0 +1,208 @@
+"""MLX port of the z-lab DFlash drafter.
+
+Each layer attends from the block (queries) to the committed target context
+plus the block itself (keys/values). Context keys/values are projected once,
+when the context is committed, and kept in `DraftCache`; the block's own keys
+are scratch that the next cycle overwrites.
+"""
+
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .adapter import initialize_rope
+from .config import DrafterConfig
+
+
+class DraftCache:
+    """Committed context keys/values of one drafter layer.
+
+    Rows are written into a buffer grown in steps; the block's rows go after
+    the committed ones and are not counted, so dropping them costs nothing.
+    A sliding-window layer keeps only the last `window` committed rows.
+    """
+
+    step = 256
+
+    def __init__(self, window: Optional[int] = None):
+        self.window = window
+        self.keys = None
+        self.values = None
+        self.offset = 0  # committed rows in the buffer
+        self.start = 0  # absolute position of buffer row 0
+
+    def _reserve(self, k: mx.array, v: mx.array, n: int):
+        need = self.offset + n
+        if self.keys is not None and need <= self.keys.shape[2]:
+            return
+        if self.window is not None and self.offset > self.window:
+            # Drop rows no query can see any more before growing.
+            drop = self.offset - self.window
+            self.keys = self.keys[..., drop : self.offset, :]
+            self.values = self.values[..., drop : self.offset, :]
+            self.offset -= drop
+            self.start += drop
+            need -= drop
+        B, H, _, Dk = k.shape
+        size = ((need + self.step - 1) // self.step) * self.step
+        new_k = mx.zeros((B, H, size, Dk), k.dtype)
+        new_v = mx.zeros((B, H, size, v.shape[3]), v.dtype)
+        if self.keys is not None and self.offset > 0:
+            new_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
+            new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
+        self.keys, self.values = new_k, new_v
+
+    def update_and_fetch(self, ctx_kv, block_kv):
+        """Commit the context rows, append the block as scratch, return all rows."""
+        (ck, cv), (bk, bv) = ctx_kv, block_kv
+        C = 0 if ck is None else ck.shape[2]
+        L = 0 if bk is None else bk.shape[2]
+        ref_k, ref_v = (ck, cv) if C else (bk, bv)
+        self._reserve(ref_k, ref_v, C + L)
+        if C:
+            self.keys[..., self.offset : self.offset + C, :] = ck
+            self.values[..., self.offset : self.offset + C, :] = cv
+            self.offset += C
+        if L:
+            self.keys[..., self.offset : self.offset + L, :] = bk
+            self.values[..., self.offset : self.offset + L, :] = bv
+        end = self.offset + L
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    @property
+    def length(self):
+        return self.start + self.offset
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DrafterConfig, layer_idx: int):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.is_causal = args.layer_is_causal(layer_idx)
+        self.window = args.layer_window(layer_idx)
+        self.rope = initialize_rope(
+            self.head_dim,
+            args.rope_theta,
+            args.rope_scaling,
+            args.max_position_embeddings,
+        )
+
+    def _kv(self, x: mx.array, offset: int):
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1))
+        k = self.rope(k.transpose(0, 2, 1, 3), offset=offset)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return k, v
+
+    def context_kv(self, ctx: mx.array, offset: int):
+        return self._kv(ctx, offset)
+
+    def __call__(self, x, ctx_kv, cache: DraftCache, offset: int):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        keys, values = cache.update_and_fetch(ctx_kv, self._kv(x, offset))
+        mask = self._mask(L, keys.shape[2], cache.start, offset)
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=self.scale, mask=mask
+        )
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _mask(self, L: int, S: int, key_start: int, q_start: int):
+        if not self.is_causal and self.window is None:
+            return None
+        q_pos = mx.arange(q_start, q_start + L)[:, None]
+        k_pos = mx.arange(key_start, key_start + S)[None]
+        visible = mx.ones((L, S), dtype=mx.bool_)
+        if self.is_causal:
+            visible = visible & (k_pos <= q_pos)
+        if self.window is not None:
+            visible = visible & (q_pos - k_pos < self.window)
+            if not self.is_causal:
+                visible = visible & (k_pos - q_pos < self.window)
+        return visible
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, ctx_kv, cache, offset):
+        h = x + self.self_attn(self.input_layernorm(x), ctx_kv, cache, offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """Weights named as in the z-lab checkpoints (no embedding, no LM head)."""
+
+    def __init__(self, args: DrafterConfig):
+        super().__init__()
+        self.args = args
+        n_taps = len(args.target_layer_ids)
+        self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def make_cache(self) -> List[DraftCache]:
+        return [DraftCache(layer.self_attn.window) for layer in self.layers]
+
+    def _context_kv(self, target_hidden: Optional[mx.array], cache: List[DraftCache]):
+        if target_hidden is None or target_hidden.shape[1] == 0:
+            return [(None, None)] * len(self.layers)
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        offset = cache[0].length
+        return [l.self_attn.context_kv(ctx, offset) for l in self.layers]
+
+    def add_context(self, target_hidden: mx.array, cache: List[DraftCache]):
+        """Commit context rows without drafting (used during chunked prefill)."""
+        for c, kv in zip(cache, self._context_kv(target_hidden, cache)):
+            c.update_and_fetch(kv, (None, None))
+
+    def __call__(self, block_embeddings, target_hidden, cache: List[DraftCache]):
+        """Hidden states of the block after committing `target_hidden` as context.
+
+        The block starts at the position right after the committed context.
+        """
+        ctx_kv = self._context_kv(target_hidden, cache)
+        offset = cache[0].length + (0 if target_hidden is None else target_hidden.shape[1])
+        h = block_embeddings
+        for layer, c, kv in zip(self.layers, cache, ctx_kv):
+            h = layer(h, kv, c, offset)
+        return self.norm(h)
+
+    def finish_logits(self, logits: mx.array) -> mx.array:
+        args = self.args
+        if args.output_multiplier != 1.0:
+            logits = logits * args.output_multiplier
+        if args.final_logit_softcapping:
+            cap = args.final_logit_softcapping
+            logits = mx.tanh(logits / cap) * cap
+        return logits

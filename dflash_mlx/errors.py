@@ -1,0 +1,2 @@
+class DFlashError(Exception):
+    """A user-facing error: its message is one line that says what to do."""

@@ -1,0 +1,276 @@
+"""The DFlash decode loop: prefill -> draft -> verify -> accept -> crop.
+
+Read top to bottom: `prefill`, `draft`, `verify`, then `stream_generate`,
+which strings them together. Each cycle makes one host synchronisation (the
+accepted count and tokens, fetched together).
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .errors import DFlashError
+from .sampling import SamplingParams, accept_greedy, accept_speculative, log_probs, pick
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    cycles: int = 0
+    acceptance_lengths: List[int] = field(default_factory=list)
+    peak_memory_gb: float = 0.0
+    finish_reason: Optional[str] = None
+
+    @property
+    def mean_acceptance(self) -> float:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    def line(self) -> str:
+        return (
+            f"{self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s, "
+            f"acceptance {self.mean_acceptance:.2f} tok/cycle, "
+            f"prompt {self.prompt_tokens} tokens at {self.prompt_tps:.1f} tok/s, "
+            f"peak memory {self.peak_memory_gb:.2f} GB"
+        )
+
+
+@dataclass
+class GenerationEvent:
+    text: str  # new text since the previous event
+    tokens: List[int]  # tokens committed by this cycle
+    accepted: int  # draft tokens the target accepted this cycle
+    stats: GenerationStats
+    finish_reason: Optional[str] = None
+
+
+def peak_memory_gb() -> float:
+    peak = mx.get_peak_memory()
+    if peak == 0:  # the CPU backend does not track it: use the process peak
+        import resource
+        import sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = rss if sys.platform == "darwin" else rss * 1024
+    return peak / 1e9
+
+
+class DraftSource:
+    """What the loop needs from a drafter. `DFlashDraftSource` is the real one."""
+
+    block_size: int = 16
+
+    def new_state(self):
+        raise NotImplementedError
+
+    def add_context(self, state, hidden: mx.array) -> None:
+        raise NotImplementedError
+
+    def propose(self, state, last: mx.array, hidden: Optional[mx.array], width: int) -> mx.array:
+        """Logits [width - 1, V] for the block after `last`, committing `hidden` first."""
+        raise NotImplementedError
+
+
+class DFlashDraftSource(DraftSource):
+    def __init__(self, drafter, target):
+        self.drafter = drafter
+        self.target = target
+        self.block_size = drafter.args.block_size
+        self.mask_token_id = drafter.args.mask_token_id
+        self.scale = drafter.args.input_embedding_scale
+
+    def new_state(self):
+        return self.drafter.make_cache()
+
+    def add_context(self, state, hidden):
+        self.drafter.add_context(hidden, state)
+
+    def propose(self, state, last, hidden, width):
+        block = mx.concatenate([last, mx.full((width - 1,), self.mask_token_id, last.dtype)])
+        emb = self.target.embed(block[None])
+        if self.scale != 1.0:
+            emb = emb * self.scale
+        h = self.drafter(emb, hidden, state)
+        return self.drafter.finish_logits(self.target.head(h[:, 1:]))[0]
+
+
+def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048):
+    """Run the prompt through the target in chunks; feed its taps to the drafter.
+
+    Returns the logits of the last prompt position only.
+    """
+    logits = None
+    for s in range(0, prompt.shape[0], step):
+        logits, hidden = target(prompt[None, s : s + step], tcache, last_only=True)
+        if source is not None:
+            source.add_context(dstate, hidden)
+        mx.eval(logits, [c.state for c in tcache], _state_arrays(dstate))
+    return logits[0, -1]
+
+
+def _state_arrays(dstate):
+    if isinstance(dstate, list):
+        return [(c.keys, c.values) for c in dstate if hasattr(c, "keys")]
+    return []
+
+
+def draft(source, dstate, last, hidden, width: int, params: SamplingParams):
+    """Draft tokens [width - 1] (and their log probabilities when sampling)."""
+    logits = source.propose(dstate, last, hidden, width)
+    if params.greedy:
+        return mx.argmax(logits, axis=-1), None
+    q_lp = log_probs(logits, params)
+    return mx.random.categorical(q_lp), q_lp
+
+
+def verify(target, tcache, last, tokens, q_lp, params: SamplingParams):
+    """One target pass over [last, tokens]: accepted count, next token, taps."""
+    block = mx.concatenate([last, tokens])
+    logits, hidden = target(block[None], tcache, record=True)
+    logits = logits[0]
+    if tokens.shape[0] == 0:
+        return mx.array(0), pick(logits[-1], params), hidden
+    if params.greedy:
+        accepted, nxt = accept_greedy(tokens, logits)
+    else:
+        accepted, nxt = accept_speculative(tokens, q_lp, log_probs(logits, params))
+    return accepted, nxt, hidden
+
+
+class _TextStream:
+    """Detokenizes committed tokens and holds back text that may start a stop string."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.detok = tokenizer.detokenizer if tokenizer is not None else None
+        if self.detok is not None:
+            self.detok.reset()
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def add(self, tokens: List[int], final: bool):
+        """Returns (new text, stopped)."""
+        if self.detok is None:
+            return "", False
+        for t in tokens:
+            self.detok.add_token(t)
+        if final:
+            self.detok.finalize()
+        self.text = self.detok.text
+        for s in self.stop:
+            i = self.text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                self.text = self.text[:i]
+                return self._flush(len(self.text)), True
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        return self._flush(end), False
+
+    def _flush(self, end):
+        out = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return out
+
+
+def stream_generate(
+    pair,
+    prompt: Union[str, Sequence[int]],
+    max_tokens: int = 256,
+    sampling: Optional[SamplingParams] = None,
+    block_size: Optional[int] = None,
+    stop: Sequence[str] = (),
+    prefill_step: int = 2048,
+    draft_source: Optional[DraftSource] = None,
+) -> Iterator[GenerationEvent]:
+    """Generate with DFlash, yielding one event per verify cycle."""
+    params = sampling or SamplingParams()
+    target, tokenizer = pair.target, pair.tokenizer
+    source = draft_source or pair.draft_source
+    block_size = block_size or source.block_size
+    if block_size < 1:
+        raise DFlashError(f"--block-size must be >= 1 (got {block_size}).")
+    if max_tokens < 1:
+        raise DFlashError(f"--max-tokens must be >= 1 (got {max_tokens}).")
+    if isinstance(prompt, str):
+        prompt = tokenizer.encode(prompt)
+    if len(prompt) == 0:
+        raise DFlashError("The prompt is empty; give some text with --prompt or on stdin.")
+    eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+
+    stats = GenerationStats(prompt_tokens=len(prompt))
+    text = _TextStream(tokenizer, stop)
+    tcache = target.make_cache()
+    dstate = source.new_state()
+
+    tic = time.perf_counter()
+    first = pick(prefill(target, source, dstate, mx.array(prompt), tcache, prefill_step), params)
+    last = first.reshape(1)
+    tokens = [first.item()]
+    stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
+    tic = time.perf_counter()
+
+    hidden = None  # target taps of committed tokens not yet given to the drafter
+    accepted = 0
+    while True:
+        # Commit this cycle's tokens: stop on EOS, stop strings or the budget.
+        finish = None
+        for i, t in enumerate(tokens):
+            if t in eos:
+                tokens, finish = tokens[:i], "stop"
+                break
+        stats.generation_tokens += len(tokens)
+        if finish is None and stats.generation_tokens >= max_tokens:
+            finish = "length"
+        segment, stopped = text.add(tokens, final=finish is not None)
+        if stopped:
+            finish = "stop"
+        remaining = max_tokens - stats.generation_tokens
+        width = min(block_size, remaining)
+
+        # Start the next cycle's draft before handing text to the caller.
+        pending = None
+        if finish is None:
+            if width > 1:
+                d_tokens, q_lp = draft(source, dstate, last, hidden, width, params)
+                hidden = None
+            else:
+                d_tokens, q_lp = mx.array([], dtype=last.dtype), None
+            pending = verify(target, tcache, last, d_tokens, q_lp, params)
+            mx.async_eval(pending)
+
+        elapsed = time.perf_counter() - tic
+        stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 else 0.0
+        stats.peak_memory_gb = peak_memory_gb()
+        stats.finish_reason = finish
+        yield GenerationEvent(segment, tokens, accepted, stats, finish)
+        if finish is not None:
+            return
+
+        n_acc, nxt, new_hidden = pending
+        out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens, nxt.reshape(1).astype(d_tokens.dtype)])
+        values = out.tolist()  # the cycle's one host synchronisation
+        accepted = values[0]
+        tokens = values[1 : 1 + accepted] + [values[-1]]
+        target.crop(tcache, accepted + 1, width)
+        committed = new_hidden[:, : accepted + 1]
+        hidden = committed if hidden is None else mx.concatenate([hidden, committed], axis=1)
+        last = nxt.reshape(1).astype(last.dtype)
+        stats.cycles += 1
+        stats.acceptance_lengths.append(accepted + 1)
+
+
+def generate(pair, prompt, **kwargs):
+    """Returns (text, stats)."""
+    pieces = []
+    stats = None
+    for event in stream_generate(pair, prompt, **kwargs):
+        pieces.append(event.text)
+        stats = event.stats
+    return "".join(pieces), stats

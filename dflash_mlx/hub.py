@@ -1,0 +1,95 @@
+"""Resolving --model/--draft (alias, repo id or directory) and downloading."""
+
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Dict, Optional
+
+from .errors import DFlashError
+
+TARGET_FILES = [
+    "*.json",
+    "*.safetensors",
+    "*.jinja",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+]
+DRAFT_FILES = ["*.json", "*.safetensors"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+@dataclass
+class Resolved:
+    target: str  # repo id or local directory
+    draft: Optional[str]
+    alias: Optional[str] = None
+    enable_thinking: Optional[bool] = None
+
+
+def aliases() -> Dict[str, dict]:
+    text = resources.files("dflash_mlx").joinpath("aliases.json").read_text()
+    return json.loads(text)
+
+
+def resolve(model: str, draft: Optional[str] = None) -> Resolved:
+    """Map --model/--draft to a target and drafter (repo ids or directories)."""
+    registry = aliases()
+    entry, alias = None, None
+    if model.lower() in registry:
+        alias = model.lower()
+        entry = registry[alias]
+        target = entry["target"]
+    else:
+        target = model
+        if not Path(model).exists():
+            for name, e in registry.items():
+                if e["target"].lower() == model.lower():
+                    entry, alias = e, name
+                    break
+    if draft is not None:
+        draft_entry = registry.get(draft.lower())
+        draft = draft_entry["draft"] if draft_entry else draft
+    elif entry is not None:
+        draft = entry["draft"]
+    return Resolved(
+        target=target,
+        draft=draft,
+        alias=alias,
+        enable_thinking=None if entry is None else entry.get("enable_thinking"),
+    )
+
+
+def fetch(name: str, kind: str) -> Path:
+    """A local directory for `name`: as given, or from the Hugging Face cache/hub."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise DFlashError(f"{name} is a file; pass the {kind} directory (holding config.json).")
+        return path
+    if not _REPO_ID.match(name):
+        known = ", ".join(sorted(aliases()))
+        raise DFlashError(
+            f"'{name}' is not a directory, a Hugging Face repo id (org/name) or a known alias ({known})."
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors as hf_errors
+
+    patterns = TARGET_FILES if kind == "model" else DRAFT_FILES
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except hf_errors.GatedRepoError:
+        raise DFlashError(
+            f"{name} is gated on Hugging Face: accept its licence on the model page, then run `hf auth login`."
+        )
+    except hf_errors.RepositoryNotFoundError:
+        raise DFlashError(f"Hugging Face has no repo {name} (or it is private); check the {kind} name.")
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled):
+        raise DFlashError(
+            f"Cannot download {name}: offline (or HF_HUB_OFFLINE=1) and it is not in the Hugging Face "
+            f"cache; connect and run again, or `hf download {name}` elsewhere and pass its directory."
+        )
+    except hf_errors.HfHubHTTPError as e:
+        raise DFlashError(f"Downloading {name} failed ({str(e).splitlines()[0]}); try again later.")

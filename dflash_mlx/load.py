@@ -1,0 +1,111 @@
+"""Loading a target + drafter pair and checking that they belong together."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from safetensors import SafetensorError
+
+from .adapter import TargetAdapter, load_target
+from .config import DrafterConfig
+from .drafter import DFlashDrafter
+from .errors import DFlashError
+from .generate import DFlashDraftSource
+from .hub import Resolved, fetch, resolve
+
+
+@dataclass
+class DFlashPair:
+    target: TargetAdapter
+    drafter: DFlashDrafter
+    tokenizer: Any
+    draft_source: DFlashDraftSource
+    target_path: Path
+    draft_path: Path
+    resolved: Optional[Resolved] = None
+
+
+def check_pair(config: DrafterConfig, target: TargetAdapter) -> None:
+    """One clear line for each way a drafter can fail to fit a target."""
+    if config.hidden_size != target.hidden_size:
+        raise DFlashError(
+            f"Drafter hidden size {config.hidden_size} != target hidden size {target.hidden_size}; "
+            "this drafter was trained for another target."
+        )
+    if config.vocab_size != target.vocab_size:
+        raise DFlashError(
+            f"Drafter vocabulary {config.vocab_size} != target vocabulary {target.vocab_size}; "
+            "this drafter was trained for another target."
+        )
+    deep = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
+    if deep:
+        raise DFlashError(
+            f"Drafter taps target layer(s) {deep} but the target has {target.num_layers} layers; "
+            "this drafter was trained for another target."
+        )
+    if not 0 <= config.mask_token_id < target.vocab_size:
+        raise DFlashError(
+            f"Drafter mask_token_id {config.mask_token_id} is outside the target vocabulary "
+            f"(size {target.vocab_size}); this drafter was trained for another target."
+        )
+
+
+def load_drafter(path: Path) -> DFlashDrafter:
+    path = Path(path)
+    config = DrafterConfig.from_file(path / "config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DFlashError(f"No *.safetensors weights in {path}; convert the drafter with `dflash-mlx convert`.")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError, SafetensorError) as e:
+            raise DFlashError(f"Cannot read {f} ({str(e).splitlines()[0]}); the file is corrupt, download it again.")
+    weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
+    model = DFlashDrafter(config)
+    if config.quantization:
+        q = config.quantization
+        nn.quantize(
+            model,
+            group_size=q.get("group_size", 64),
+            bits=q.get("bits", 4),
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise DFlashError(f"Drafter weights in {path} do not match its config: {str(e).splitlines()[0]}")
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def load(model: str, draft: Optional[str] = None) -> DFlashPair:
+    """Load a target (alias, repo id or directory) and its DFlash drafter."""
+    resolved = resolve(model, draft)
+    if resolved.draft is None:
+        raise DFlashError(
+            f"No DFlash drafter is known for '{model}'; pass one with --draft (repo id or directory)."
+        )
+    target_path = fetch(resolved.target, "model")
+    draft_path = fetch(resolved.draft, "draft")
+    config = DrafterConfig.from_file(draft_path / "config.json")
+    model_, tokenizer, _ = load_target(target_path)
+    adapter = TargetAdapter(model_, config.target_layer_ids)
+    check_pair(config, adapter)
+    drafter = load_drafter(draft_path)
+    dtype = adapter.embed_tokens.weight.dtype if not hasattr(adapter.embed_tokens, "scales") else adapter.embed_tokens.scales.dtype
+    if not config.quantization:
+        drafter.set_dtype(dtype)
+    return DFlashPair(
+        target=adapter,
+        drafter=drafter,
+        tokenizer=tokenizer,
+        draft_source=DFlashDraftSource(drafter, adapter),
+        target_path=target_path,
+        draft_path=draft_path,
+        resolved=resolved,
+    )

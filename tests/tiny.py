@@ -1,0 +1,148 @@
+"""Tiny offline models for tests: a locally trained tokenizer, random mlx-lm
+targets of each supported family and random drafters in the z-lab layout."""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+SPECIALS = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
+    "not enable_thinking %}(no thinking){% endif %}{% endif %}"
+)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts a block of tokens and verifies them in one pass.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Apple silicon has unified memory shared by the CPU and the GPU.",
+    "import math\nprint(math.sqrt(2))\n",
+    "A small model proposes, a large model disposes.",
+    "Once upon a time there was a tiny language model that could count: one two three four five.",
+]
+
+
+def train_tokenizer(out: Path, vocab_size: int = 320) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|end|>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 4096,
+            }
+        )
+    )
+
+
+def target_config(family: str, vocab_size: int) -> dict:
+    common = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab_size,
+        max_position_embeddings=4096,
+        tie_word_embeddings=family != "llama",
+        eos_token_id=0,
+    )
+    if family == "qwen3":
+        return dict(common, model_type="qwen3", num_hidden_layers=6, intermediate_size=128,
+                    head_dim=16, rope_theta=10000.0)
+    if family == "llama":
+        return dict(common, model_type="llama", num_hidden_layers=6, intermediate_size=128,
+                    rope_theta=500000.0,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    if family == "qwen3_5":
+        return dict(common, model_type="qwen3_5", num_hidden_layers=6, intermediate_size=128,
+                    head_dim=16, full_attention_interval=3, linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
+    raise ValueError(family)
+
+
+def build_target(out: Path, family: str, tokenizer_dir: Path, vocab_size: int, seed: int = 0) -> Path:
+    from mlx_lm.utils import _get_classes
+
+    cfg = target_config(family, vocab_size)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(cfg))
+    # Scaled-up projections keep a random model from collapsing into repeats.
+    params = {
+        k: v * 3.0 if k.endswith("weight") and v.ndim == 2 and "embed" not in k else v
+        for k, v in tree_flatten(model.parameters())
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), {k: v.astype(mx.float32) for k, v in params.items()})
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def drafter_config(layout: str, vocab_size: int, target_layers: int, *, mask_token_id: int,
+                   block_size: int = 8, layer_ids=(1, 3), sliding: bool = False, **extra) -> dict:
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "num_target_layers": target_layers,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "dtype": "float32",
+    }
+    dflash = {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)}
+    if layout == "old":
+        cfg.update(block_size=block_size, rope_theta=1000000, rope_scaling=None, sliding_window=None,
+                   layer_types=["full_attention"] * 2, use_sliding_window=False)
+    else:
+        dflash["block_size"] = block_size
+        cfg.update(rope_parameters={"rope_theta": 10000000, "rope_type": "default"},
+                   layer_types=["sliding_attention", "full_attention"] if sliding else ["full_attention"] * 2,
+                   sliding_window=6 if sliding else None, use_sliding_window=sliding)
+    cfg["dflash_config"] = dflash
+    cfg.update(extra)
+    return cfg
+
+
+def build_drafter(out: Path, cfg: dict, seed: int = 1) -> Path:
+    from dflash_mlx.config import DrafterConfig
+    from dflash_mlx.drafter import DFlashDrafter
+
+    mx.random.seed(seed)
+    model = DFlashDrafter(DrafterConfig.from_dict(cfg))
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
