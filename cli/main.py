@@ -14,7 +14,7 @@ app = typer.Typer(
     no_args_is_help=True,
     help="DFlash block-diffusion speculative decoding on MLX.",
 )
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def fail(message: str) -> None:

@@ -1,7 +1,7 @@
 """DFlash block-diffusion speculative decoding on MLX."""
 
 from .errors import DFlashError
-from .generate import GenerationEvent, GenerationStats, generate, stream_generate
+from .decode import GenerationEvent, GenerationStats, generate, stream_generate
 from .load import DFlashPair, load
 from .sampling import SamplingParams
 

@@ -62,8 +62,8 @@ def resolve(model: str, draft: Optional[str] = None) -> Resolved:
     )
 
 
-def fetch(name: str, kind: str) -> Path:
-    """A local directory for `name`: as given, or from the Hugging Face cache/hub."""
+def check_name(name: str, kind: str) -> Optional[Path]:
+    """The local directory `name` names, None for a repo id, or a clear error."""
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -74,6 +74,14 @@ def fetch(name: str, kind: str) -> Path:
         raise DFlashError(
             f"'{name}' is not a directory, a Hugging Face repo id (org/name) or a known alias ({known})."
         )
+    return None
+
+
+def fetch(name: str, kind: str) -> Path:
+    """A local directory for `name`: as given, or from the Hugging Face cache/hub."""
+    path = check_name(name, kind)
+    if path is not None:
+        return path
     from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf_errors
 

@@ -12,8 +12,8 @@ from .adapter import TargetAdapter, load_target
 from .config import DrafterConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
-from .generate import DFlashDraftSource
-from .hub import Resolved, fetch, resolve
+from .decode import DFlashDraftSource
+from .hub import Resolved, check_name, fetch, resolve
 
 
 @dataclass
@@ -86,6 +86,7 @@ def load_drafter(path: Path) -> DFlashDrafter:
 def load(model: str, draft: Optional[str] = None) -> DFlashPair:
     """Load a target (alias, repo id or directory) and its DFlash drafter."""
     resolved = resolve(model, draft)
+    check_name(resolved.target, "model")
     if resolved.draft is None:
         raise DFlashError(
             f"No DFlash drafter is known for '{model}'; pass one with --draft (repo id or directory)."

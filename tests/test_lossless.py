@@ -5,7 +5,7 @@ import pytest
 from conftest import FAMILIES, plain_greedy
 
 import dflash_mlx
-from dflash_mlx.generate import DraftSource
+from dflash_mlx.decode import DraftSource
 
 PROMPTS = [
     "def add(a, b):",

@@ -1,0 +1,136 @@
+"""The `dflash-mlx` command line, through typer's runner and as a real process."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from dflash_mlx.hub import aliases, resolve
+
+runner = CliRunner()
+
+
+def run_cli(*args, input=None):
+    return runner.invoke(app, ["generate", *args], input=input)
+
+
+def test_generate_from_local_directories(pairs, targets, drafters, baselines):
+    from conftest import plain_greedy
+
+    r = run_cli("--model", str(targets["qwen3"]), "--draft", str(drafters["old"]),
+                "--prompt", "def add(a, b):", "--no-chat-template", "-m", "20", "--block-size", "4")
+    assert r.exit_code == 0, r.output
+    tok = pairs["qwen3"].tokenizer
+    expected = tok.decode(plain_greedy(baselines["qwen3"], tok.encode("def add(a, b):"), 20))
+    assert r.stdout.startswith(expected[:10])
+    stats = r.stderr.strip().splitlines()[-1]
+    assert "20 tokens" in stats and "tok/s" in stats and "acceptance" in stats and "peak memory" in stats
+
+
+def test_prompt_from_stdin_with_chat_template_and_verbose(targets, drafters):
+    r = run_cli("--model", str(targets["qwen3_5"]), "--draft", str(drafters["new"]),
+                "-m", "8", "--system", "be brief", "--verbose", "--disable-thinking", input="hello there")
+    assert r.exit_code == 0, r.output
+    assert "acceptance histogram" in r.stderr and "block size 8" in r.stderr
+
+
+def test_sampling_flags_are_accepted(targets, drafters):
+    r = run_cli("--model", str(targets["llama"]), "--draft", str(drafters["new"]), "-p", "hi",
+                "-m", "12", "--temp", "0.8", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05",
+                "--seed", "7")
+    assert r.exit_code == 0, r.output
+    assert "12 tokens" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--temp", "-1"], "--temp"),
+        (["--block-size", "0"], "--block-size"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--top-k", "-3"], "--top-k"),
+        (["--bogus"], "No such option"),
+    ],
+)
+def test_bad_flags_are_usage_errors(args, words):
+    r = run_cli("--model", "x", "-p", "hi", *args)
+    assert r.exit_code == 2
+    assert words in r.output
+
+
+def test_bad_top_p_is_one_clear_line(targets, drafters):
+    r = run_cli("--model", str(targets["qwen3"]), "--draft", str(drafters["old"]), "-p", "hi", "--top-p", "1.5")
+    assert r.exit_code == 1
+    assert "--top-p must be in (0, 1]" in r.stderr and "Traceback" not in r.output
+
+
+def test_missing_model_and_unknown_names():
+    r = run_cli("-p", "hi")
+    assert r.exit_code == 1 and "pass --model" in r.stderr
+    r = run_cli("--model", "no such thing", "-p", "hi")
+    assert r.exit_code == 1 and "not a directory, a Hugging Face repo id" in r.stderr
+    r = run_cli("--model", "someone/unknown-model", "-p", "hi")
+    assert r.exit_code == 1 and "No DFlash drafter is known" in r.stderr
+
+
+def test_alias_registry_resolution():
+    table = aliases()
+    for name in ["qwen3-4b", "qwen3-8b", "llama3.1-8b", "qwen3.5-4b", "qwen3.5-9b",
+                 "qwen3.5-27b", "qwen3.6-27b", "qwen3.6-35b-a3b"]:
+        assert name in table and "/" in table[name]["target"] and "/" in table[name]["draft"]
+    r = resolve("qwen3-4b")
+    assert (r.target, r.draft, r.enable_thinking) == ("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", False)
+    # A known target given by repo id finds its drafter through the registry.
+    r = resolve("qwen/qwen3.5-9b")
+    assert r.draft == "z-lab/Qwen3.5-9B-DFlash" and r.alias == "qwen3.5-9b"
+    # --draft takes an alias too, and an explicit drafter wins.
+    assert resolve("Qwen/Qwen3-8B", "qwen3-4b").draft == "z-lab/Qwen3-4B-DFlash-b16"
+    assert resolve("qwen3-4b", "me/my-drafter").draft == "me/my-drafter"
+
+
+def _process(args, env):
+    exe = shutil.which("dflash-mlx") or ""
+    cmd = [exe] if exe else [sys.executable, "-m", "cli.main"]
+    full = dict(os.environ, **env)
+    return subprocess.run(cmd + ["generate", *args], capture_output=True, text=True, env=full, timeout=300)
+
+
+def test_offline_with_empty_cache_is_one_clear_line(tmp_path):
+    r = _process(["--model", "qwen3-4b", "-p", "hi"],
+                 {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode == 1
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Qwen/Qwen3-4B" in lines[0] and "offline" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_unreachable_hub_is_one_clear_line(tmp_path):
+    r = _process(["--model", "qwen3-8b", "-p", "hi"],
+                 {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert r.returncode == 1
+    assert "Cannot download Qwen/Qwen3-8B" in r.stderr and "Traceback" not in r.stderr
+
+
+def _seed_hf_cache(cache, repo, src):
+    """Lay a directory out as the Hugging Face cache stores a downloaded repo."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    base = cache / ("models--" + repo.replace("/", "--"))
+    snap = base / "snapshots" / commit
+    shutil.copytree(src, snap)
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+
+
+def test_repo_ids_load_from_the_hf_cache_offline(tmp_path, targets, drafters):
+    cache = tmp_path / "hub"
+    _seed_hf_cache(cache, "tiny-org/tiny-qwen3", targets["qwen3"])
+    _seed_hf_cache(cache, "tiny-org/tiny-qwen3-dflash", drafters["old"])
+    r = _process(["--model", "tiny-org/tiny-qwen3", "--draft", "tiny-org/tiny-qwen3-dflash",
+                  "-p", "def add(a, b):", "-m", "10", "--no-chat-template"],
+                 {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    assert "10 tokens" in r.stderr

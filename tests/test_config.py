@@ -1,0 +1,155 @@
+"""Drafter config parsing (both published layouts) and pair checks."""
+
+import json
+from pathlib import Path
+
+import pytest
+import tiny
+
+import dflash_mlx
+from dflash_mlx.config import DrafterConfig, default_target_layer_ids
+from dflash_mlx.errors import DFlashError
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_original_layout():
+    c = DrafterConfig.from_file(DATA / "qwen3-4b-dflash-b16.config.json")
+    assert c.block_size == 16
+    assert c.mask_token_id == 151669
+    assert c.target_layer_ids == [1, 9, 17, 25, 33]
+    assert c.rope_theta == 1000000 and c.rope_scaling is None
+    assert c.layer_types == ["full_attention"] * 5
+    assert not any(c.layer_is_causal(i) for i in range(5))
+    assert all(c.layer_window(i) is None for i in range(5))
+    assert (c.hidden_size, c.num_key_value_heads, c.head_dim) == (2560, 8, 128)
+
+
+def test_newer_layout():
+    c = DrafterConfig.from_file(DATA / "qwen3.5-4b-dflash-newer.config.json")
+    assert c.block_size == 16
+    assert c.mask_token_id == 248077
+    assert c.target_layer_ids == [1, 5, 9, 13, 17, 21, 25, 29]
+    assert c.rope_theta == 10000000 and c.rope_scaling is None
+    assert [c.layer_is_causal(i) for i in range(6)] == [True] * 5 + [False]
+    assert [c.layer_window(i) for i in range(6)] == [4096] * 5 + [None]
+
+
+def _cfg(**over):
+    cfg = json.loads((DATA / "qwen3.5-4b-dflash-newer.config.json").read_text())
+    cfg.update(over)
+    return cfg
+
+
+def test_explicit_is_causal_overrides_layer_type_rule():
+    cfg = _cfg()
+    cfg["dflash_config"]["is_causal"] = False
+    c = DrafterConfig.from_dict(cfg)
+    assert not any(c.layer_is_causal(i) for i in range(6))
+    assert c.layer_window(0) == 4096
+
+
+def test_scalars_prefer_dflash_config_then_top_level():
+    cfg = _cfg(input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=30.0)
+    c = DrafterConfig.from_dict(cfg)
+    assert (c.input_embedding_scale, c.output_multiplier, c.final_logit_softcapping) == (2.0, 0.5, 30.0)
+    cfg["dflash_config"]["output_multiplier"] = 0.25
+    assert DrafterConfig.from_dict(cfg).output_multiplier == 0.25
+
+
+def test_yarn_rope_scaling_is_kept():
+    cfg = _cfg(rope_parameters={"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 32768})
+    c = DrafterConfig.from_dict(cfg)
+    assert c.rope_theta == 1e6
+    assert c.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    from dflash_mlx.drafter import Attention
+
+    attn = Attention(c, 0)
+    assert type(attn.rope).__name__ == "YarnRoPE"
+
+
+def test_default_target_layer_ids_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
+    cfg = _cfg(num_target_layers=32)
+    del cfg["dflash_config"]["target_layer_ids"]
+    assert DrafterConfig.from_dict(cfg).target_layer_ids == default_target_layer_ids(32, 6)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda c: c.pop("dflash_config") and c.pop("architectures"), "not a DFlash drafter"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "not supported"),
+        (lambda c: c.update(layer_types=["full_attention"]), "layer_types"),
+        (lambda c: c.update(sliding_window=None), "sliding_window"),
+        (lambda c: c.pop("hidden_size"), "hidden_size"),
+    ],
+)
+def test_bad_configs_fail_with_one_line(change, words):
+    cfg = _cfg()
+    change(cfg)
+    with pytest.raises(DFlashError) as e:
+        DrafterConfig.from_dict(cfg)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_json_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(DFlashError, match="not valid JSON"):
+        DrafterConfig.from_file(tmp_path / "config.json")
+    with pytest.raises(DFlashError, match="No config.json"):
+        DrafterConfig.from_file(tmp_path / "missing" / "config.json")
+
+
+@pytest.mark.parametrize(
+    "over, words",
+    [
+        ({"hidden_size": 48, "head_dim": 12}, "hidden size"),
+        ({"vocab_size": 999}, "vocabulary"),
+        ({"dflash_config": {"mask_token_id": 4, "target_layer_ids": [1, 6]}}, "taps target layer"),
+        ({"dflash_config": {"mask_token_id": 5000, "target_layer_ids": [1, 3]}}, "mask_token_id"),
+    ],
+)
+def test_mismatched_pair_is_refused(tmp_path, targets, vocab, over, words):
+    V, mask = vocab
+    cfg = tiny.drafter_config("old", V, 6, mask_token_id=mask)
+    cfg.update(over)
+    tiny.build_drafter(tmp_path / "d", cfg)
+    with pytest.raises(DFlashError) as e:
+        dflash_mlx.load(str(targets["qwen3"]), str(tmp_path / "d"))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unsupported_family_is_refused(tmp_path, targets, drafters):
+    d = tmp_path / "phi"
+    d.mkdir()
+    cfg = json.loads((targets["qwen3"] / "config.json").read_text())
+    cfg["model_type"] = "phi3"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match="family 'phi3' is not supported"):
+        dflash_mlx.load(str(d), str(drafters["old"]))
+
+
+def test_corrupt_drafter_weights(tmp_path, targets, drafters):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "config.json").write_text((drafters["old"] / "config.json").read_text())
+    data = (drafters["old"] / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DFlashError, match="corrupt"):
+        dflash_mlx.load(str(targets["qwen3"]), str(d))
+
+
+def test_two_models_in_one_process_do_not_interfere(targets, drafters, baselines):
+    from conftest import plain_greedy
+
+    a = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))
+    b = dflash_mlx.load(str(targets["llama"]), str(drafters["new"]))
+    prompt = a.tokenizer.encode("def add(a, b):")
+    ta, _ = dflash_mlx.generate(a, prompt, max_tokens=12, block_size=4)
+    tb, _ = dflash_mlx.generate(b, prompt, max_tokens=12, block_size=4)
+    assert ta == a.tokenizer.decode(plain_greedy(baselines["qwen3"], prompt, 12))
+    assert tb == b.tokenizer.decode(plain_greedy(baselines["llama"], prompt, 12))

@@ -1,0 +1,172 @@
+"""Speculative sampling draws exactly from the target's distribution.
+
+On a 5-token vocabulary we enumerate every 4-token continuation, compute its
+exact probability under the (filtered, tempered) target, and compare with the
+sequences DFlash samples using a chi-square goodness-of-fit test. The test is
+seeded; with a fresh seed its false-alarm rate is 0.1% (alpha = 1e-3).
+"""
+
+import itertools
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dflash_mlx
+from dflash_mlx import decode as gen
+from dflash_mlx.adapter import TargetAdapter
+from dflash_mlx.config import DrafterConfig
+from dflash_mlx.drafter import DFlashDrafter
+from dflash_mlx.decode import DFlashDraftSource, DraftSource
+from dflash_mlx.load import DFlashPair
+from dflash_mlx.sampling import SamplingParams, log_probs
+
+V, N_TOKENS, BLOCK, SAMPLES, ALPHA = 5, 4, 4, 2000, 1e-3
+PROMPT = [1, 3, 2]
+
+
+def chi2_sf(x, k):
+    """Upper tail of the chi-square law (Wilson-Hilferty; ample for alpha 1e-3)."""
+    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    from mlx_lm.models import qwen3
+
+    mx.random.seed(11)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                           vocab_size=V, max_position_embeddings=512, tie_word_embeddings=True,
+                           rope_theta=10000.0)
+    target = qwen3.Model(args)
+    target.update({"model": {"embed_tokens": {"weight": mx.random.normal((V, 32)) * 0.2}}})
+    adapter = TargetAdapter(target, [0, 1])
+    cfg = DrafterConfig.from_dict({
+        "architectures": ["DFlashDraftModel"], "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
+        "vocab_size": V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "block_size": BLOCK,
+        "dflash_config": {"mask_token_id": 4, "target_layer_ids": [0, 1]},
+    })
+    drafter = DFlashDrafter(cfg)
+    pair = DFlashPair(adapter, drafter, None, DFlashDraftSource(drafter, adapter), None, None)
+    return pair, target
+
+
+class TemperedTarget(DraftSource):
+    """A drafter that is good but not perfect: q = softmax(logits / 2) of the
+    target itself along its greedy path from the prompt and `last`."""
+
+    block_size = BLOCK
+
+    def __init__(self, model):
+        self.model = model
+
+    def new_state(self):
+        return None
+
+    def add_context(self, state, hidden):
+        pass
+
+    def propose(self, state, last, hidden, width):
+        seq = PROMPT + [last.item()]
+        rows = []
+        for _ in range(width - 1):
+            row = self.model(mx.array([seq]))[0, -1]
+            rows.append(row * 0.5)
+            seq.append(mx.argmax(row).item())
+        return mx.stack(rows)
+
+
+def exact_distribution(model, params):
+    seqs = list(itertools.product(range(V), repeat=N_TOKENS))
+    x = mx.array([PROMPT + list(s) for s in seqs])
+    lp = log_probs(model(x)[:, len(PROMPT) - 1 : -1], params)
+    picked = mx.take_along_axis(lp, mx.array(seqs)[..., None], axis=-1)[..., 0].sum(-1)
+    return seqs, np.exp(np.array(picked))
+
+
+def sample_counts(pair, params, n, source=None):
+    mx.random.seed(1234)
+    counts, accepted_first, cycles = {}, 0, 0
+    for _ in range(n):
+        toks, events = [], []
+        for ev in dflash_mlx.stream_generate(pair, PROMPT, max_tokens=N_TOKENS, sampling=params,
+                                             block_size=BLOCK, draft_source=source):
+            toks += ev.tokens
+            events.append(ev)
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+        accepted_first += events[1].accepted >= 1
+        cycles += 1
+    return counts, accepted_first / cycles
+
+
+def gof_pvalue(counts, seqs, probs, n):
+    expected = probs * n
+    observed = np.array([counts.get(s, 0) for s in seqs], dtype=float)
+    big = expected >= 5
+    obs, exp = observed[big], expected[big]
+    if expected[~big].sum() > 0:
+        obs = np.append(obs, observed[~big].sum())
+        exp = np.append(exp, expected[~big].sum())
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return chi2_sf(stat, len(obs) - 1)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temp=1.0),
+    SamplingParams(temp=1.3, top_p=0.9, top_k=4, min_p=0.05),
+])
+def test_random_drafter_samples_follow_the_target_distribution(small_pair, params):
+    pair, model = small_pair
+    seqs, probs = exact_distribution(model, params)
+    assert abs(probs.sum() - 1) < 1e-4
+    counts, _ = sample_counts(pair, params, SAMPLES)
+    assert sum(counts.values()) == SAMPLES
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+
+def test_good_drafter_is_exact_and_accepted_more_than_independent_matching(small_pair):
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0, top_k=4)
+    source = TemperedTarget(model)
+    seqs, probs = exact_distribution(model, params)
+    counts, accept_rate = sample_counts(pair, params, SAMPLES, source)
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+    # First draft token: accepted with probability E[sum min(p, q)], which
+    # beats E[sum p q], the rate at which an independent draw from q matches
+    # one from p.
+    p1 = mx.exp(log_probs(model(mx.array([PROMPT]))[0, -1], params))
+    spec = indep = 0.0
+    for t1 in range(V):
+        p2 = mx.exp(log_probs(model(mx.array([PROMPT + [t1]]))[0, -1], params))
+        q2 = mx.exp(log_probs(source.propose(None, mx.array([t1]), None, 2)[0], params))
+        spec += p1[t1].item() * mx.minimum(p2, q2).sum().item()
+        indep += p1[t1].item() * (p2 * q2).sum().item()
+    assert spec > indep + 0.05
+    sigma = math.sqrt(spec * (1 - spec) / SAMPLES)
+    assert abs(accept_rate - spec) < 4 * sigma + 1e-3
+    assert accept_rate > indep + 4 * sigma
+
+
+def test_the_check_catches_a_wrong_acceptance_rule(small_pair, monkeypatch):
+    """Negative control: accepting every draft token must fail the test."""
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0)
+
+    def accept_all(draft, q_lp, p_lp):
+        return mx.array(draft.shape[0]), mx.random.categorical(p_lp[-1])
+
+    monkeypatch.setattr(gen, "accept_speculative", accept_all)
+    seqs, probs = exact_distribution(model, params)
+    counts, _ = sample_counts(pair, params, SAMPLES, TemperedTarget(model))
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) < ALPHA
+
+
+def test_invalid_sampling_settings():
+    for kw in [dict(temp=-0.1), dict(top_p=0.0), dict(top_p=1.2), dict(top_k=-1), dict(min_p=1.5)]:
+        with pytest.raises(dflash_mlx.DFlashError):
+            SamplingParams(**kw)
