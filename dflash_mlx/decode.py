@@ -71,6 +71,10 @@ class DraftSource:
     def add_context(self, state, hidden: mx.array) -> None:
         raise NotImplementedError
 
+    def arrays(self, state) -> list:
+        """Arrays of `state` to evaluate during prefill."""
+        return []
+
     def propose(self, state, last: mx.array, hidden: Optional[mx.array], width: int) -> mx.array:
         """Logits [width - 1, V] for the block after `last`, committing `hidden` first."""
         raise NotImplementedError
@@ -90,6 +94,9 @@ class DFlashDraftSource(DraftSource):
     def add_context(self, state, hidden):
         self.drafter.add_context(hidden, state)
 
+    def arrays(self, state):
+        return [(c.keys, c.values) for c in state if c.keys is not None]
+
     def propose(self, state, last, hidden, width):
         block = mx.concatenate([last, mx.full((width - 1,), self.mask_token_id, last.dtype)])
         emb = self.target.embed(block[None])
@@ -107,16 +114,10 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048):
     logits = None
     for s in range(0, prompt.shape[0], step):
         logits, hidden = target(prompt[None, s : s + step], tcache, last_only=True)
-        if source is not None:
-            source.add_context(dstate, hidden)
-        mx.eval(logits, [c.state for c in tcache], _state_arrays(dstate))
+        source.add_context(dstate, hidden)
+        # Evaluate per chunk so one chunk's graph is freed before the next.
+        mx.eval(logits, [c.state for c in tcache], source.arrays(dstate))
     return logits[0, -1]
-
-
-def _state_arrays(dstate):
-    if isinstance(dstate, list):
-        return [(c.keys, c.values) for c in dstate if hasattr(c, "keys")]
-    return []
 
 
 def draft(source, dstate, last, hidden, width: int, params: SamplingParams):
