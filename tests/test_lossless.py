@@ -160,3 +160,36 @@ def test_streamed_text_matches_tokenizer_decode(pairs):
     detok.finalize()
     assert len(events) > 3
     assert "".join(e.text for e in events) == detok.text
+
+
+class Counting:
+    """Counts calls to a wrapped model; everything else passes through."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *a, **kw):
+        self.calls += 1
+        return self.inner(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_target_pass_and_one_drafter_pass_per_cycle(pairs, family):
+    import dataclasses
+
+    from dflash_mlx.decode import DFlashDraftSource
+
+    pair = pairs[family]
+    target, drafter = Counting(pair.target), Counting(pair.drafter)
+    counted = dataclasses.replace(pair, target=target, draft_source=DFlashDraftSource(drafter, target))
+    prompt = pair.tokenizer.encode(PROMPTS[2])
+    events = list(dflash_mlx.stream_generate(counted, prompt, max_tokens=40, block_size=5, prefill_step=8))
+    stats = events[-1].stats
+    chunks = -(-len(prompt) // 8)
+    assert stats.cycles >= 8
+    assert target.calls == chunks + stats.cycles
+    # Every cycle drafts once, except a last one of width 1.
+    assert drafter.calls in (stats.cycles, stats.cycles - 1)
