@@ -55,6 +55,12 @@ def load_target(path, tokenizer_config: Optional[dict] = None):
     return model, tokenizer, config
 
 
+def model_dims(model: nn.Module):
+    """(hidden size, vocabulary, layers) of an mlx-lm model."""
+    lm = getattr(model, "language_model", model)
+    return lm.args.hidden_size, lm.args.vocab_size, len(lm.model.layers)
+
+
 class _Taps:
     """Holds the tapped hidden states of one forward pass (not module state)."""
 

@@ -17,7 +17,8 @@ TARGET_FILES = [
     "*.tiktoken",
     "*.txt",
 ]
-DRAFT_FILES = ["*.json", "*.safetensors"]
+DRAFT_FILES = ["*.json", "*.safetensors", "*.bin", "*.pt", "*.pth"]
+PATTERNS = {"model": TARGET_FILES, "draft": DRAFT_FILES, "config": ["config.json"]}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
@@ -85,7 +86,7 @@ def fetch(name: str, kind: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf_errors
 
-    patterns = TARGET_FILES if kind == "model" else DRAFT_FILES
+    patterns = PATTERNS[kind]
     try:
         return Path(snapshot_download(name, allow_patterns=patterns))
     except hf_errors.GatedRepoError:

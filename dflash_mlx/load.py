@@ -1,5 +1,7 @@
 """Loading a target + drafter pair and checking that they belong together."""
 
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -8,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from safetensors import SafetensorError
 
-from .adapter import TargetAdapter, load_target
+from .adapter import TargetAdapter, load_target, model_dims
 from .config import DrafterConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
@@ -27,33 +29,56 @@ class DFlashPair:
     resolved: Optional[Resolved] = None
 
 
-def check_pair(config: DrafterConfig, target: TargetAdapter) -> None:
+def check_pair(config: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:
     """One clear line for each way a drafter can fail to fit a target."""
-    if config.hidden_size != target.hidden_size:
+    if config.hidden_size != hidden_size:
         raise DFlashError(
-            f"Drafter hidden size {config.hidden_size} != target hidden size {target.hidden_size}; "
+            f"Drafter hidden size {config.hidden_size} != target hidden size {hidden_size}; "
             "this drafter was trained for another target."
         )
-    if config.vocab_size != target.vocab_size:
+    if config.vocab_size != vocab_size:
         raise DFlashError(
-            f"Drafter vocabulary {config.vocab_size} != target vocabulary {target.vocab_size}; "
+            f"Drafter vocabulary {config.vocab_size} != target vocabulary {vocab_size}; "
             "this drafter was trained for another target."
         )
-    deep = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
+    deep = [i for i in config.target_layer_ids if not 0 <= i < num_layers]
     if deep:
         raise DFlashError(
-            f"Drafter taps target layer(s) {deep} but the target has {target.num_layers} layers; "
+            f"Drafter taps target layer(s) {deep} but the target has {num_layers} layers; "
             "this drafter was trained for another target."
         )
-    if not 0 <= config.mask_token_id < target.vocab_size:
+    if not 0 <= config.mask_token_id < vocab_size:
         raise DFlashError(
             f"Drafter mask_token_id {config.mask_token_id} is outside the target vocabulary "
-            f"(size {target.vocab_size}); this drafter was trained for another target."
+            f"(size {vocab_size}); this drafter was trained for another target."
         )
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DFLASH_MLX_CACHE", Path.home() / ".cache" / "dflash-mlx"))
+
+
+def converted_path(path: Path) -> Path:
+    """Where the MLX conversion of the drafter at `path` is cached."""
+    path = Path(path).resolve()
+    h = hashlib.sha256(str(path).encode())
+    for f in sorted(path.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return cache_root() / "converted" / f"{path.name}-{h.hexdigest()[:16]}"
 
 
 def load_drafter(path: Path) -> DFlashDrafter:
+    """Load an MLX drafter; a PyTorch/z-lab one is converted once and cached."""
+    from convert import convert_drafter, is_converted
+
     path = Path(path)
+    if not is_converted(path):
+        cached = converted_path(path)
+        if not is_converted(cached):
+            convert_drafter(str(path), str(cached), force=True)
+        path = cached
     config = DrafterConfig.from_file(path / "config.json")
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -95,11 +120,11 @@ def load(model: str, draft: Optional[str] = None) -> DFlashPair:
     draft_path = fetch(resolved.draft, "draft")
     config = DrafterConfig.from_file(draft_path / "config.json")
     model_, tokenizer, _ = load_target(target_path)
+    check_pair(config, *model_dims(model_))
     adapter = TargetAdapter(model_, config.target_layer_ids)
-    check_pair(config, adapter)
     drafter = load_drafter(draft_path)
     dtype = adapter.embed_tokens.weight.dtype if not hasattr(adapter.embed_tokens, "scales") else adapter.embed_tokens.scales.dtype
-    if not config.quantization:
+    if not drafter.args.quantization:
         drafter.set_dtype(dtype)
     return DFlashPair(
         target=adapter,

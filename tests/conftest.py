@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -7,6 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Drafter conversions cached by the runtime go to a throwaway directory.
+os.environ["DFLASH_MLX_CACHE"] = tempfile.mkdtemp(prefix="dflash-mlx-cache-")
 
 import tiny  # noqa: E402
 

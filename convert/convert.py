@@ -1,0 +1,306 @@
+"""Converting PyTorch/z-lab DFlash drafter checkpoints into the MLX layout."""
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from dflash_mlx.config import DrafterConfig
+from dflash_mlx.drafter import DFlashDrafter
+from dflash_mlx.errors import DFlashError
+
+from .readers import read_safetensors, read_sharded_safetensors, read_torch, to_mx
+
+FORMAT = "dflash_mlx"
+FORMAT_VERSION = 1
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+NESTED_KEYS = ("state_dict", "model", "module")
+PREFIXES = ("model.", "module.", "draft_model.")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+@dataclass
+class ConvertResult:
+    path: Path
+    dtype: str
+    bits_per_weight: float
+    parameters: int
+    quantization: Optional[dict]
+
+
+def is_converted(path: Path) -> bool:
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(cfg.get(FORMAT), dict) and cfg[FORMAT].get("format_version") == FORMAT_VERSION
+
+
+def _unwrap(obj, source: Path) -> dict:
+    """The tensor dict inside a training checkpoint (state_dict/model/module)."""
+    while isinstance(obj, dict):
+        inner = next((obj[k] for k in NESTED_KEYS if isinstance(obj.get(k), dict)), None)
+        if inner is None:
+            break
+        obj = inner
+    if not isinstance(obj, dict):
+        raise DFlashError(f"{source} does not hold a state dict of tensors.")
+    return {k: v for k, v in obj.items() if not isinstance(v, (dict, list, int, float, str, type(None)))}
+
+
+def read_checkpoint(path: Path) -> Dict[str, mx.array]:
+    """Weights from a drafter directory or a single checkpoint file."""
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    else:
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            return read_sharded_safetensors(index)
+        if (path / "model.safetensors").is_file():
+            return read_safetensors(path / "model.safetensors")
+        files = sorted(path.glob("*.safetensors"))
+        if files:
+            weights = {}
+            for f in files:
+                weights.update(read_safetensors(f))
+            return weights
+        files = sorted(p for p in path.iterdir() if p.suffix in TORCH_SUFFIXES)
+        if not files:
+            raise DFlashError(
+                f"No weights in {path}: expected model.safetensors, a sharded index, "
+                "pytorch_model.bin or a *.pt/*.pth checkpoint."
+            )
+    weights = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            weights.update(read_safetensors(f))
+        else:
+            weights.update({k: to_mx(v) for k, v in _unwrap(read_torch(f), f).items()})
+    return weights
+
+
+def _strip_prefixes(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    out = {}
+    for key, value in weights.items():
+        changed = True
+        while changed:
+            changed = False
+            for p in PREFIXES:
+                if key.startswith(p):
+                    key, changed = key[len(p) :], True
+        if not key.endswith(IGNORED_SUFFIXES):
+            out[key] = value
+    return out
+
+
+def check_weights(weights: Dict[str, mx.array], model: nn.Module, source: str) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    unknown = sorted(set(weights) - set(expected))
+    if unknown:
+        raise DFlashError(
+            f"{source}: unknown weight(s) {', '.join(unknown[:3])}{' …' if len(unknown) > 3 else ''}; "
+            "it is not a DFlash drafter checkpoint or does not match its config."
+        )
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise DFlashError(
+            f"{source}: missing weight(s) {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}; "
+            "the checkpoint is incomplete or its config has more layers."
+        )
+    for key, value in weights.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise DFlashError(
+                f"{source}: weight {key} has shape {tuple(value.shape)} but the config implies "
+                f"{tuple(expected[key].shape)}."
+            )
+        if value.dtype not in DTYPES.values():
+            raise DFlashError(f"{source}: weight {key} has dtype {value.dtype}; only float weights are supported.")
+
+
+def normalized_config(original: dict, cfg: DrafterConfig, dtype: str, quant: Optional[dict], source: str) -> dict:
+    """One layout for every drafter: the newer z-lab layout plus our marker."""
+    dflash = {
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": cfg.target_layer_ids,
+        "input_embedding_scale": cfg.input_embedding_scale,
+        "output_multiplier": cfg.output_multiplier,
+    }
+    if cfg.final_logit_softcapping:
+        dflash["final_logit_softcapping"] = cfg.final_logit_softcapping
+    if cfg.is_causal is not None:
+        dflash["is_causal"] = cfg.is_causal
+    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_scaling:
+        rope.update(cfg.rope_scaling)
+    out = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": original.get("model_type", "qwen3"),
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "attention_bias": cfg.attention_bias,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_parameters": rope,
+        "layer_types": cfg.layer_types,
+        "sliding_window": cfg.sliding_window,
+        "num_target_layers": cfg.num_target_layers,
+        "tie_word_embeddings": original.get("tie_word_embeddings", True),
+        "dtype": dtype,
+        "dflash_config": dflash,
+        FORMAT: {"format_version": FORMAT_VERSION, "source": source},
+    }
+    for key in ("bos_token_id", "eos_token_id"):
+        if key in original:
+            out[key] = original[key]
+    if quant:
+        out["quantization"] = dict(quant)
+        out["quantization_config"] = dict(quant)
+    return out
+
+
+def target_dims(name: str):
+    """(hidden size, vocabulary, layers) of a target, from its config.json only."""
+    from dflash_mlx.hub import fetch
+
+    path = fetch(name, "config")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise DFlashError(f"No readable config.json for target {name}.")
+    text = cfg.get("text_config") or cfg
+    try:
+        return int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"])
+    except KeyError as e:
+        raise DFlashError(f"Target {name}'s config.json lacks {e.args[0]}.")
+
+
+def bits_per_weight(model: nn.Module) -> float:
+    bits = weights = 0
+    for _, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            bits += sum(v.nbytes * 8 for _, v in tree_flatten(m.parameters()))
+            weights += m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
+            if "bias" in m:
+                weights += m.bias.size
+        elif isinstance(m, (nn.Linear, nn.RMSNorm)):
+            for _, v in tree_flatten(m.parameters()):
+                bits += v.nbytes * 8
+                weights += v.size
+    return bits / max(weights, 1)
+
+
+def write_atomic(out: Path, force: bool, write: Callable[[Path], None]) -> None:
+    """Write into a temporary sibling directory, then rename it into place."""
+    out = Path(out).absolute()
+    if out.exists() and not force:
+        raise DFlashError(f"{out} already exists; pass --force to replace it.")
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"{out} is a file; choose a directory for --mlx-path.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def convert_drafter(
+    hf_path: str,
+    mlx_path: str,
+    dtype: Optional[str] = None,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    target: Optional[str] = None,
+    force: bool = False,
+    progress: Callable[[str], None] = lambda step: None,
+) -> ConvertResult:
+    """Convert a DFlash drafter (repo id, directory or checkpoint file) to MLX."""
+    from dflash_mlx.hub import fetch
+    from dflash_mlx.load import check_pair
+
+    if dtype is not None and dtype not in DTYPES:
+        raise DFlashError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype}).")
+    if quantize and q_bits not in (4, 8):
+        raise DFlashError(f"--q-bits must be 4 or 8 (got {q_bits}).")
+    if quantize and q_group_size not in (32, 64, 128):
+        raise DFlashError(f"--q-group-size must be 32, 64 or 128 (got {q_group_size}).")
+    out = Path(mlx_path).absolute()
+    if out.exists() and not force:
+        raise DFlashError(f"{out} already exists; pass --force to replace it.")
+
+    progress("reading")
+    src = Path(hf_path)
+    src = src if src.exists() else fetch(hf_path, "draft")
+    cfg_dir = src if src.is_dir() else src.parent
+    if out == cfg_dir.absolute():
+        raise DFlashError("--mlx-path is the input directory; choose another output directory.")
+    config_path = cfg_dir / "config.json"
+    config = DrafterConfig.from_file(config_path)
+    original = json.loads(config_path.read_text())
+    if target is not None:
+        progress("checking target")
+        hidden, vocab, layers = target_dims(target)
+        check_pair(config, hidden, vocab, layers)
+    weights = _strip_prefixes(read_checkpoint(src))
+
+    progress("checking weights")
+    model = DFlashDrafter(config)
+    check_weights(weights, model, str(src))
+    source_dtypes = {v.dtype for v in weights.values()}
+    if dtype is None:
+        dtype = next((k for k, v in DTYPES.items() if {v} == source_dtypes), "bfloat16")
+    model.load_weights(list(weights.items()))
+    model.set_dtype(DTYPES[dtype])
+
+    quant = None
+    if quantize:
+        progress("quantizing")
+        quant = {"group_size": q_group_size, "bits": q_bits}
+        nn.quantize(
+            model,
+            group_size=q_group_size,
+            bits=q_bits,
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % q_group_size == 0,
+        )
+    mx.eval(model.parameters())
+    params = dict(tree_flatten(model.parameters()))
+
+    def write(tmp: Path):
+        mx.save_safetensors(str(tmp / "model.safetensors"), params, metadata={"format": "mlx"})
+        new_cfg = normalized_config(original, config, dtype, quant, str(hf_path))
+        (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
+        (tmp / "config.original.json").write_text(json.dumps(original, indent=2))
+
+    progress("writing")
+    write_atomic(out, force, write)
+    return ConvertResult(
+        path=out,
+        dtype=dtype,
+        bits_per_weight=bits_per_weight(model),
+        parameters=sum(v.size for v in params.values()),
+        quantization=quant,
+    )

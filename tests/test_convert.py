@@ -1,0 +1,265 @@
+"""`dflash-mlx convert`: parity with z-lab's PyTorch drafter, formats, safety."""
+
+import json
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from typer.testing import CliRunner
+
+from cli.main import app
+from convert import convert_drafter, is_converted
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.load import load_drafter
+
+torch = pytest.importorskip("torch")
+reference = pytest.importorskip("dflash.model")
+
+V, CTX, BLOCK = 64, 13, 8
+runner = CliRunner()
+
+
+def reference_drafter(cfg, seed=0):
+    from transformers import Qwen3Config
+
+    torch.manual_seed(seed)
+    model = reference.DFlashDraftModel(Qwen3Config(**cfg)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def reference_logits(model, cfg, ctx, emb):
+    block = torch.tensor([[7] + [cfg["dflash_config"]["mask_token_id"]] * (BLOCK - 1)])
+    noise = torch.nn.functional.embedding(block, emb)
+    with torch.no_grad():
+        h = model(target_hidden=ctx, noise_embedding=noise,
+                  position_ids=torch.arange(CTX + BLOCK)[None], past_key_values=None, use_cache=False)
+        head = torch.nn.Linear(emb.shape[1], V, bias=False)
+        head.weight.data = emb
+        return model.compute_logits(h[:, 1:], head).numpy(), noise
+
+
+def mlx_logits(drafter, ctx, noise, emb):
+    h = drafter(mx.array(noise.numpy()), mx.array(ctx.numpy()), drafter.make_cache())
+    return np.array(drafter.finish_logits(h[:, 1:].astype(mx.float32) @ mx.array(emb.numpy()).T))
+
+
+def save_checkpoint(model, cfg, out: Path, fmt: str):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(sd, str(out / "model.safetensors"))
+    elif fmt == "bf16-safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.to(torch.bfloat16) for k, v in sd.items()}, str(out / "model.safetensors"))
+    elif fmt == "sharded":
+        from safetensors.torch import save_file
+
+        keys = sorted(sd)
+        halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+        for name, ks in halves.items():
+            save_file({k: sd[k] for k in ks}, str(out / name))
+        index = {"weight_map": {k: n for n, ks in halves.items() for k in ks}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif fmt == "bin-nested":
+        # As training frameworks leave it: nested, prefixed, extra entries.
+        torch.save({"state_dict": {f"module.draft_model.{k}": v for k, v in sd.items()}, "step": 7},
+                   str(out / "pytorch_model.bin"))
+    elif fmt == "pt-model-prefix":
+        torch.save({"model": {f"model.{k}": v.half() for k, v in sd.items()}}, str(out / "drafter.pt"))
+    return out
+
+
+CASES = [
+    ("old", False, "safetensors", 2e-5),
+    ("new", True, "safetensors", 2e-5),
+    ("new", True, "bin-nested", 2e-5),
+    ("old", False, "sharded", 2e-5),
+    ("new", False, "pt-model-prefix", 5e-2),
+    ("new", True, "bf16-safetensors", 1e-1),
+]
+
+
+@pytest.mark.parametrize("layout, sliding, fmt, tol", CASES)
+def test_converted_drafter_matches_the_reference(tmp_path, layout, sliding, fmt, tol):
+    cfg = tiny.drafter_config(layout, V, 8, mask_token_id=3, sliding=sliding, output_multiplier=0.8)
+    ref = reference_drafter(cfg)
+    src = save_checkpoint(ref, cfg, tmp_path / "src", fmt)
+    dtype = "float32" if tol < 1e-3 else None
+    result = convert_drafter(str(src), str(tmp_path / "mlx"), dtype=dtype)
+    assert is_converted(result.path)
+    assert json.loads((result.path / "config.original.json").read_text()) == cfg
+    torch.manual_seed(1)
+    ctx, emb = torch.randn(1, CTX, 2 * 64), torch.randn(V, 64)
+    want, noise = reference_logits(ref, cfg, ctx, emb)
+    got = mlx_logits(load_drafter(result.path), ctx, noise, emb)
+    assert np.abs(got - want).max() < tol * max(1.0, np.abs(want).max())
+    if tol < 1e-3:
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_output_loads_runs_and_reports_bits(tmp_path, bits):
+    cfg = tiny.drafter_config("old", V, 8, mask_token_id=3)
+    ref = reference_drafter(cfg)
+    src = save_checkpoint(ref, cfg, tmp_path / "src", "safetensors")
+    r = runner.invoke(app, ["convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "q"),
+                            "-q", "--q-bits", str(bits), "--q-group-size", "32", "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    assert "bits per weight" in r.stderr
+    cfg_out = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg_out["quantization"] == {"group_size": 32, "bits": bits}
+    drafter = load_drafter(tmp_path / "q")
+    assert type(drafter.layers[0].mlp.gate_proj).__name__ == "QuantizedLinear"
+    torch.manual_seed(1)
+    ctx, emb = torch.randn(1, CTX, 2 * 64), torch.randn(V, 64)
+    want, noise = reference_logits(ref, cfg, ctx, emb)
+    got = mlx_logits(drafter, ctx, noise, emb)
+    rel = np.abs(got - want).mean() / np.abs(want).mean()
+    assert rel < (0.05 if bits == 8 else 0.3)
+    agree = (got.argmax(-1) == want.argmax(-1)).mean()
+    assert agree >= (0.99 if bits == 8 else 0.5)
+    bpw = float(r.stderr.split("bits per weight")[0].split(",")[-1])
+    assert bits < bpw < bits + 2.5  # float32 scales and biases in groups of 32 add 2 bits
+
+
+def test_runtime_converts_a_pytorch_drafter_once_and_caches_it(tmp_path, targets, vocab, monkeypatch):
+    import dflash_mlx
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+    Vt, mask = vocab
+    cfg = tiny.drafter_config("new", Vt, 6, mask_token_id=mask, sliding=True)
+    src = save_checkpoint(reference_drafter(cfg), cfg, tmp_path / "zlab", "bin-nested")
+    pair = dflash_mlx.load(str(targets["qwen3"]), str(src))
+    text, stats = dflash_mlx.generate(pair, "def add", max_tokens=8)
+    assert stats.generation_tokens == 8
+    converted = list((tmp_path / "cache" / "converted").iterdir())
+    assert len(converted) == 1 and is_converted(converted[0])
+    stamp = (converted[0] / "model.safetensors").stat().st_mtime_ns
+    dflash_mlx.load(str(targets["qwen3"]), str(src))
+    assert (converted[0] / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+# --- safety and errors --------------------------------------------------------
+
+
+class Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    src = tmp_path / "evil"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(tiny.drafter_config("old", V, 8, mask_token_id=3)))
+    payload = pickle.dumps({"fc.weight": Exploit(marker)}, protocol=2)
+    with zipfile.ZipFile(src / "pytorch_model.bin", "w") as z:  # torch's zip layout
+        z.writestr("archive/data.pkl", payload)
+        z.writestr("archive/byteorder", "little")
+    with pytest.raises(DFlashError, match="Refusing to load .*os.system|Refusing to load .*posix.system"):
+        convert_drafter(str(src), str(tmp_path / "out"))
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    # A raw (non-zip) pickle is refused outright.
+    (src / "pytorch_model.bin").write_bytes(payload)
+    with pytest.raises(DFlashError, match="not a zip-format PyTorch checkpoint"):
+        convert_drafter(str(src), str(tmp_path / "out"))
+    assert not marker.exists()
+    # Sanity check of the test itself: unpickling normally would have run it.
+    pickle.loads(payload)
+    assert marker.exists()
+
+
+@pytest.fixture
+def good_src(tmp_path):
+    cfg = tiny.drafter_config("old", V, 8, mask_token_id=3)
+    return save_checkpoint(reference_drafter(cfg), cfg, tmp_path / "src", "safetensors")
+
+
+def _rewrite(src, change):
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(str(src / "model.safetensors"))
+    change(w)
+    save_file(w, str(src / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda s: (s / "model.safetensors").unlink(), "No weights in"),
+        (lambda s: (s / "config.json").unlink(), "No config.json"),
+        (lambda s: (s / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8})),
+         "not a DFlash drafter"),
+        (lambda s: (s / "model.safetensors").write_bytes((s / "model.safetensors").read_bytes()[:-100]),
+         "truncated"),
+        (lambda s: (s / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all"),
+         "corrupt safetensors header"),
+        (lambda s: _rewrite(s, lambda w: w.update({"lm_head.weight": np.zeros((V, 64), np.float32)})),
+         "unknown weight(s) lm_head.weight"),
+        (lambda s: _rewrite(s, lambda w: w.pop("layers.1.mlp.up_proj.weight")),
+         "missing weight(s) layers.1.mlp.up_proj.weight"),
+        (lambda s: _rewrite(s, lambda w: w.update({"fc.weight": np.zeros((64, 64), np.float32)})),
+         "has shape (64, 64)"),
+        (lambda s: _rewrite(s, lambda w: w.update({"norm.weight": np.zeros(64, np.int32)})),
+         "dtype I32"),
+    ],
+)
+def test_bad_inputs_fail_with_one_clear_line(tmp_path, good_src, damage, words):
+    damage(good_src)
+    r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(tmp_path / "out")])
+    assert r.exit_code == 1
+    assert words in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+def test_existing_output_needs_force_and_is_kept_intact(tmp_path, good_src):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("precious")
+    r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(out)])
+    assert r.exit_code == 1 and "--force" in r.stderr
+    assert (out / "mine.txt").read_text() == "precious"
+    r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(out), "--force"])
+    assert r.exit_code == 0, r.output
+    assert is_converted(out) and not (out / "mine.txt").exists()
+
+
+def test_failed_write_leaves_no_partial_output(tmp_path, good_src, monkeypatch):
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(mx, "save_safetensors", broken)
+    with pytest.raises(OSError):
+        convert_drafter(str(good_src), str(tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_target_check_happens_before_writing(tmp_path, good_src, targets):
+    r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(tmp_path / "out"),
+                            "--target", str(targets["qwen3"])])
+    assert r.exit_code == 1 and "vocabulary" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_option_values(tmp_path, good_src):
+    for args, words in [(["--dtype", "int8"], "--dtype"), (["-q", "--q-bits", "3"], "--q-bits"),
+                        (["-q", "--q-group-size", "48"], "--q-group-size")]:
+        r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(tmp_path / "o"), *args])
+        assert r.exit_code == 1 and words in r.stderr
