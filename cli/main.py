@@ -140,5 +140,63 @@ def convert(
     )
 
 
+@app.command()
+def train(
+    model: str = typer.Option(..., "--model", help="Target: alias, repo id or mlx-lm directory."),
+    data: str = typer.Option(..., "--data", help="Prompts .jsonl ('prompt'/'text'/'messages') or a text directory."),
+    out: str = typer.Option(..., "--out", help="Output directory (z-lab layout, plus mlx/)."),
+    block_size: int = typer.Option(16, "--block-size", min=2, max=64),
+    layers: int = typer.Option(5, "--layers", min=1, max=64, help="Drafter layers."),
+    target_layers: Optional[str] = typer.Option(
+        None, "--target-layers", help="Comma-separated target layers to tap (default: spread evenly)."
+    ),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Training steps (default: --epochs)."),
+    epochs: int = typer.Option(1, "--epochs", min=1),
+    lr: float = typer.Option(6e-4, "--lr", min=0.0),
+    blocks_per_seq: int = typer.Option(16, "--blocks-per-seq", min=1, help="Blocks trained per sequence."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Target response length."),
+    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Target sampling temperature for the data."),
+    save_every: int = typer.Option(200, "--save-every", min=1),
+    seed: int = typer.Option(0, "--seed"),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
+):
+    """Train a DFlash drafter for a target on the target's own outputs."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dflash_mlx.adapter import load_target
+    from dflash_mlx.hub import fetch, resolve
+    from dflash_mlx.train import TrainConfig, read_prompts
+    from dflash_mlx.train import train as run_training
+
+    try:
+        taps = [int(x) for x in target_layers.split(",")] if target_layers else None
+    except ValueError:
+        fail(f"--target-layers must be comma-separated integers (got '{target_layers}').")
+    cfg = TrainConfig(block_size=block_size, layers=layers, target_layers=taps, steps=steps, epochs=epochs,
+                      lr=lr, blocks_per_seq=blocks_per_seq, max_new_tokens=max_new_tokens, temp=temp,
+                      save_every=save_every, seed=seed, mask_token_id=mask_token_id)
+    try:
+        target_model, tokenizer, _ = load_target(fetch(resolve(model).target, "model"))
+        prompts = read_prompts(data, tokenizer)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err) as bar:
+            gen = bar.add_task("target responses", total=len(prompts))
+            fit = bar.add_task("training", total=None, visible=False)
+
+            def on_step(step, total, loss, acc):
+                bar.update(fit, completed=step, total=total, visible=True,
+                           description=f"training  loss {loss:.3f}  held-out acceptance {acc:.2f}")
+
+            summary = run_training(target_model, tokenizer, prompts, out, cfg, resume=resume,
+                                   on_data=lambda i, n: bar.update(gen, completed=i), on_step=on_step)
+    except DFlashError as e:
+        fail(str(e))
+    err.print(
+        f"wrote {out} (z-lab layout) and {out}/mlx: loss {summary['loss']:.3f}, held-out acceptance "
+        f"{summary['heldout_acceptance']:.2f} tokens/cycle at block {block_size}"
+    )
+
+
 if __name__ == "__main__":
     app()

@@ -61,6 +61,21 @@ def model_dims(model: nn.Module):
     return lm.args.hidden_size, lm.args.vocab_size, len(lm.model.layers)
 
 
+def plain_generate(model, prompt, max_tokens: int, temp: float = 0.0, eos=()) -> list:
+    """Tokens from mlx-lm's own decoding loop (the baseline), stopping at EOS."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    out = []
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=make_sampler(temp))
+    for (tok, _), _ in zip(steps, range(max_tokens)):
+        tok = int(tok)
+        if tok in eos:
+            break
+        out.append(tok)
+    return out
+
+
 class _Taps:
     """Holds the tapped hidden states of one forward pass (not module state)."""
 

@@ -120,6 +120,23 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+    def forward_blocks(self, x, ctx, anchors):
+        """Training: x [K, L, D] blocks at `anchors`, ctx [1, T, D] at 0..T-1."""
+        K, L, _ = x.shape
+        T = ctx.shape[1]
+        q = self.q_norm(self.q_proj(x).reshape(K, L, self.n_heads, -1))
+        q = self.rope(q.transpose(0, 2, 1, 3), offset=anchors)
+        kc, vc = self._kv(ctx, 0)
+        kb = self.k_norm(self.k_proj(x).reshape(K, L, self.n_kv_heads, -1))
+        kb = self.rope(kb.transpose(0, 2, 1, 3), offset=anchors)
+        vb = self.v_proj(x).reshape(K, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        shape = (K, self.n_kv_heads, T, self.head_dim)
+        keys = mx.concatenate([mx.broadcast_to(kc, shape), kb], axis=2)
+        values = mx.concatenate([mx.broadcast_to(vc, shape), vb], axis=2)
+        mask = block_mask(anchors, T, L, self.is_causal, self.window)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(K, L, -1))
+
     def _mask(self, L: int, S: int, key_start: int, q_start: int):
         if not self.is_causal and self.window is None:
             return None
@@ -133,6 +150,27 @@ class Attention(nn.Module):
             if not self.is_causal:
                 visible = visible & (k_pos - q_pos < self.window)
         return visible
+
+
+def block_mask(anchors: mx.array, T: int, L: int, is_causal: bool, window=None) -> mx.array:
+    """Training mask [K, 1, L, T + L]: block k (tokens at anchors[k] + 0..L-1)
+    sees context positions strictly before its anchor and its own block only
+    (causally and/or windowed as the layer says). Other blocks are separate
+    batch rows, so no block can see another."""
+    q_pos = anchors[:, None, None] + mx.arange(L)[None, :, None]  # [K, L, 1]
+    ctx_pos = mx.arange(T)[None, None, :]
+    ctx = ctx_pos < anchors[:, None, None]
+    blk_pos = anchors[:, None, None] + mx.arange(L)[None, None, :]
+    blk = mx.ones((anchors.shape[0], L, L), dtype=mx.bool_)
+    if is_causal:
+        blk = blk & (blk_pos <= q_pos)
+    if window is not None:
+        ctx = ctx & (q_pos - ctx_pos < window)
+        blk = blk & (q_pos - blk_pos < window)
+        if not is_causal:
+            blk = blk & (blk_pos - q_pos < window)
+    ctx = mx.broadcast_to(ctx, (anchors.shape[0], L, T))
+    return mx.concatenate([ctx, blk], axis=-1)[:, None]
 
 
 class MLP(nn.Module):
@@ -196,6 +234,16 @@ class DFlashDrafter(nn.Module):
         h = block_embeddings
         for layer, c, kv in zip(self.layers, cache, ctx_kv):
             h = layer(h, kv, c, offset)
+        return self.norm(h)
+
+    def forward_blocks(self, block_embeddings, target_hidden, anchors):
+        """Training: hidden states of K blocks in one pass, no cache."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        h = block_embeddings
+        for layer in self.layers:
+            a = layer.self_attn.forward_blocks(layer.input_layernorm(h), ctx, anchors)
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
     def finish_logits(self, logits: mx.array) -> mx.array:

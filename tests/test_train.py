@@ -1,0 +1,138 @@
+"""`dflash-mlx train`: the recipe, checkpoints and resume."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dflash_mlx
+from dflash_mlx.adapter import load_target
+from dflash_mlx.drafter import block_mask
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.train import TrainConfig, default_gamma, read_prompts, train
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "import math", "for i in range(10):",
+           "Once upon a time", "A small model proposes,", "Apple silicon has", "print(math.sqrt(2))"]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS))
+    return p
+
+
+def small_config(**over):
+    base = dict(block_size=4, layers=1, steps=12, blocks_per_seq=6, max_new_tokens=24, save_every=6,
+                eval_every=6, lr=3e-3, heldout=0.2)
+    base.update(over)
+    return TrainConfig(**base)
+
+
+def test_block_mask_sees_only_earlier_context_and_its_own_block():
+    anchors = mx.array([3, 7, 12])
+    T, L = 15, 4
+    for causal, window in [(False, None), (True, None), (True, 5), (False, 5)]:
+        m = np.array(block_mask(anchors, T, L, causal, window))[:, 0]
+        assert m.shape == (3, L, T + L)
+        for k, a in enumerate([3, 7, 12]):
+            for q in range(L):
+                qpos = a + q
+                for pos in range(T):  # context: strictly before the anchor
+                    want = pos < a and (window is None or qpos - pos < window)
+                    assert m[k, q, pos] == want
+                for j in range(L):  # own block: bidirectional, or causal
+                    want = (not causal or j <= q) and (window is None or abs(q - j) < window)
+                    assert m[k, q, T + j] == want
+    # No key column stands for another block: blocks are separate batch rows.
+    assert m.shape[-1] == T + L
+
+
+def test_gamma_follows_the_paper():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+
+
+def test_training_lowers_the_loss(tmp_path, targets, prompts_file):
+    model, tok, _ = load_target(targets["qwen3"])
+    losses = []
+    summary = train(model, tok, read_prompts(prompts_file, tok), tmp_path / "out",
+                    small_config(steps=30, save_every=30), on_step=lambda s, t, loss, a: losses.append(loss))
+    assert len(losses) == 30
+    assert np.mean(losses[-6:]) < np.mean(losses[:6]) - 0.2
+    assert summary["heldout_acceptance"] >= 1.0
+    data = [json.loads(l) for l in (tmp_path / "out" / "data.jsonl").read_text().splitlines()]
+    assert len(data) == len(PROMPTS) and all(len(r["response"]) > 0 for r in data)
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path, targets, prompts_file):
+    model, tok, _ = load_target(targets["llama"])
+    prompts = read_prompts(prompts_file, tok)
+    train(model, tok, prompts, tmp_path / "a", small_config())
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(step, total, loss, acc):
+        if step == 6:
+            raise Stop
+
+    model, tok, _ = load_target(targets["llama"])
+    with pytest.raises(Stop):
+        train(model, tok, prompts, tmp_path / "b", small_config(), on_step=interrupt)
+    with pytest.raises(DFlashError, match="--resume"):
+        train(model, tok, prompts, tmp_path / "b", small_config())
+    model, tok, _ = load_target(targets["llama"])
+    train(model, tok, prompts, tmp_path / "b", small_config(), resume=True)
+    a = mx.load(str(tmp_path / "a" / "model.safetensors"))
+    b = mx.load(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert mx.array_equal(a[k], b[k]), k
+
+
+def test_checkpoint_loads_in_runtime_and_reference(tmp_path, targets, prompts_file):
+    model, tok, _ = load_target(targets["qwen3_5"])
+    train(model, tok, read_prompts(prompts_file, tok), tmp_path / "out", small_config(steps=6))
+    out = tmp_path / "out"
+    # The runtime takes both the z-lab layout and the MLX form.
+    for draft in (out, out / "mlx"):
+        pair = dflash_mlx.load(str(targets["qwen3_5"]), str(draft))
+        _, stats = dflash_mlx.generate(pair, PROMPTS[0], max_tokens=10)
+        assert stats.generation_tokens == 10
+
+    torch = pytest.importorskip("torch")
+    reference = pytest.importorskip("dflash.model")
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    cfg = json.loads((out / "config.json").read_text())
+    ref = reference.DFlashDraftModel(Qwen3Config(**cfg)).float().eval()
+    ref.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)
+    pair = dflash_mlx.load(str(targets["qwen3_5"]), str(out))
+    pair.drafter.set_dtype(mx.float32)
+    F = len(cfg["dflash_config"]["target_layer_ids"]) * cfg["hidden_size"]
+    ctx = np.random.default_rng(0).normal(size=(1, 9, F)).astype(np.float32)
+    noise = np.random.default_rng(1).normal(size=(1, 4, cfg["hidden_size"])).astype(np.float32)
+    with torch.no_grad():
+        want = ref(target_hidden=torch.tensor(ctx), noise_embedding=torch.tensor(noise),
+                   position_ids=torch.arange(13)[None], past_key_values=None, use_cache=False).numpy()
+    got = np.array(pair.drafter(mx.array(noise), mx.array(ctx), pair.drafter.make_cache()))
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_bad_prompt_files(tmp_path, targets):
+    _, tok, _ = load_target(targets["qwen3"])
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a"}\nnot json\n')
+    with pytest.raises(DFlashError, match="p.jsonl:2 is not valid JSON"):
+        read_prompts(bad, tok)
+    bad.write_text('{"question": "a"}\n')
+    with pytest.raises(DFlashError, match="no 'prompt'"):
+        read_prompts(bad, tok)
+    with pytest.raises(DFlashError, match="does not exist"):
+        read_prompts(tmp_path / "missing.jsonl", tok)
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "a.txt").write_text("line of text number one\n" * 40)
+    assert len(read_prompts(d, tok)) >= 2
