@@ -29,8 +29,10 @@ def main():
 
 @app.command()
 def generate(
-    model: Optional[str] = typer.Option(
-        None, "--model", help="Alias (e.g. qwen3-4b), Hugging Face repo id or local directory."
+    model: str = typer.Option(
+        "demo", "--model",
+        help="Alias (e.g. qwen3-4b), Hugging Face repo id or local directory; "
+        "'demo' is the small code model shipped with the package.",
     ),
     draft: Optional[str] = typer.Option(
         None, "--draft", help="DFlash drafter: repo id, directory or alias (default: the model's own)."
@@ -61,8 +63,6 @@ def generate(
     from dflash_mlx.prompt import build_prompt
     from dflash_mlx.sampling import SamplingParams
 
-    if model is None:
-        fail("pass --model: an alias (e.g. qwen3-4b), a Hugging Face repo id or a local directory.")
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             fail("give a prompt with --prompt, or pipe it on stdin.")
@@ -196,6 +196,39 @@ def train(
         f"wrote {out} (z-lab layout) and {out}/mlx: loss {summary['loss']:.3f}, held-out acceptance "
         f"{summary['heldout_acceptance']:.2f} tokens/cycle at block {block_size}"
     )
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("demo", "--model", help="Alias, Hugging Face repo id or local directory."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="DFlash drafter (default: the model's own)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise)."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, max=64),
+    temp: float = typer.Option(0.0, "--temp", min=0.0, max=2.0, help="Default temperature."),
+    max_prompt_tokens: int = typer.Option(32768, "--max-prompt-tokens", min=1),
+):
+    """Serve an OpenAI-compatible API (chat and completions) with DFlash."""
+    import dflash_mlx
+    from dflash_mlx.server import make_server
+
+    try:
+        pair = dflash_mlx.load(model, draft)
+        server = make_server(pair, model, host, port, api_key, block_size,
+                             pair.resolved.enable_thinking if pair.resolved else None,
+                             max_prompt_tokens, temp)
+    except DFlashError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port.")
+    err.print(f"serving {model} on http://{host}:{server.server_address[1]}/v1 (Ctrl-C to stop)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 if __name__ == "__main__":

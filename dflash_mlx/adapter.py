@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.rope_utils import initialize_rope as _mlx_lm_rope
@@ -53,6 +54,16 @@ def load_target(path, tokenizer_config: Optional[dict] = None):
         Path(path), tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
     )
     return model, tokenizer, config
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluate every array a model holds, private ones (e.g. RoPE frequencies)
+    included, so the model can run on any thread."""
+    arrays = [v for _, v in tree_flatten(model.parameters())]
+    for _, m in model.named_modules():
+        # Modules keep arrays as dict entries; "_"-prefixed ones are not parameters.
+        arrays += [v for v in list(m.values()) + list(vars(m).values()) if isinstance(v, mx.array)]
+    mx.eval(arrays)
 
 
 def model_dims(model: nn.Module):

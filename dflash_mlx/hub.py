@@ -35,6 +35,14 @@ def aliases() -> Dict[str, dict]:
     return json.loads(text)
 
 
+DEFAULT_MODEL = "demo"
+
+
+def builtin_path(relative: str) -> str:
+    """A pair shipped inside the package (the demo)."""
+    return str(Path(str(resources.files("dflash_mlx"))) / relative)
+
+
 def resolve(model: str, draft: Optional[str] = None) -> Resolved:
     """Map --model/--draft to a target and drafter (repo ids or directories)."""
     registry = aliases()
@@ -42,6 +50,8 @@ def resolve(model: str, draft: Optional[str] = None) -> Resolved:
     if model.lower() in registry:
         alias = model.lower()
         entry = registry[alias]
+        if entry.get("builtin"):
+            entry = dict(entry, target=builtin_path(entry["target"]), draft=builtin_path(entry["draft"]))
         target = entry["target"]
     else:
         target = model

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from safetensors import SafetensorError
 
-from .adapter import TargetAdapter, load_target, model_dims
+from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import DrafterConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
@@ -126,6 +126,8 @@ def load(model: str, draft: Optional[str] = None) -> DFlashPair:
     dtype = adapter.embed_tokens.weight.dtype if not hasattr(adapter.embed_tokens, "scales") else adapter.embed_tokens.scales.dtype
     if not drafter.args.quantization:
         drafter.set_dtype(dtype)
+    materialize(model_)
+    materialize(drafter)
     return DFlashPair(
         target=adapter,
         drafter=drafter,
