@@ -2,6 +2,7 @@
 
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -229,6 +230,97 @@ def serve(
         pass
     finally:
         server.server_close()
+
+
+def _block_sizes(text: str):
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        if part in ("auto", "sweep"):
+            sizes.append(part)
+        elif part.isdigit() and 1 <= int(part) <= 64:
+            sizes.append(int(part))
+        else:
+            fail(f"--block-size takes N (1-64), auto, sweep, or a comma list of them (got '{text}').")
+    if "sweep" in sizes and len(sizes) > 1:
+        fail("--block-size sweep cannot be combined with other sizes.")
+    return sizes
+
+
+@app.command()
+def bench(
+    model: str = typer.Option("demo", "--model", help="Alias, repo id or directory."),
+    draft: Optional[str] = typer.Option(None, "--draft"),
+    suite: str = typer.Option("all", "--suite", help="code, math, chat or all (shipped prompt suites)."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="A .jsonl of {\"prompt\": ...} rows instead."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-m", min=1),
+    block_size: str = typer.Option("auto", "--block-size", help="N, auto, sweep, or a comma list (e.g. 4,8,16,auto)."),
+    temp: float = typer.Option(0.0, "--temp", min=0.0),
+    repeats: int = typer.Option(1, "--repeats", min=1),
+    out: Optional[str] = typer.Option(None, "--out", help="Write the results as JSON."),
+    oracle: bool = typer.Option(False, "--oracle", help="Draft the target's own continuation (the ceiling)."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Draw a PNG (needs matplotlib)."),
+):
+    """Benchmark DFlash against plain mlx-lm decoding on this machine."""
+    import json as _json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    import dflash_mlx
+    from dflash_mlx import bench as B
+
+    sizes = _block_sizes(block_size)
+    try:
+        pair = dflash_mlx.load(model, draft)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task("benchmark", total=None)
+
+            def progress(done, total, what="measuring"):
+                bar.update(task, completed=done, total=total, description=what)
+
+            if sizes == ["sweep"]:
+                result = B.sweep(pair, pair.draft_source.block_size, progress=progress)
+            else:
+                result = B.run_bench(pair, B.load_prompts(suite, prompts), max_tokens, sizes, temp, repeats,
+                                     oracle, progress)
+    except DFlashError as e:
+        fail(str(e))
+    m = result["machine"]
+    err.print(f"{m['chip']} ({m['cores']} cores, {m['memory_gb']} GB), MLX {m['mlx']} on {m['backend']}, "
+              f"BLAS: {m['blas']}")
+    if sizes == ["sweep"]:
+        table = Table("width", *[f"verify/1 @ctx {c}" for c in result["contexts"]], "draft/verify1")
+        for w in range(len(result["verify_relative"][0])):
+            table.add_row(str(w + 1), *[f"{row[w]:.2f}" for row in result["verify_relative"]],
+                          f"{result['draft_relative'][0][w]:.2f}")
+    else:
+        table = Table("suite", "block", "baseline tok/s", "DFlash tok/s", "speedup", "acceptance", "TTFT ms",
+                      "identical")
+        groups = [(name, result["suites"][name]) for name in result["suites"]] + [("overall", result["overall"])]
+        for name, per_size in groups:
+            for key, s in per_size.items():
+                table.add_row(name, key, f"{s['baseline_tps']:.1f}", f"{s['dflash_tps']:.1f}",
+                              f"{s['speedup']:.2f}x", f"{s['mean_acceptance']:.2f}",
+                              f"{(s['dflash_ttft'] or 0) * 1000:.0f}",
+                              f"{s['identical']}/{s['prompts']}" if temp == 0 else "n/a")
+                if "overhead_seconds_per_cycle" in s:
+                    table.add_row("", "", "", "", "", "", "",
+                                  f"overhead {s['overhead_seconds_per_cycle'] * 1000:.2f} ms/cycle")
+    err.print(table)
+    if out:
+        Path(out).write_text(_json.dumps(result, indent=2) + "\n")
+        err.print(f"wrote {out}")
+    if plot:
+        try:
+            B.plot(result, plot)
+        except ImportError:
+            fail("--plot needs matplotlib: pip install 'dflash-mlx[plot]'.")
+        err.print(f"wrote {plot}")
+    mismatched = [p for s in result.get("overall", {}).values() for p in s.get("mismatched_prompts", [])]
+    if mismatched:
+        err.print(f"[bold red]warning:[/] {len(mismatched)} greedy output(s) differ from plain mlx-lm decoding")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,25 @@ def plain_generate(model, prompt, max_tokens: int, temp: float = 0.0, eos=()) ->
     return out
 
 
+def baseline_generate(model, tokenizer, prompt, max_tokens: int, temp: float = 0.0) -> dict:
+    """Plain mlx-lm decoding with its own timings: the benchmark's baseline."""
+    import time
+
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    tokens, last, ttft = [], None, None
+    tic = time.perf_counter()
+    for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens,
+                             sampler=make_sampler(temp)):
+        if ttft is None:
+            ttft = time.perf_counter() - tic
+        if r.finish_reason != "stop":
+            tokens.append(r.token)
+        last = r
+    return {"tokens": tokens, "generation_tps": last.generation_tps, "prompt_tps": last.prompt_tps, "ttft": ttft}
+
+
 class _Taps:
     """Holds the tapped hidden states of one forward pass (not module state)."""
 
@@ -170,6 +189,10 @@ class TapedGatedDeltaNet(_Wrapper):
         """Set `cache` to the state after the first `keep` tokens of the taped block."""
         q, k, v, a, b, conv_input, state0 = self._taps.tape[self._index]
         g = self.inner
+        if keep == 0:
+            cache[1] = state0
+            cache[0] = conv_input[:, : g.conv_kernel_size - 1, :]
+            return
         _, state = gated_delta_update(
             q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep],
             g.A_log, g.dt_bias, state0,

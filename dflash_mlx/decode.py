@@ -183,7 +183,7 @@ def stream_generate(
     prompt: Union[str, Sequence[int]],
     max_tokens: int = 256,
     sampling: Optional[SamplingParams] = None,
-    block_size: Optional[int] = None,
+    block_size: Union[int, str, None] = None,
     stop: Sequence[str] = (),
     prefill_step: int = 2048,
     draft_source: Optional[DraftSource] = None,
@@ -192,9 +192,16 @@ def stream_generate(
     params = sampling or SamplingParams()
     target, tokenizer = pair.target, pair.tokenizer
     source = draft_source or pair.draft_source
+    sizer = None
+    if block_size == "auto":
+        from .adaptive import BlockSizer, load_or_measure
+        from .hub import cache_root
+
+        sizer = BlockSizer(load_or_measure(pair, source.block_size, cache_root()), source.block_size)
+        block_size = source.block_size
     block_size = block_size or source.block_size
-    if block_size < 1:
-        raise DFlashError(f"--block-size must be >= 1 (got {block_size}).")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise DFlashError(f"--block-size must be a positive integer or 'auto' (got {block_size}).")
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be >= 1 (got {max_tokens}).")
     if isinstance(prompt, str):
@@ -233,6 +240,8 @@ def stream_generate(
         if stopped:
             finish = "stop"
         remaining = max_tokens - stats.generation_tokens
+        if sizer is not None:
+            block_size = sizer.choose(len(prompt) + stats.generation_tokens)
         width = min(block_size, remaining)
 
         # Start the next cycle's draft before handing text to the caller.
@@ -265,6 +274,8 @@ def stream_generate(
         last = nxt.reshape(1).astype(last.dtype)
         stats.cycles += 1
         stats.acceptance_lengths.append(accepted + 1)
+        if sizer is not None:
+            sizer.update(width, accepted)
 
 
 def generate(pair, prompt, **kwargs):

@@ -1,6 +1,7 @@
 """Resolving --model/--draft (alias, repo id or directory) and downloading."""
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -36,6 +37,11 @@ def aliases() -> Dict[str, dict]:
 
 
 DEFAULT_MODEL = "demo"
+
+
+def cache_root() -> Path:
+    """Where converted drafters and measured cost curves are cached."""
+    return Path(os.environ.get("DFLASH_MLX_CACHE", Path.home() / ".cache" / "dflash-mlx"))
 
 
 def builtin_path(relative: str) -> str:

@@ -1,7 +1,6 @@
 """Loading a target + drafter pair and checking that they belong together."""
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -15,7 +14,7 @@ from .config import DrafterConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 from .decode import DFlashDraftSource
-from .hub import Resolved, check_name, fetch, resolve
+from .hub import Resolved, cache_root, check_name, fetch, resolve
 
 
 @dataclass
@@ -52,10 +51,6 @@ def check_pair(config: DrafterConfig, hidden_size: int, vocab_size: int, num_lay
             f"Drafter mask_token_id {config.mask_token_id} is outside the target vocabulary "
             f"(size {vocab_size}); this drafter was trained for another target."
         )
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH_MLX_CACHE", Path.home() / ".cache" / "dflash-mlx"))
 
 
 def converted_path(path: Path) -> Path:
@@ -126,6 +121,10 @@ def load(model: str, draft: Optional[str] = None) -> DFlashPair:
     dtype = adapter.embed_tokens.weight.dtype if not hasattr(adapter.embed_tokens, "scales") else adapter.embed_tokens.scales.dtype
     if not drafter.args.quantization:
         drafter.set_dtype(dtype)
+    if resolved.alias == "demo" and mx.default_device() == mx.cpu:
+        # The CPU backend has no fast half-precision matmul; the demo is tiny.
+        model_.set_dtype(mx.float32)
+        drafter.set_dtype(mx.float32)
     materialize(model_)
     materialize(drafter)
     return DFlashPair(

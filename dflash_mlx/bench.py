@@ -1,0 +1,265 @@
+"""`dflash-mlx bench`: DFlash against plain mlx-lm decoding on the same tokens.
+
+Each prompt runs the baseline (mlx-lm's own `stream_generate`) and DFlash at
+every requested block size after a warm-up; greedy outputs are compared token
+for token. Speedups are ratios of medians taken in the same run.
+"""
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections import Counter
+from importlib import resources
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .adaptive import blas_name, measure_cost_curve
+from .adapter import baseline_generate
+from .decode import DraftSource, peak_memory_gb, stream_generate
+from .errors import DFlashError
+from .prompt import build_prompt
+from .sampling import SamplingParams
+
+SUITES = ("code", "math", "chat")
+SCHEMA_VERSION = 1
+
+
+def machine_info() -> Dict:
+    cpu = platform.processor() or platform.machine()
+    if platform.system() == "Linux":
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    elif platform.system() == "Darwin":
+        cpu = os.popen("sysctl -n machdep.cpu.brand_string").read().strip() or cpu
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    return {
+        "system": platform.system(),
+        "machine": platform.machine(),
+        "chip": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": None if memory is None else round(memory, 1),
+        "mlx": mx.__version__,
+        "backend": "metal" if mx.default_device() == mx.gpu and mx.metal.is_available() else str(mx.default_device()),
+        "blas": blas_name(),
+    }
+
+
+def load_prompts(suite: Optional[str] = None, path: Optional[str] = None) -> Dict[str, List[str]]:
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise DFlashError(f"--prompts {path} does not exist; give a .jsonl file of {{\"prompt\": ...}} rows.")
+        rows = []
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows.append(row["prompt"] if isinstance(row, dict) else None)
+            except (json.JSONDecodeError, KeyError):
+                rows.append(None)
+            if not isinstance(rows[-1], str):
+                raise DFlashError(f"{path}:{n} must be a JSON object with a 'prompt' string.")
+        return {p.stem: rows}
+    names = SUITES if suite in (None, "all") else (suite,)
+    if any(n not in SUITES for n in names):
+        raise DFlashError(f"--suite must be one of {', '.join(SUITES)} or all (got {suite}).")
+    out = {}
+    for name in names:
+        text = resources.files("dflash_mlx").joinpath(f"suites/{name}.jsonl").read_text()
+        out[name] = [json.loads(l)["prompt"] for l in text.splitlines() if l.strip()]
+    return out
+
+
+class OracleSource(DraftSource):
+    """Drafts the target's own continuation: every block is fully accepted."""
+
+    def __init__(self, prompt: Sequence[int], continuation: Sequence[int], vocab_size: int, block_size: int):
+        self.seq = list(prompt) + list(continuation)
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+
+    def new_state(self):
+        return {"committed": 0}
+
+    def add_context(self, state, hidden):
+        state["committed"] += hidden.shape[1]
+
+    def propose(self, state, last, hidden, width):
+        if hidden is not None:
+            state["committed"] += hidden.shape[1]
+        p = state["committed"]
+        draft = self.seq[p + 1 : p + width]
+        draft += [0] * (width - 1 - len(draft))
+        return mx.eye(self.vocab_size, dtype=mx.float32)[mx.array(draft)] * 100.0
+
+
+def _dflash_run(pair, ids, max_tokens, params, block_size, source=None):
+    tokens, stats, ttft = [], None, None
+    tic = time.perf_counter()
+    for ev in stream_generate(pair, ids, max_tokens=max_tokens, sampling=params, block_size=block_size,
+                              draft_source=source):
+        if ttft is None:
+            ttft = time.perf_counter() - tic
+        tokens += ev.tokens
+        stats = ev.stats
+    return {"tokens": tokens, "generation_tps": stats.generation_tps, "prompt_tps": stats.prompt_tps,
+            "ttft": ttft, "acceptance_lengths": stats.acceptance_lengths,
+            "decode_seconds": stats.generation_tokens / stats.generation_tps if stats.generation_tps else 0.0}
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarise(rows: List[Dict], key: str) -> Dict:
+    base = _median([r["baseline"]["generation_tps"] for r in rows])
+    ours = _median([r["dflash"][key]["generation_tps"] for r in rows])
+    lengths = [a for r in rows for a in r["dflash"][key]["acceptance_lengths"]]
+    return {
+        "prompts": len(rows),
+        "baseline_tps": base,
+        "dflash_tps": ours,
+        "speedup": None if not base or ours is None else ours / base,
+        "mean_acceptance": sum(lengths) / len(lengths) if lengths else None,
+        "acceptance_histogram": {str(k): v for k, v in sorted(Counter(lengths).items())},
+        "baseline_prompt_tps": _median([r["baseline"]["prompt_tps"] for r in rows]),
+        "dflash_prompt_tps": _median([r["dflash"][key]["prompt_tps"] for r in rows]),
+        "baseline_ttft": _median([r["baseline"]["ttft"] for r in rows]),
+        "dflash_ttft": _median([r["dflash"][key]["ttft"] for r in rows]),
+        "identical": sum(1 for r in rows if r["dflash"][key]["identical"] is True),
+        "mismatched_prompts": [r["prompt"] for r in rows if r["dflash"][key]["identical"] is False],
+    }
+
+
+def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
+              block_sizes: Sequence[Union[int, str]] = ("auto",), temp: float = 0.0, repeats: int = 1,
+              oracle: bool = False, progress=lambda done, total, what: None) -> Dict:
+    params = SamplingParams(temp=temp, seed=0 if temp > 0 else None)
+    tok, model = pair.tokenizer, pair.target.model
+    total = sum(len(v) for v in prompts.values()) * (1 + len(block_sizes))
+    done = 0
+    # Warm-up: compile kernels and fill allocator caches once for each path.
+    first = build_prompt(tok, next(iter(prompts.values()))[0])
+    baseline_generate(model, tok, first, 8, temp)
+    for bs in block_sizes:
+        _dflash_run(pair, first, 8, params, bs)
+    suites = {}
+    for suite, texts in prompts.items():
+        rows = []
+        for text in texts:
+            ids = build_prompt(tok, text)
+            runs = [baseline_generate(model, tok, ids, max_tokens, temp) for _ in range(repeats)]
+            base = dict(runs[0], generation_tps=_median([r["generation_tps"] for r in runs]))
+            done += 1
+            progress(done, total, f"{suite}: baseline")
+            row = {"prompt": text, "prompt_tokens": len(ids), "baseline": {k: v for k, v in base.items() if k != "tokens"},
+                   "dflash": {}}
+            row["baseline"]["generated_tokens"] = len(base["tokens"])
+            for bs in block_sizes:
+                source = OracleSource(ids, base["tokens"], pair.target.vocab_size, pair.draft_source.block_size) if oracle else None
+                bs_run = bs if not (oracle and bs == "auto") else pair.draft_source.block_size
+                dr = [_dflash_run(pair, ids, max_tokens, params, bs_run, source) for _ in range(repeats)]
+                d = dict(dr[0], generation_tps=_median([r["generation_tps"] for r in dr]))
+                d["identical"] = d["tokens"] == base["tokens"] if temp == 0 else None
+                d["generated_tokens"] = len(d.pop("tokens"))
+                row["dflash"][str(bs)] = d
+                done += 1
+                progress(done, total, f"{suite}: block {bs}")
+            rows.append(row)
+        suites[suite] = rows
+    result = {
+        "schema_version": SCHEMA_VERSION,
+        "machine": machine_info(),
+        "model": str(pair.target_path),
+        "draft": str(pair.draft_path),
+        "settings": {"max_tokens": max_tokens, "block_sizes": [str(b) for b in block_sizes], "temp": temp,
+                     "repeats": repeats, "oracle": oracle},
+        "peak_memory_gb": peak_memory_gb(),
+        "suites": {},
+        "overall": {},
+    }
+    all_rows = [r for rows in suites.values() for r in rows]
+    for bs in block_sizes:
+        key = str(bs)
+        result["overall"][key] = summarise(all_rows, key)
+        for suite, rows in suites.items():
+            result["suites"].setdefault(suite, {})[key] = summarise(rows, key)
+    result["prompts"] = suites
+    if oracle:
+        curve = measure_cost_curve(pair, pair.draft_source.block_size, contexts=(64,))
+        for key, summary in result["overall"].items():
+            rows = [r["dflash"][key] for r in all_rows]
+            cycles = sum(len(r["acceptance_lengths"]) for r in rows)
+            seconds = sum(r["decode_seconds"] for r in rows)
+            verify = curve.verify[0][pair.draft_source.block_size - 1]
+            summary["seconds_per_cycle"] = seconds / max(cycles, 1)
+            summary["verify_seconds"] = verify
+            summary["overhead_seconds_per_cycle"] = seconds / max(cycles, 1) - verify
+    return result
+
+
+def sweep(pair, max_width: int = 16, progress=lambda d, t: None) -> Dict:
+    curve = measure_cost_curve(pair, max_width, progress=progress)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "machine": machine_info(),
+        "model": str(pair.target_path),
+        "contexts": curve.contexts,
+        "verify_relative": [[v / row[0] for v in row] for row in curve.verify],
+        "draft_relative": [[d / vrow[0] for d in drow] for drow, vrow in zip(curve.draft, curve.verify)],
+        "verify_seconds": curve.verify,
+        "draft_seconds": curve.draft,
+    }
+
+
+def validate(result: Dict) -> None:
+    """Checks the JSON layout the benchmark promises (used by tests and tools)."""
+    for key in ("schema_version", "machine", "settings", "suites", "overall", "prompts"):
+        if key not in result:
+            raise ValueError(f"benchmark result lacks '{key}'")
+    for field in ("chip", "mlx", "backend", "blas"):
+        if field not in result["machine"]:
+            raise ValueError(f"benchmark machine info lacks '{field}'")
+    for key, s in result["overall"].items():
+        for field in ("baseline_tps", "dflash_tps", "speedup", "mean_acceptance", "acceptance_histogram",
+                      "baseline_prompt_tps", "dflash_prompt_tps", "baseline_ttft", "dflash_ttft",
+                      "identical", "mismatched_prompts"):
+            if field not in s:
+                raise ValueError(f"overall[{key}] lacks '{field}'")
+
+
+def plot(result: Dict, path: str) -> None:
+    """Speedup and acceptance by block size (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(result["overall"])
+    speed = [result["overall"][k]["speedup"] or 0 for k in keys]
+    acc = [result["overall"][k]["mean_acceptance"] or 0 for k in keys]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.bar(keys, speed)
+    a.set_title("speedup over mlx-lm")
+    a.set_xlabel("block size")
+    b.bar(keys, acc, color="tab:orange")
+    b.set_title("mean acceptance (tokens/cycle)")
+    b.set_xlabel("block size")
+    m = result["machine"]
+    fig.suptitle(f"{m['chip']} / {m['backend']} / BLAS {m['blas']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,172 @@
+"""Benchmark statistics and schema, cost-curve caching, adaptive block size."""
+
+import json
+
+import pytest
+from conftest import plain_greedy
+from typer.testing import CliRunner
+
+import dflash_mlx
+from cli.main import app
+from dflash_mlx import adaptive, bench
+from dflash_mlx.adaptive import BlockSizer, CostCurve
+
+
+def curve(verify, draft=None, contexts=(64,)):
+    rows = [list(verify)] if not isinstance(verify[0], list) else verify
+    draft = draft or [[0.0] + [0.1 * rows[0][0]] * (len(rows[0]) - 1)] * len(rows)
+    return CostCurve(list(contexts), rows, draft)
+
+
+def feed(sizer, accept_prob, cycles=300, width=16):
+    """Feed the sizer cycles whose drafts are accepted i.i.d. with accept_prob."""
+    import random
+
+    rnd = random.Random(0)
+    for _ in range(cycles):
+        a = 0
+        while a < width - 1 and rnd.random() < accept_prob:
+            a += 1
+        sizer.update(width, a)
+
+
+def brute_force_best(sizer, context):
+    rates = {w: sizer.expected_tokens(w) / sizer.curve.cost(w, context) for w in range(1, sizer.max_width + 1)}
+    return max(rates, key=rates.get)
+
+
+def test_expected_tokens_from_acceptance_rates():
+    s = BlockSizer(curve([1.0] * 16), 16)
+    feed(s, 0.8, cycles=2000)
+    assert all(abs(a - 0.8) < 0.08 for a in s.alphas()[:4])  # ~200 effective cycles (decay)
+    a = s.alphas()
+    assert s.expected_tokens(3) == pytest.approx(1 + a[0] + a[0] * a[1])
+    assert abs(s.expected_tokens(8) - sum(0.8 ** k for k in range(8))) < 0.6
+
+
+@pytest.mark.parametrize("accept, slope, lo, hi", [
+    (0.9, 0.0, 16, 16),    # free verify: widest block
+    (0.9, 0.15, 5, 16),
+    (0.3, 0.15, 1, 3),     # poor drafter, costly width: small blocks
+    (0.0, 0.05, 1, 1),     # nothing accepted: plain decoding
+])
+def test_choice_maximises_tokens_per_second(accept, slope, lo, hi):
+    s = BlockSizer(curve([1.0 + slope * (w - 1) for w in range(1, 17)]), 16)
+    feed(s, accept)
+    b = s.choose(64)
+    assert b == brute_force_best(s, 64)
+    assert lo <= b <= hi
+
+
+def test_choice_adapts_as_context_grows():
+    flat = [1.0 + 0.01 * (w - 1) for w in range(1, 17)]
+    steep = [3.0 + 0.6 * (w - 1) for w in range(1, 17)]
+    s = BlockSizer(curve([flat, steep], contexts=(64, 4096)), 16)
+    feed(s, 0.7)
+    short, long = s.choose(64), s.choose(4096)
+    assert short > long
+    assert long == brute_force_best(s, 4096)
+    assert s.curve.cost(8, 2080) == pytest.approx((s.curve.cost(8, 64) + s.curve.cost(8, 4096)) / 2)
+
+
+def test_untested_depths_borrow_the_last_estimate():
+    s = BlockSizer(curve([1.0] * 16), 16)
+    feed(s, 1.0, cycles=50, width=4)  # only positions 1..3 ever checked
+    a = s.alphas()
+    assert a[2] > 0.9 and a[10] == pytest.approx(a[2], abs=0.05)
+
+
+def test_cost_curve_is_measured_once_and_cached(pairs, tmp_path, monkeypatch):
+    calls = []
+    real = adaptive.measure_cost_curve
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k, repeats=1)
+
+    monkeypatch.setattr(adaptive, "measure_cost_curve", counting)
+    pair = pairs["qwen3"]
+    c1 = adaptive.load_or_measure(pair, 4, tmp_path)
+    c2 = adaptive.load_or_measure(pair, 4, tmp_path)
+    assert len(calls) == 1 and c1 == c2 and c1.max_width == 4
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["contexts"] == list(adaptive.CONTEXTS)
+    monkeypatch.setattr(adaptive, "blas_name", lambda: "another-blas")
+    adaptive.load_or_measure(pair, 4, tmp_path)
+    assert len(calls) == 2  # a different BLAS is a different cost curve
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_auto_block_size_is_lossless(pairs, baselines, family, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    pair = pairs[family]
+    prompt = pair.tokenizer.encode("def add(a, b):")
+    tokens = [t for ev in dflash_mlx.stream_generate(pair, prompt, max_tokens=40, block_size="auto")
+              for t in ev.tokens]
+    assert tokens == plain_greedy(baselines[family], prompt, 40)
+
+
+def test_bench_json_schema_and_identical_check(pairs, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    pair = pairs["llama"]
+    prompts = {"mini": ["def add(a, b):", "import math"]}
+    result = bench.run_bench(pair, prompts, max_tokens=12, block_sizes=[4, "auto"])
+    bench.validate(result)
+    json.dumps(result)
+    for key in ("4", "auto"):
+        s = result["overall"][key]
+        assert s["identical"] == 2 and s["mismatched_prompts"] == []
+        assert s["speedup"] == pytest.approx(s["dflash_tps"] / s["baseline_tps"])
+        assert sum(s["acceptance_histogram"].values()) == sum(
+            len(r["dflash"][key]["acceptance_lengths"]) for r in result["prompts"]["mini"])
+    assert result["machine"]["blas"] and result["machine"]["backend"]
+
+
+def test_bench_flags_a_mismatch(pairs, tmp_path, monkeypatch):
+    pair = pairs["qwen3"]
+    real = bench._dflash_run
+
+    def corrupt(*a, **k):
+        r = real(*a, **k)
+        r["tokens"] = r["tokens"][:-1] + [(r["tokens"][-1] + 1) % 300]
+        return r
+
+    monkeypatch.setattr(bench, "_dflash_run", corrupt)
+    result = bench.run_bench(pair, {"mini": ["import math"]}, max_tokens=8, block_sizes=[4])
+    assert result["overall"]["4"]["identical"] == 0
+    assert result["overall"]["4"]["mismatched_prompts"] == ["import math"]
+
+
+def test_oracle_accepts_every_block_and_reports_overhead(pairs):
+    pair = pairs["qwen3_5"]
+    result = bench.run_bench(pair, {"mini": ["def add(a, b):"]}, max_tokens=33, block_sizes=[8], oracle=True)
+    s = result["overall"]["8"]
+    hist = {int(k): v for k, v in s["acceptance_histogram"].items()}
+    assert hist[8] >= 3 and set(hist) <= {1, 2, 8}
+    assert s["identical"] == 1
+    assert "overhead_seconds_per_cycle" in s and s["verify_seconds"] > 0
+
+
+def test_bench_cli_and_bad_flags(targets, drafters, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    runner = CliRunner()
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "import math"}) + "\n")
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]),
+                            "--prompts", str(p), "-m", "8", "--block-size", "2,auto", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    bench.validate(json.loads(out.read_text()))
+    assert "BLAS" in r.stderr and "speedup" in r.stderr
+    r = runner.invoke(app, ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]),
+                            "--block-size", "sweep"])
+    assert r.exit_code == 0, r.output and "verify/1" in r.stderr
+    for args, words in [(["--block-size", "big"], "--block-size"), (["--suite", "poetry"], "--suite"),
+                        (["--prompts", str(tmp_path / "none.jsonl")], "does not exist")]:
+        r = runner.invoke(app, ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]), *args])
+        assert r.exit_code == 1 and words in r.stderr
+
+
+def test_shipped_suites():
+    suites = bench.load_prompts("all")
+    assert set(suites) == {"code", "math", "chat"} and all(len(v) == 12 for v in suites.values())
