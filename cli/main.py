@@ -47,8 +47,9 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0, help="Sample from the k most likely tokens (0 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Min-p filter (0 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    block_size: Optional[int] = typer.Option(
-        None, "--block-size", min=1, max=64, help="Tokens per verify block (default: the drafter's)."
+    block_size: str = typer.Option(
+        "auto", "--block-size",
+        help="Tokens per verify block, or 'auto' to choose each cycle from measured costs and acceptance.",
     ),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     chat_template: bool = typer.Option(
@@ -64,6 +65,7 @@ def generate(
     from dflash_mlx.prompt import build_prompt
     from dflash_mlx.sampling import SamplingParams
 
+    block = _one_block_size(block_size)
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             fail("give a prompt with --prompt, or pipe it on stdin.")
@@ -74,16 +76,18 @@ def generate(
         if enable_thinking is None and pair.resolved is not None:
             enable_thinking = pair.resolved.enable_thinking
         ids = build_prompt(pair.tokenizer, prompt, system, chat_template, enable_thinking)
+        if block == "auto":
+            _measure_costs(pair)
         if verbose:
             cfg = pair.drafter.args
             err.print(
                 f"target {pair.target_path} ({pair.target.model_type}, {pair.target.num_layers} layers)\n"
                 f"drafter {pair.draft_path} (block {cfg.block_size}, taps {cfg.target_layer_ids})\n"
-                f"prompt {len(ids)} tokens, block size {block_size or cfg.block_size}, {params}"
+                f"prompt {len(ids)} tokens, block size {block}, {params}"
             )
         stats = None
         for event in dflash_mlx.stream_generate(
-            pair, ids, max_tokens=max_tokens, sampling=params, block_size=block_size
+            pair, ids, max_tokens=max_tokens, sampling=params, block_size=block
         ):
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -206,7 +210,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise)."),
     port: int = typer.Option(8080, "--port", min=0, max=65535),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, max=64),
+    block_size: str = typer.Option("auto", "--block-size", help="N or 'auto'."),
     temp: float = typer.Option(0.0, "--temp", min=0.0, max=2.0, help="Default temperature."),
     max_prompt_tokens: int = typer.Option(32768, "--max-prompt-tokens", min=1),
 ):
@@ -216,7 +220,9 @@ def serve(
 
     try:
         pair = dflash_mlx.load(model, draft)
-        server = make_server(pair, model, host, port, api_key, block_size,
+        if block_size == "auto":
+            _measure_costs(pair)
+        server = make_server(pair, model, host, port, api_key, _one_block_size(block_size),
                              pair.resolved.enable_thinking if pair.resolved else None,
                              max_prompt_tokens, temp)
     except DFlashError as e:
@@ -230,6 +236,28 @@ def serve(
         pass
     finally:
         server.server_close()
+
+
+def _measure_costs(pair) -> None:
+    """Measure (or load the cached) cost curve that --block-size auto needs, with progress."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from dflash_mlx.adaptive import load_or_measure
+    from dflash_mlx.hub import cache_root
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("measuring verify and draft costs (once per machine)", total=None)
+        load_or_measure(pair, pair.draft_source.block_size, cache_root(),
+                        progress=lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _one_block_size(text: str):
+    if text == "auto":
+        return "auto"
+    if text.isdigit() and 1 <= int(text) <= 64:
+        return int(text)
+    fail(f"--block-size takes a number from 1 to 64 or 'auto' (got '{text}').")
 
 
 def _block_sizes(text: str):

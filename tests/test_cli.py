@@ -35,7 +35,7 @@ def test_prompt_from_stdin_with_chat_template_and_verbose(targets, drafters):
     r = run_cli("--model", str(targets["qwen3_5"]), "--draft", str(drafters["new"]),
                 "-m", "8", "--system", "be brief", "--verbose", "--disable-thinking", input="hello there")
     assert r.exit_code == 0, r.output
-    assert "acceptance histogram" in r.stderr and "block size 8" in r.stderr
+    assert "acceptance histogram" in r.stderr and "block size auto" in r.stderr
 
 
 def test_sampling_flags_are_accepted(targets, drafters):
@@ -50,7 +50,7 @@ def test_sampling_flags_are_accepted(targets, drafters):
     "args, words",
     [
         (["--temp", "-1"], "--temp"),
-        (["--block-size", "0"], "--block-size"),
+
         (["--max-tokens", "0"], "--max-tokens"),
         (["--top-k", "-3"], "--top-k"),
         (["--bogus"], "No such option"),
@@ -60,6 +60,12 @@ def test_bad_flags_are_usage_errors(args, words):
     r = run_cli("--model", "x", "-p", "hi", *args)
     assert r.exit_code == 2
     assert words in r.output
+
+
+def test_bad_block_size_is_one_clear_line():
+    for value in ["0", "big", "65"]:
+        r = run_cli("--model", "x", "-p", "hi", "--block-size", value)
+        assert r.exit_code == 1 and "--block-size takes" in r.stderr
 
 
 def test_bad_top_p_is_one_clear_line(targets, drafters):
