@@ -70,6 +70,7 @@ def generate(
         if sys.stdin is None or sys.stdin.isatty():
             fail("give a prompt with --prompt, or pipe it on stdin.")
         prompt = sys.stdin.read()
+    stats = None
     try:
         params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         pair = dflash_mlx.load(model, draft)
@@ -85,7 +86,6 @@ def generate(
                 f"drafter {pair.draft_path} (block {cfg.block_size}, taps {cfg.target_layer_ids})\n"
                 f"prompt {len(ids)} tokens, block size {block}, {params}"
             )
-        stats = None
         for event in dflash_mlx.stream_generate(
             pair, ids, max_tokens=max_tokens, sampling=params, block_size=block
         ):
@@ -94,6 +94,11 @@ def generate(
             stats = event.stats
     except DFlashError as e:
         fail(str(e))
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        if stats is not None:
+            err.print(stats.line() + " (interrupted)")
+        raise typer.Exit(130)
     sys.stdout.write("\n")
     sys.stdout.flush()
     if verbose:

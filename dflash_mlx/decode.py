@@ -197,7 +197,13 @@ def stream_generate(
         from .adaptive import BlockSizer, load_or_measure
         from .hub import cache_root
 
-        sizer = BlockSizer(load_or_measure(pair, source.block_size, cache_root()), source.block_size)
+        # The pair's own drafter keeps its acceptance statistics across requests.
+        shared = source is pair.draft_source
+        sizer = getattr(pair, "sizer", None) if shared else None
+        if sizer is None:
+            sizer = BlockSizer(load_or_measure(pair, source.block_size, cache_root()), source.block_size)
+            if shared:
+                pair.sizer = sizer
         block_size = source.block_size
     block_size = block_size or source.block_size
     if not isinstance(block_size, int) or block_size < 1:

@@ -26,6 +26,7 @@ class DFlashPair:
     target_path: Path
     draft_path: Path
     resolved: Optional[Resolved] = None
+    sizer: Any = None  # the adaptive block sizer, once --block-size auto has run
 
 
 def check_pair(config: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:
