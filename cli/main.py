@@ -172,6 +172,7 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
 ):
     """Train a DFlash drafter for a target on the target's own outputs."""
+    import mlx.core as mx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflash_mlx.adapter import load_target
@@ -188,6 +189,9 @@ def train(
                       save_every=save_every, seed=seed, mask_token_id=mask_token_id)
     try:
         target_model, tokenizer, _ = load_target(fetch(resolve(model).target, "model"))
+        if mx.default_device() == mx.cpu:
+            # The CPU backend has no fast half-precision matmul.
+            target_model.set_dtype(mx.float32)
         prompts = read_prompts(data, tokenizer)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=err) as bar:

@@ -134,7 +134,6 @@ def main():
         opt.update(model, grads)
         return loss
 
-    @mx.compile
     def held_loss(x, y):
         return loss_fn(model, x, y)
 
