@@ -283,6 +283,3 @@ class TargetAdapter:
             else:
                 c.trim(drop)
         self._taps.tape.clear()
-
-    def cache_state(self, cache):
-        return [c.state for c in cache]

@@ -178,6 +178,26 @@ class _TextStream:
         return out
 
 
+def block_sizing(pair, source, block_size):
+    """(fixed block size, adaptive sizer or None) for a `block_size` argument."""
+    if block_size != "auto":
+        block_size = block_size or source.block_size
+        if not isinstance(block_size, int) or block_size < 1:
+            raise DFlashError(f"--block-size must be a positive integer or 'auto' (got {block_size}).")
+        return block_size, None
+    from .adaptive import BlockSizer, load_or_measure
+    from .hub import cache_root
+
+    # The pair's own drafter keeps its acceptance statistics across requests.
+    shared = source is pair.draft_source
+    sizer = getattr(pair, "sizer", None) if shared else None
+    if sizer is None:
+        sizer = BlockSizer(load_or_measure(pair, source.block_size, cache_root()), source.block_size)
+        if shared:
+            pair.sizer = sizer
+    return source.block_size, sizer
+
+
 def stream_generate(
     pair,
     prompt: Union[str, Sequence[int]],
@@ -192,22 +212,7 @@ def stream_generate(
     params = sampling or SamplingParams()
     target, tokenizer = pair.target, pair.tokenizer
     source = draft_source or pair.draft_source
-    sizer = None
-    if block_size == "auto":
-        from .adaptive import BlockSizer, load_or_measure
-        from .hub import cache_root
-
-        # The pair's own drafter keeps its acceptance statistics across requests.
-        shared = source is pair.draft_source
-        sizer = getattr(pair, "sizer", None) if shared else None
-        if sizer is None:
-            sizer = BlockSizer(load_or_measure(pair, source.block_size, cache_root()), source.block_size)
-            if shared:
-                pair.sizer = sizer
-        block_size = source.block_size
-    block_size = block_size or source.block_size
-    if not isinstance(block_size, int) or block_size < 1:
-        raise DFlashError(f"--block-size must be a positive integer or 'auto' (got {block_size}).")
+    block_size, sizer = block_sizing(pair, source, block_size)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be >= 1 (got {max_tokens}).")
     if isinstance(prompt, str):
