@@ -167,6 +167,7 @@ def train(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Target response length."),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Target sampling temperature for the data."),
     save_every: int = typer.Option(200, "--save-every", min=1),
+    eval_every: int = typer.Option(50, "--eval-every", min=1, help="Steps between held-out acceptance estimates."),
     seed: int = typer.Option(0, "--seed"),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
@@ -186,7 +187,7 @@ def train(
         fail(f"--target-layers must be comma-separated integers (got '{target_layers}').")
     cfg = TrainConfig(block_size=block_size, layers=layers, target_layers=taps, steps=steps, epochs=epochs,
                       lr=lr, blocks_per_seq=blocks_per_seq, max_new_tokens=max_new_tokens, temp=temp,
-                      save_every=save_every, seed=seed, mask_token_id=mask_token_id)
+                      save_every=save_every, eval_every=eval_every, seed=seed, mask_token_id=mask_token_id)
     try:
         target_model, tokenizer, _ = load_target(fetch(resolve(model).target, "model"))
         if mx.default_device() == mx.cpu:
