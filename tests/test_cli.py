@@ -138,3 +138,14 @@ def test_repo_ids_load_from_the_hf_cache_offline(tmp_path, targets, drafters):
                  {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)})
     assert r.returncode == 0, r.stderr
     assert "10 tokens" in r.stderr
+
+
+def test_demo_pair_is_the_offline_default(tmp_path):
+    """No --model: the pair shipped in the package runs with no network."""
+    r = _process(["-p", "def fibonacci(n):", "-m", "24", "--block-size", "8"],
+                 {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "DFLASH_MLX_CACHE": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr
+    assert "24 tokens" in r.stderr and "acceptance" in r.stderr
+    assert len(r.stdout.strip()) > 0
+    same = run_cli("--model", "demo", "-p", "def fibonacci(n):", "-m", "24", "--block-size", "8")
+    assert same.exit_code == 0 and same.stdout == r.stdout

@@ -11,7 +11,7 @@ python benchmarks/demo/train_target.py --steps 1500 --out dflash_mlx/demo/target
 # 2. Its drafter, trained with our own `dflash-mlx train` on the target's outputs.
 rm -rf /tmp/demo-drafter
 dflash-mlx train --model dflash_mlx/demo/target --data benchmarks/demo/prompts.jsonl --out /tmp/demo-drafter \
-    --block-size 16 --layers 4 --target-layers 0,1,2,3 --steps 3500 --lr 1e-3 --blocks-per-seq 16 \
+    --block-size 16 --layers 4 --target-layers 0,1,2,3 --steps 5000 --lr 1e-3 --blocks-per-seq 16 \
     --max-new-tokens 96 --save-every 500 --eval-every 500
 rm -rf dflash_mlx/demo/drafter && cp -r /tmp/demo-drafter/mlx dflash_mlx/demo/drafter
 cp /tmp/demo-drafter/train_config.json /tmp/demo-drafter/train_summary.json benchmarks/demo/
