@@ -103,8 +103,12 @@ def blas_name() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
+    # Only libraries MLX can resolve BLAS symbols from count: numpy's own
+    # bundled OpenBLAS (numpy.libs/, scipy_openblas) is private to numpy.
+    libs = {line.split()[-1] for line in maps.splitlines() if "/" in line}
+    libs = [l.lower() for l in libs if "numpy" not in l.lower() and "scipy_openblas" not in l.lower()]
     for name in ("openblas", "mkl", "blis"):
-        if name in maps.lower():
+        if any(name in l for l in libs):
             return name
     return "reference (stock mlx[cpu])"
 
