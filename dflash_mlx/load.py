@@ -119,7 +119,8 @@ def load(model: str, draft: Optional[str] = None) -> DFlashPair:
     check_pair(config, *model_dims(model_))
     adapter = TargetAdapter(model_, config.target_layer_ids)
     drafter = load_drafter(draft_path)
-    dtype = adapter.embed_tokens.weight.dtype if not hasattr(adapter.embed_tokens, "scales") else adapter.embed_tokens.scales.dtype
+    # A quantized embedding's scales carry the model's float dtype.
+    dtype = getattr(adapter.embed_tokens, "scales", adapter.embed_tokens.weight).dtype
     if not drafter.args.quantization:
         drafter.set_dtype(dtype)
     if resolved.alias == "demo" and mx.default_device() == mx.cpu:
