@@ -103,7 +103,8 @@ class OracleSource(DraftSource):
         p = state["committed"]
         draft = self.seq[p + 1 : p + width]
         draft += [0] * (width - 1 - len(draft))
-        return mx.eye(self.vocab_size, dtype=mx.float32)[mx.array(draft)] * 100.0
+        one_hot = mx.arange(self.vocab_size)[None] == mx.array(draft)[:, None]
+        return one_hot.astype(mx.float32) * 100.0
 
 
 def _dflash_run(pair, ids, max_tokens, params, block_size, source=None):
