@@ -302,6 +302,7 @@ def bench(
     """Benchmark DFlash against plain mlx-lm decoding on this machine."""
     import json as _json
 
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -327,7 +328,7 @@ def bench(
         fail(str(e))
     m = result["machine"]
     err.print(f"{m['chip']} ({m['cores']} cores, {m['memory_gb']} GB), MLX {m['mlx']} on {m['backend']}, "
-              f"BLAS: {m['blas']}")
+              f"BLAS: {escape(m['blas'])}")
     if sizes == ["sweep"]:
         table = Table("width", *[f"verify/1 @ctx {c}" for c in result["contexts"]], "draft/verify1")
         for w in range(len(result["verify_relative"][0])):
@@ -359,6 +360,30 @@ def bench(
     mismatched = [p for s in result.get("overall", {}).values() for p in s.get("mismatched_prompts", [])]
     if mismatched:
         err.print(f"[bold red]warning:[/] {len(mismatched)} greedy output(s) differ from plain mlx-lm decoding")
+
+
+@app.command()
+def doctor():
+    """List the custom kernels and whether each runs on this machine."""
+    import os
+    import platform
+
+    import mlx.core as mx
+    from rich.markup import escape
+    from rich.table import Table
+
+    from dflash_mlx import kernels
+    from dflash_mlx.adaptive import blas_name
+
+    device = "metal" if kernels.backend() == "metal" else str(mx.default_device())
+    err.print(f"MLX {mx.__version__} on {device}, {platform.system()} {platform.machine()}, BLAS: {escape(blas_name())}")
+    if os.environ.get(kernels.ENV):
+        err.print(f"{kernels.ENV}={os.environ[kernels.ENV]}")
+    table = Table("kernel", "status", "why", "what it does")
+    colours = {"active": "green", "fallback": "yellow", "unavailable": "dim", "reference": "cyan"}
+    for name, summary, state, reason in kernels.report():
+        table.add_row(name, f"[{colours.get(state, 'white')}]{state}[/]", reason, summary)
+    Console(highlight=False).print(table)
 
 
 if __name__ == "__main__":

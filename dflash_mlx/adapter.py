@@ -12,11 +12,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as cache_lib
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from mlx_lm.models.rope_utils import initialize_rope as _mlx_lm_rope
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .errors import DFlashError
+from .kernels import backend, gdn_replay, gdn_verify, qmm_verify
 
 SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_5", "qwen3_5_moe")
 
@@ -142,9 +143,9 @@ class TappedLayer(_Wrapper):
 class TapedGatedDeltaNet(_Wrapper):
     """A Gated DeltaNet mixer that, while recording, keeps an update tape.
 
-    The tape (the block's q, k, v, a, b, the conv input and the state before
-    the block) lets `rollback` rebuild the exact state after any prefix by
-    replaying the recurrence only, without re-running the projections.
+    The tape (the block's k, gates and per-step deltas, the conv input and the
+    state before the block) lets `rollback` rebuild the exact state after any
+    prefix with the state updates alone: no projections, no reductions.
     """
 
     def __init__(self, inner: nn.Module, index: int, taps: _Taps):
@@ -178,8 +179,12 @@ class TapedGatedDeltaNet(_Wrapper):
         ]
         q, k = normalize_qk(q, k, inv_scale=g.head_k_dim**-0.5, eps=1e-6)
         state0 = cache[1]
-        out, state = gated_delta_update(q, k, v, a, b, g.A_log, g.dt_bias, state0)
-        self._taps.tape[self._index] = (q, k, v, a, b, conv_input, state0)
+        if state0 is None:
+            state0 = mx.zeros((B, g.num_v_heads, g.head_v_dim, g.head_k_dim), dtype=mx.float32)
+        # The same gates mlx-lm's gated_delta_update computes.
+        gate, beta = compute_g(g.A_log, a, g.dt_bias), mx.sigmoid(b)
+        out, state, delta = gdn_verify(q, k, v, gate, beta, state0)
+        self._taps.tape[self._index] = (k, gate, delta, conv_input, state0)
         cache[1] = state
         cache.advance(S)
         out = g.norm(out, z)
@@ -187,18 +192,46 @@ class TapedGatedDeltaNet(_Wrapper):
 
     def rollback(self, cache, keep: int):
         """Set `cache` to the state after the first `keep` tokens of the taped block."""
-        q, k, v, a, b, conv_input, state0 = self._taps.tape[self._index]
+        k, gate, delta, conv_input, state0 = self._taps.tape[self._index]
         g = self.inner
-        if keep == 0:
-            cache[1] = state0
-            cache[0] = conv_input[:, : g.conv_kernel_size - 1, :]
-            return
-        _, state = gated_delta_update(
-            q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep],
-            g.A_log, g.dt_bias, state0,
-        )
-        cache[1] = state
+        cache[1] = gdn_replay(state0, k, gate, delta, keep) if keep else state0
         cache[0] = conv_input[:, keep : keep + g.conv_kernel_size - 1, :]
+
+
+class VerifyQuantizedLinear(_Wrapper):
+    """A 4/8-bit affine QuantizedLinear whose 2-16 row calls go through `qmm_verify`."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x):
+        rows = x.size // x.shape[-1]
+        q = self.inner
+        if not 2 <= rows <= 16:
+            return q(x)
+        y = qmm_verify(x.reshape(rows, x.shape[-1]), q["weight"], q["scales"], q["biases"], q.group_size, q.bits)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y + q["bias"] if "bias" in q else y
+
+
+def wrap_quantized_linears(model: nn.Module) -> int:
+    """Route verify-width calls of the model's affine 4/8-bit linears through `qmm_verify`."""
+    count = 0
+    for path, m in list(model.named_modules()):
+        if not (isinstance(m, nn.QuantizedLinear) and getattr(m, "mode", "affine") == "affine"
+                and m.bits in (4, 8) and m.get("biases") is not None):
+            continue
+        *parents, name = path.split(".")
+        parent = model
+        for p in parents:
+            parent = parent[int(p)] if isinstance(parent, list) else getattr(parent, p)
+        if isinstance(parent, list):
+            parent[int(name)] = VerifyQuantizedLinear(m)
+        else:
+            setattr(parent, name, VerifyQuantizedLinear(m))
+        count += 1
+    return count
 
 
 class TargetAdapter:
@@ -237,6 +270,8 @@ class TargetAdapter:
                 self._gdn[i] = wrapped
             if i in self.tap_ids and i != self.num_layers - 1:
                 layers[i] = TappedLayer(layer, i, self._taps)
+        # Only where a kernel can run: elsewhere the stock op is all qmm_verify would call.
+        self.verify_linears = wrap_quantized_linears(model) if backend() == "metal" else 0
 
     def make_cache(self) -> List[Any]:
         cache = cache_lib.make_prompt_cache(self.model)

@@ -1,13 +1,18 @@
 """Adaptive block size.
 
-The cost of a cycle at block size b is the target's verify pass over b tokens
-plus the drafter's pass, both growing with context length; the gain is the
+The cost of a cycle at block size b is the drafter's pass, the target's
+verify pass over b tokens and the loop's fixed work (acceptance, the host
+synchronisation, cropping), all growing with context length; the gain is the
 expected number of committed tokens, 1 + sum_k prod_{j<=k} alpha_j, where
 alpha_j is the running rate at which draft position j is accepted once
 positions before it were. Each cycle picks the b that maximises gain / cost.
 
-The cost curve is measured once per (model, drafter, quantization, backend,
-MLX version, BLAS) and cached as JSON.
+The cost curve times whole cycles, widths interleaved round by round so that
+machine noise falls on all widths alike; it is measured once per (model,
+drafter, quantization, backend, MLX version, BLAS) and cached as JSON. While
+decoding, the sizer also times the real cycles and corrects the curve per
+width, and now and then tries a width next to its choice, so a curve that is
+off (other processes, a longer context, a thermal state) is mended online.
 """
 
 import hashlib
@@ -21,6 +26,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 CONTEXTS = (64, 1024)
+CURVE_VERSION = 2  # bump when what a curve measures changes
 
 
 @dataclass
@@ -28,6 +34,7 @@ class CostCurve:
     contexts: List[int]
     verify: List[List[float]]  # [context][width - 1] seconds
     draft: List[List[float]]  # [context][width - 1] seconds (0 for width 1)
+    cycle: Optional[List[List[float]]] = None  # [context][width - 1] whole cycle, seconds
 
     @property
     def max_width(self) -> int:
@@ -42,6 +49,8 @@ class CostCurve:
         t = max(0.0, t)
         def at(rows):
             return rows[i][width - 1] + t * (rows[min(i + 1, len(cs) - 1)][width - 1] - rows[i][width - 1])
+        if self.cycle is not None:
+            return max(1e-9, at(self.cycle))
         return max(1e-9, at(self.verify) + at(self.draft))
 
     def relative(self, context: int = 64) -> List[float]:
@@ -53,13 +62,21 @@ class BlockSizer:
     """Chooses each cycle's block size from acceptance statistics and costs."""
 
     def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, weight: float = 2.0,
-                 decay: float = 0.995):
+                 decay: float = 0.995, probe_every: int = 16, probe_margin: float = 0.9, ema: float = 0.1,
+                 stick: float = 1.03):
         self.curve = curve
         self.max_width = min(max_width, curve.max_width)
         self.prior, self.weight, self.decay = prior, weight, decay
+        self.probe_every, self.probe_margin, self.ema, self.stick = probe_every, probe_margin, ema, stick
         n = self.max_width
         self.tried = [0.0] * n  # times draft position k (1-based index k) was checked
         self.accepted = [0.0] * n
+        # Measured / curve cost: per width (EMA, with its weight) and over all widths.
+        self.ratio = [1.0] * n
+        self.seen = [0.0] * n
+        self.global_ratio = 1.0
+        self.cycles = 0
+        self.current = 0  # the width chosen last (probes aside)
 
     def alphas(self) -> List[float]:
         """alpha_k for k = 1..max_width-1; untested depths borrow the previous estimate."""
@@ -78,21 +95,52 @@ class BlockSizer:
             total += run
         return total
 
-    def choose(self, context: int) -> int:
-        alphas = self.alphas()
-        best, best_rate = 1, 0.0
-        for w in range(1, self.max_width + 1):
-            rate = self.expected_tokens(w, alphas) / self.curve.cost(w, context)
-            if rate > best_rate:
-                best, best_rate = w, rate
-        return best
+    def cost(self, width: int, context: int) -> float:
+        """Expected seconds of a cycle: the curve, corrected by the cycles timed so far."""
+        n = self.seen[width - 1]
+        ratio = (n * self.ratio[width - 1] + self.weight * self.global_ratio) / (n + self.weight)
+        return self.curve.cost(width, context) * ratio
 
-    def update(self, width: int, accepted: int) -> None:
-        self.tried = [t * self.decay for t in self.tried]
-        self.accepted = [a * self.decay for a in self.accepted]
+    def rates(self, context: int) -> List[float]:
+        """Expected committed tokens per second for widths 1..max_width."""
+        alphas = self.alphas()
+        return [self.expected_tokens(w, alphas) / self.cost(w, context) for w in range(1, self.max_width + 1)]
+
+    def choose(self, context: int) -> int:
+        rates = self.rates(context)
+        best = max(range(self.max_width), key=rates.__getitem__) + 1
+        # Keep the previous choice unless another is clearly better: estimates are noisy.
+        if not self.current or rates[best - 1] >= self.stick * rates[self.current - 1]:
+            self.current = best
+        self.cycles += 1
+        # Now and then try another width whose predicted rate is close, the
+        # least timed first, so every contender's real cost gets measured.
+        if self.probe_every and self.cycles % self.probe_every == 0:
+            floor = self.probe_margin * rates[self.current - 1]
+            close = [w for w in range(1, self.max_width + 1) if w != self.current and rates[w - 1] >= floor]
+            if close:
+                return min(close, key=lambda w: (self.seen[w - 1], -rates[w - 1]))
+        return self.current
+
+    def update(self, width: int, accepted: int, seconds: Optional[float] = None, context: int = 0) -> None:
+        """Record a cycle: its accepted draft tokens and, when timed, its wall time."""
+        # Each position forgets old outcomes only as new ones arrive, so a run
+        # of narrow cycles does not erase what was known about deeper positions.
         for k in range(1, min(accepted + 2, width)):
-            self.tried[k] += 1
-            self.accepted[k] += k <= accepted
+            self.tried[k] = self.tried[k] * self.decay + 1
+            self.accepted[k] = self.accepted[k] * self.decay + (k <= accepted)
+        if seconds is None or seconds <= 0:
+            return
+        # Clamp outliers (a pause in the caller, a page fault) before averaging.
+        r = seconds / self.curve.cost(width, context)
+        i = width - 1
+        if self.seen[i]:
+            r = min(max(r, 0.5 * self.ratio[i]), 2.0 * self.ratio[i])
+        self.ratio[i] = r if self.seen[i] == 0 else (1 - self.ema) * self.ratio[i] + self.ema * r
+        self.seen[i] = min(self.seen[i] + 1, 1 / self.ema)
+        # Widths timed little or never lean on the lowest correction seen: an
+        # optimistic guess, so a width that might be better gets tried and timed.
+        self.global_ratio = min(self.ratio[j] for j in range(self.max_width) if self.seen[j])
 
 
 def blas_name() -> str:
@@ -115,59 +163,67 @@ def blas_name() -> str:
 
 def curve_key(pair) -> str:
     q = getattr(pair.target.args, "quantization", None) or {}
-    parts = [str(pair.target_path), str(pair.draft_path), json.dumps(q, sort_keys=True),
+    parts = [str(CURVE_VERSION), str(pair.target_path), str(pair.draft_path), json.dumps(q, sort_keys=True),
              str(mx.default_device()), mx.__version__, blas_name(), str(pair.target.embed_tokens.weight.dtype)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def measure_cost_curve(pair, max_width: int, contexts=CONTEXTS, repeats: int = 5,
                        progress=lambda done, total: None) -> CostCurve:
+    """Median seconds of the drafter pass, the verify pass and a whole cycle per width.
+
+    Widths are interleaved within each round, so slow spells of a shared
+    machine spread over all widths instead of biasing a few.
+    """
+    from .decode import draft, verify
+    from .sampling import SamplingParams
+
     target, source = pair.target, pair.draft_source
-    verify, draft = [], []
-    total, done = len(contexts) * max_width, 0
+    greedy = SamplingParams()
+    verify_rows, draft_rows, cycle_rows = [], [], []
+    total, done = len(contexts) * (repeats + 1), 0
     for ctx in contexts:
         prompt = mx.random.randint(0, target.vocab_size, (ctx,))
         tcache = target.make_cache()
         dstate = source.new_state()
-        target(prompt[None], tcache)
-        _, hidden = target(prompt[None], target.make_cache())
+        _, hidden = target(prompt[None], tcache)
         source.add_context(dstate, hidden)
         mx.eval([c.state for c in tcache], source.arrays(dstate))
-        v_row, d_row = [], []
-        for w in range(1, max_width + 1):
-            block = prompt[:w][None]
+        last = prompt[-1:]
 
-            def run_verify():
-                logits, h = target(block, tcache, record=True)
-                mx.eval(logits, h)
-                target.crop(tcache, 0, w)
+        def run_draft(w):
+            return draft(source, dstate, last, None, w, greedy)[0] if w > 1 else mx.array([], dtype=last.dtype)
 
-            v_row.append(_timed(run_verify, repeats))
-            if w > 1:
-                last = prompt[:1]
+        def run_verify(w, tokens):
+            n_acc, nxt, h = verify(target, tcache, last, tokens, None, greedy)
+            out = mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)])
+            out.tolist()
+            target.crop(tcache, 0, w)
+            return h
 
-                def run_draft():
-                    mx.eval(source.propose(dstate, last, None, w))
-
-                d_row.append(_timed(run_draft, repeats))
-            else:
-                d_row.append(0.0)
+        samples = {w: ([], [], []) for w in range(1, max_width + 1)}
+        for r in range(repeats + 1):  # round 0 warms up
+            for w in range(1, max_width + 1):
+                tic = time.perf_counter()
+                tokens = run_draft(w)
+                mx.eval(tokens)
+                mid = time.perf_counter()
+                run_verify(w, tokens)
+                toc = time.perf_counter()
+                tic2 = time.perf_counter()
+                run_verify(w, run_draft(w))  # one host synchronisation, as in the loop
+                toc2 = time.perf_counter()
+                if r:
+                    samples[w][0].append(toc - mid)
+                    samples[w][1].append(mid - tic if w > 1 else 0.0)
+                    samples[w][2].append(toc2 - tic2)
             done += 1
             progress(done, total)
-        verify.append(v_row)
-        draft.append(d_row)
-    return CostCurve(list(contexts), verify, draft)
+        med = lambda xs: sorted(xs)[len(xs) // 2]
+        verify_rows.append([med(samples[w][0]) for w in range(1, max_width + 1)])
+        draft_rows.append([med(samples[w][1]) for w in range(1, max_width + 1)])
+        cycle_rows.append([med(samples[w][2]) for w in range(1, max_width + 1)])
+    return CostCurve(list(contexts), verify_rows, draft_rows, cycle_rows)
 
 
 def load_or_measure(pair, max_width: int, cache_dir: Path, progress=lambda d, t: None) -> CostCurve:

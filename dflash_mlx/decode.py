@@ -12,7 +12,8 @@ from typing import Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from .errors import DFlashError
-from .sampling import SamplingParams, accept_greedy, accept_speculative, log_probs, pick
+from .kernels import verify_accept
+from .sampling import SamplingParams, log_probs, pick
 
 
 @dataclass
@@ -136,10 +137,7 @@ def verify(target, tcache, last, tokens, q_lp, params: SamplingParams):
     logits = logits[0]
     if tokens.shape[0] == 0:
         return mx.array(0), pick(logits[-1], params), hidden
-    if params.greedy:
-        accepted, nxt = accept_greedy(tokens, logits)
-    else:
-        accepted, nxt = accept_speculative(tokens, q_lp, log_probs(logits, params))
+    accepted, nxt = verify_accept(tokens, logits, params, q_lp)
     return accepted, nxt, hidden
 
 
@@ -237,6 +235,7 @@ def stream_generate(
 
     hidden = None  # target taps of committed tokens not yet given to the drafter
     accepted = 0
+    synced = tic  # when the host last had the cycle's tokens: times whole cycles for the sizer
     while True:
         # Commit this cycle's tokens: stop on EOS, stop strings or the budget.
         finish = None
@@ -251,8 +250,9 @@ def stream_generate(
         if stopped:
             finish = "stop"
         remaining = max_tokens - stats.generation_tokens
+        context = len(prompt) + stats.generation_tokens
         if sizer is not None:
-            block_size = sizer.choose(len(prompt) + stats.generation_tokens)
+            block_size = sizer.choose(context)
         width = min(block_size, remaining)
 
         # Start the next cycle's draft before handing text to the caller.
@@ -277,6 +277,8 @@ def stream_generate(
         n_acc, nxt, new_hidden = pending
         out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens, nxt.reshape(1).astype(d_tokens.dtype)])
         values = out.tolist()  # the cycle's one host synchronisation
+        now = time.perf_counter()
+        seconds, synced = now - synced, now
         accepted = values[0]
         tokens = values[1 : 1 + accepted] + [values[-1]]
         target.crop(tcache, accepted + 1, width)
@@ -286,7 +288,7 @@ def stream_generate(
         stats.cycles += 1
         stats.acceptance_lengths.append(accepted + 1)
         if sizer is not None:
-            sizer.update(width, accepted)
+            sizer.update(width, accepted, seconds, context)
 
 
 def generate(pair, prompt, **kwargs):

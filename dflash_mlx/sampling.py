@@ -1,9 +1,9 @@
-"""Greedy and exact speculative acceptance, computed on the device.
+"""Sampling settings and the filtered distributions tokens are drawn from.
 
 Filters are mlx-lm's own (top-p, min-p, top-k on temperature-1 log
 probabilities, then temperature), applied identically to the target's p and
 the drafter's q, so DFlash samples from exactly the distribution mlx-lm's
-sampler would.
+sampler would. Acceptance itself lives in `kernels/verify_accept.py`.
 """
 
 from dataclasses import dataclass
@@ -57,38 +57,3 @@ def pick(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.greedy:
         return mx.argmax(logits, axis=-1)
     return mx.random.categorical(log_probs(logits, params))
-
-
-def accept_greedy(draft: mx.array, target_logits: mx.array):
-    """Accepted draft count and the target's next token.
-
-    draft: [n] tokens; target_logits: [n + 1, V] verify logits of [last, draft].
-    """
-    posterior = mx.argmax(target_logits, axis=-1)
-    n = draft.shape[0]
-    accepted = mx.cumprod((draft == posterior[:n]).astype(mx.int32)).sum()
-    return accepted, posterior[accepted]
-
-
-def accept_speculative(draft: mx.array, q_lp: mx.array, p_lp: mx.array):
-    """Exact speculative sampling.
-
-    Accept draft token i with probability min(1, p_i/q_i); at the first
-    rejection draw from normalise(max(0, p - q)); after full acceptance draw
-    from p at the last position. q_lp: [n, V], p_lp: [n + 1, V].
-    """
-    n = draft.shape[0]
-    idx = draft[:, None]
-    p_d = mx.exp(mx.take_along_axis(p_lp[:n], idx, axis=-1)[:, 0])
-    q_d = mx.exp(mx.take_along_axis(q_lp, idx, axis=-1)[:, 0])
-    u = mx.random.uniform(shape=(n,))
-    accepted = mx.cumprod((u * q_d < p_d).astype(mx.int32)).sum()
-    p = mx.exp(p_lp)
-    residual = mx.maximum(p[:n] - mx.exp(q_lp), 0.0)
-    rows = mx.concatenate([residual, p[n:]], axis=0)
-    row = rows[accepted]
-    total = row.sum()
-    # p == q exactly leaves no residual mass; p itself is then the right law.
-    row = mx.where(total > 0, row / mx.maximum(total, 1e-30), p[accepted])
-    token = mx.random.categorical(mx.log(row))
-    return accepted, token

@@ -1,6 +1,7 @@
 """Benchmark statistics and schema, cost-curve caching, adaptive block size."""
 
 import json
+import random
 
 import pytest
 from conftest import plain_greedy
@@ -74,6 +75,76 @@ def test_untested_depths_borrow_the_last_estimate():
     feed(s, 1.0, cycles=50, width=4)  # only positions 1..3 ever checked
     a = s.alphas()
     assert a[2] > 0.9 and a[10] == pytest.approx(a[2], abs=0.05)
+
+
+def test_timed_cycles_correct_a_wrong_curve():
+    # The curve is right in shape up to width 8 but half the real scale, and it
+    # misses a step above width 8 (as when a BLAS switches kernels).
+    claimed = lambda w: 1.0 + 0.02 * (w - 1)
+    true_cost = lambda w: 2.0 * claimed(w) * (1.5 if w > 8 else 1.0)
+    s = BlockSizer(curve([claimed(w) for w in range(1, 17)]), 16, probe_every=4)
+    feed(s, 0.8, cycles=400)
+    assert s.choose(64) > 8
+    rnd = random.Random(1)
+    for _ in range(600):
+        w = s.choose(64)
+        a = 0
+        while a < w - 1 and rnd.random() < 0.8:
+            a += 1
+        s.update(w, a, seconds=true_cost(w), context=64)
+    rates = {w: s.expected_tokens(w) / true_cost(w) for w in range(1, 17)}
+    best = max(rates, key=rates.get)
+    assert best <= 8 and rates[s.choose(64)] >= rates[best] / 1.03
+    assert s.cost(best, 64) == pytest.approx(true_cost(best), rel=0.05)
+
+
+def test_widths_never_timed_are_costed_optimistically():
+    s = BlockSizer(curve([1.0] * 8), 8, probe_every=0)
+    for w, ratio in ((1, 2.0), (2, 2.2), (3, 1.5)):
+        for _ in range(30):
+            s.update(w, 0, seconds=ratio * s.curve.cost(w, 64), context=64)
+    assert s.global_ratio == pytest.approx(1.5, rel=0.01)
+    assert s.cost(6, 64) == pytest.approx(1.5 * s.curve.cost(6, 64), rel=0.01)
+    assert s.cost(2, 64) == pytest.approx((10 * 2.2 + 2 * 1.5) / 12 * s.curve.cost(2, 64), rel=0.01)
+
+
+def test_close_contenders_are_probed_least_timed_first():
+    close = BlockSizer(curve([1.0 + 0.3 * (w - 1) for w in range(1, 17)]), 16, probe_every=8, decay=1.0)
+    feed(close, 0.6, cycles=2000)
+    rates = close.rates(64)
+    main = close.choose(64)
+    contenders = [w for w in range(1, 17) if w != main and rates[w - 1] >= 0.9 * rates[main - 1]]
+    assert len(contenders) >= 2
+    probes = []
+    for i in range(1, 8 * len(contenders)):
+        w = close.choose(64)
+        if (i + 1) % 8:
+            assert w == main
+        else:
+            probes.append(w)
+        close.update(w, 0, seconds=close.curve.cost(w, 64), context=64)
+    assert sorted(probes) == contenders  # each contender timed once, none outside
+    far = BlockSizer(curve([1.0 + 2.0 * (w - 1) for w in range(1, 17)]), 16, probe_every=8)
+    feed(far, 0.3)
+    assert {far.choose(64) for _ in range(64)} == {1}
+
+
+def test_narrow_cycles_do_not_erase_deeper_statistics():
+    s = BlockSizer(curve([1.0] * 16), 16)
+    feed(s, 0.95, cycles=300)
+    before = s.alphas()
+    for _ in range(2000):
+        s.update(1, 0)  # width 1 checks no draft position
+    assert s.alphas() == before
+
+
+def test_choice_sticks_unless_clearly_better():
+    s = BlockSizer(curve([1.0] * 16), 16, probe_every=0, stick=1.5)
+    feed(s, 0.5, cycles=400)
+    first = s.choose(64)
+    for _ in range(40):  # acceptance improves a little: not enough to move
+        s.update(16, 2)
+    assert s.choose(64) == first
 
 
 def test_cost_curve_is_measured_once_and_cached(pairs, tmp_path, monkeypatch):

@@ -157,10 +157,10 @@ def test_the_check_catches_a_wrong_acceptance_rule(small_pair, monkeypatch):
     pair, model = small_pair
     params = SamplingParams(temp=1.0)
 
-    def accept_all(draft, q_lp, p_lp):
-        return mx.array(draft.shape[0]), mx.random.categorical(p_lp[-1])
+    def accept_all(draft, logits, params, q_lp=None):
+        return mx.array(draft.shape[0]), mx.random.categorical(log_probs(logits[-1], params))
 
-    monkeypatch.setattr(gen, "accept_speculative", accept_all)
+    monkeypatch.setattr(gen, "verify_accept", accept_all)
     seqs, probs = exact_distribution(model, params)
     counts, _ = sample_counts(pair, params, SAMPLES, TemperedTarget(model))
     assert gof_pvalue(counts, seqs, probs, SAMPLES) < ALPHA

@@ -1,0 +1,337 @@
+"""Verify-and-accept: accepted draft length and next token from verify logits.
+
+Greedy: argmax of every block row, then the longest prefix where the draft
+equals it. Sampling: exact speculative sampling (accept draft token x with
+probability min(1, p(x)/q(x)); at the first rejection draw from
+normalise(max(0, p - q)); after full acceptance draw from p), with p the
+target's distribution after mlx-lm's filters (top-p, min-p, top-k on
+temperature-1 log probabilities, then temperature).
+
+The Metal kernel gives each block row one threadgroup and reads the row's
+vocabulary once per reduction, with the filters applied as thresholds found
+by bisection over float bit patterns (no sort). Draws use inverse CDF sampling
+from uniforms drawn outside the kernel, so the reference and the kernel
+consume the same random numbers. Ties at a top-k boundary keep every tied
+token (mlx-lm keeps an arbitrary k of them); continuous logits do not tie.
+"""
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from ..sampling import SamplingParams, log_probs
+from .guard import GuardedKernel, register
+
+THREADS = 1024
+
+HEADER = """
+inline float tg_sum(float v, threadgroup float* red, uint lane, uint sg, uint nsg) {
+  v = simd_sum(v);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane == 0) { red[sg] = v; }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  v = lane < nsg ? red[lane] : 0.0f;
+  return simd_sum(v);
+}
+
+inline float tg_max(float v, threadgroup float* red, uint lane, uint sg, uint nsg) {
+  v = simd_max(v);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane == 0) { red[sg] = v; }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  v = lane < nsg ? red[lane] : -INFINITY;
+  return simd_max(v);
+}
+
+// Order-preserving map between float and uint, for bisection over floats.
+inline uint fkey(float f) {
+  uint u = as_type<uint>(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+inline float funkey(uint k) {
+  return as_type<float>((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
+}
+"""
+
+GREEDY_SOURCE = """
+  uint row = threadgroup_position_in_grid.x;
+  uint tid = thread_position_in_threadgroup.x;
+  uint tgs = threads_per_threadgroup.x;
+  uint lane = thread_index_in_simdgroup;
+  uint sg = simdgroup_index_in_threadgroup;
+  uint nsg = (tgs + 31) / 32;
+  threadgroup float best_v[32];
+  threadgroup int best_i[32];
+
+  const device T* x = logits + (size_t)row * V;
+  float best = -INFINITY;
+  int bi = V;
+  for (uint i = tid; i < (uint)V; i += tgs) {
+    float v = static_cast<float>(x[i]);
+    if (v > best || bi == V) { best = v; bi = (int)i; }
+  }
+  // Reduce (value, index): larger value wins, ties go to the lower index.
+  for (ushort off = 16; off > 0; off /= 2) {
+    float ov = simd_shuffle_down(best, off);
+    int oi = simd_shuffle_down(bi, off);
+    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+  }
+  if (lane == 0) { best_v[sg] = best; best_i[sg] = bi; }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (sg == 0) {
+    best = lane < nsg ? best_v[lane] : -INFINITY;
+    bi = lane < nsg ? best_i[lane] : V;
+    for (ushort off = 16; off > 0; off /= 2) {
+      float ov = simd_shuffle_down(best, off);
+      int oi = simd_shuffle_down(bi, off);
+      if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+    }
+    if (lane == 0) { posterior[row] = bi; }
+  }
+"""
+
+SAMPLED_SOURCE = """
+  uint row = threadgroup_position_in_grid.x;
+  uint tid = thread_position_in_threadgroup.x;
+  uint tgs = threads_per_threadgroup.x;
+  uint lane = thread_index_in_simdgroup;
+  uint sg = simdgroup_index_in_threadgroup;
+  uint nsg = (tgs + 31) / 32;
+  threadgroup float red[32];
+  threadgroup float part[1024];
+
+  const device T* x = logits + (size_t)row * V;
+  const device float* ql = q_lp + (size_t)(row < (uint)n ? row : 0) * V;
+  float temp = params[0];
+  float top_p = params[1];
+  float min_p = params[2];
+  int top_k = (int)params[3];
+
+  // Temperature-1 log probabilities: lp_i = x_i - lse.
+  float m = -INFINITY;
+  for (uint i = tid; i < (uint)V; i += tgs) { m = metal::max(m, static_cast<float>(x[i])); }
+  m = tg_max(m, red, lane, sg, nsg);
+  float s = 0.0f;
+  for (uint i = tid; i < (uint)V; i += tgs) { s += metal::exp(static_cast<float>(x[i]) - m); }
+  s = tg_sum(s, red, lane, sg, nsg);
+  float lse = m + metal::log(s);
+  float lp_max = m - lse;
+
+  // Filters as one threshold: a token is kept when lp_i >= thr.
+  float thr = -INFINITY;
+  if (top_p < 1.0f) {
+    float total = 0.0f;
+    for (uint i = tid; i < (uint)V; i += tgs) { total += metal::exp(static_cast<float>(x[i]) - lse); }
+    total = tg_sum(total, red, lane, sg, nsg);
+    // Smallest t with mass(lp > t) < top_p * total.
+    uint lo = fkey(-INFINITY), hi = fkey(lp_max);
+    while (hi - lo > 1) {
+      uint mid = lo + (hi - lo) / 2;
+      float t = funkey(mid);
+      float mass = 0.0f;
+      for (uint i = tid; i < (uint)V; i += tgs) {
+        float lp = static_cast<float>(x[i]) - lse;
+        mass += lp > t ? metal::exp(lp) : 0.0f;
+      }
+      mass = tg_sum(mass, red, lane, sg, nsg);
+      if (mass < top_p * total) { hi = mid; } else { lo = mid; }
+    }
+    thr = metal::max(thr, funkey(hi));
+  }
+  if (min_p > 0.0f) {
+    thr = metal::max(thr, lp_max + metal::log(min_p));
+  }
+  if (top_k > 0 && top_k < V) {
+    // Smallest t with count(lp >= t) <= top_k.
+    uint lo = fkey(-INFINITY), hi = fkey(lp_max);
+    while (hi - lo > 1) {
+      uint mid = lo + (hi - lo) / 2;
+      float t = funkey(mid);
+      float count = 0.0f;
+      for (uint i = tid; i < (uint)V; i += tgs) {
+        count += (static_cast<float>(x[i]) - lse) >= t ? 1.0f : 0.0f;
+      }
+      count = tg_sum(count, red, lane, sg, nsg);
+      if (count <= (float)top_k) { hi = mid; } else { lo = mid; }
+    }
+    thr = metal::max(thr, funkey(hi));
+  }
+
+  // p_i = exp(lp_i / temp - z_max) / z over kept tokens.
+  float inv_t = 1.0f / temp;
+  float z_max = lp_max * inv_t;
+  float z = 0.0f;
+  for (uint i = tid; i < (uint)V; i += tgs) {
+    float lp = static_cast<float>(x[i]) - lse;
+    z += lp >= thr ? metal::exp(lp * inv_t - z_max) : 0.0f;
+  }
+  z = tg_sum(z, red, lane, sg, nsg);
+
+  bool draft_row = row < (uint)n;
+  if (draft_row && tid == 0) {
+    int d = draft[row];
+    float lp_d = static_cast<float>(x[d]) - lse;
+    float p_d = lp_d >= thr ? metal::exp(lp_d * inv_t - z_max) / z : 0.0f;
+    float q_d = metal::exp(ql[d]);
+    flags[row] = u[2 * row] * q_d < p_d ? 1 : 0;
+  }
+
+  // Inverse CDF draw from the residual max(0, p - q) (or p itself on the
+  // last row, or when p == q leaves no residual), over contiguous chunks.
+  uint chunk = ((uint)V + tgs - 1) / tgs;
+  uint begin = metal::min(tid * chunk, (uint)V);
+  uint end = metal::min(begin + chunk, (uint)V);
+  bool use_p = !draft_row;
+  float local = 0.0f;
+  for (uint i = begin; i < end; ++i) {
+    float lp = static_cast<float>(x[i]) - lse;
+    float p = lp >= thr ? metal::exp(lp * inv_t - z_max) / z : 0.0f;
+    local += use_p ? p : metal::max(p - metal::exp(ql[i]), 0.0f);
+  }
+  float mass = tg_sum(local, red, lane, sg, nsg);
+  if (!use_p && mass <= 0.0f) {
+    use_p = true;
+    local = 0.0f;
+    for (uint i = begin; i < end; ++i) {
+      float lp = static_cast<float>(x[i]) - lse;
+      local += lp >= thr ? metal::exp(lp * inv_t - z_max) / z : 0.0f;
+    }
+    mass = tg_sum(local, red, lane, sg, nsg);
+  }
+  part[tid] = local;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    float acc = 0.0f;
+    for (uint j = 0; j < tgs; ++j) { float v = part[j]; part[j] = acc; acc += v; }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float target = u[2 * row + 1] * mass;
+  float pre = part[tid];
+  if (local > 0.0f && pre <= target && (target < pre + local || tid == tgs - 1 || part[tid + 1] > target)) {
+    float c = pre;
+    int pick = -1;
+    int last = -1;
+    for (uint i = begin; i < end; ++i) {
+      float lp = static_cast<float>(x[i]) - lse;
+      float p = lp >= thr ? metal::exp(lp * inv_t - z_max) / z : 0.0f;
+      float r = use_p ? p : metal::max(p - metal::exp(ql[i]), 0.0f);
+      if (r > 0.0f) { last = (int)i; }
+      c += r;
+      if (c > target && r > 0.0f) { pick = (int)i; break; }
+    }
+    tokens[row] = pick >= 0 ? pick : last;
+  }
+"""
+
+
+def _combine(draft: mx.array, flags: mx.array, tokens: mx.array) -> Tuple[mx.array, mx.array]:
+    n = draft.shape[0]
+    accepted = mx.cumprod(flags[:n].astype(mx.int32)).sum()
+    return accepted, tokens[accepted]
+
+
+def greedy_reference(draft: mx.array, logits: mx.array) -> Tuple[mx.array, mx.array]:
+    """draft: [n] tokens; logits: [n + 1, V] verify logits of [last, draft]."""
+    posterior = mx.argmax(logits, axis=-1)
+    return _combine(draft, draft == posterior[: draft.shape[0]], posterior)
+
+
+def inverse_cdf(rows: mx.array, u: mx.array) -> mx.array:
+    """Index i of each row with cumsum[i-1] <= u * total < cumsum[i] (rows need not be normalised)."""
+    c = mx.cumsum(rows, axis=-1)
+    target = u * c[..., -1:]
+    return mx.minimum((c <= target).sum(axis=-1), rows.shape[-1] - 1).astype(mx.int32)
+
+
+def sampled_reference(draft: mx.array, logits: mx.array, q_lp: mx.array, u: mx.array,
+                      params: SamplingParams) -> Tuple[mx.array, mx.array]:
+    """draft: [n]; logits: [n + 1, V]; q_lp: [n, V] drafter log probs; u: [n + 1, 2] uniforms."""
+    n = draft.shape[0]
+    p = mx.exp(log_probs(logits, params))
+    q = mx.exp(q_lp)
+    idx = draft[:, None]
+    p_d = mx.take_along_axis(p[:n], idx, axis=-1)[:, 0]
+    q_d = mx.take_along_axis(q, idx, axis=-1)[:, 0]
+    accepted = mx.cumprod((u[:n, 0] * q_d < p_d).astype(mx.int32)).sum()
+    # Only the row at the first rejection (or the bonus row) is drawn from.
+    p_row = p[accepted]
+    q_row = mx.concatenate([q, mx.zeros_like(q[:1])], axis=0)[accepted]
+    residual = mx.maximum(p_row - q_row, 0.0)
+    residual = mx.where((accepted < n) & (residual.sum() > 0), residual, p_row)
+    token = inverse_cdf(residual[None], u[accepted, 1:][None])[0]
+    return accepted, token
+
+
+def _params_array(params: SamplingParams) -> mx.array:
+    return mx.array([params.temp, params.top_p, params.min_p, float(params.top_k)], dtype=mx.float32)
+
+
+def _build(be: str):
+    if be != "metal":
+        raise RuntimeError(f"no {be} build")
+    greedy_k = mx.fast.metal_kernel(
+        name="dflash_verify_accept_greedy", input_names=["logits"], output_names=["posterior"],
+        source=GREEDY_SOURCE, header=HEADER,
+    )
+    sampled_k = mx.fast.metal_kernel(
+        name="dflash_verify_accept_sampled", input_names=["logits", "q_lp", "draft", "u", "params", "n"],
+        output_names=["flags", "tokens"], source=SAMPLED_SOURCE, header=HEADER,
+    )
+
+    def run(draft, logits, q_lp=None, u=None, params=None):
+        R, V = logits.shape
+        grid, group = (R * THREADS, 1, 1), (THREADS, 1, 1)
+        if q_lp is None:
+            (posterior,) = greedy_k(inputs=[logits], template=[("T", logits.dtype), ("V", V)], grid=grid,
+                                    threadgroup=group, output_shapes=[(R,)], output_dtypes=[mx.int32])
+            return _combine(draft, draft == posterior[: draft.shape[0]], posterior)
+        n = draft.shape[0]
+        flags, tokens = sampled_k(
+            inputs=[logits, q_lp.astype(mx.float32), draft.astype(mx.int32), u, _params_array(params), n],
+            template=[("T", logits.dtype), ("V", V)], grid=grid, threadgroup=group,
+            output_shapes=[(R,), (R,)], output_dtypes=[mx.int32, mx.int32], init_value=0,
+        )
+        return _combine(draft, flags, tokens)
+
+    return run
+
+
+def _check(run) -> None:
+    key = mx.random.key(7)
+    for n, V, dtype in ((4, 1000, mx.float32), (7, 4099, mx.float16), (0, 513, mx.float32)):
+        k1, k2, k3, k4, key = mx.random.split(key, 5)
+        logits = (3 * mx.random.normal((n + 1, V), key=k1)).astype(dtype)
+        # Drafts that agree with the target for a while, then disagree.
+        draft = mx.argmax(logits[:n], axis=-1).astype(mx.int32) if n else mx.zeros((0,), mx.int32)
+        if n > 2:
+            draft = mx.concatenate([draft[:2], mx.random.randint(0, V, (n - 2,), key=k2).astype(mx.int32)])
+        got, want = run(draft, logits), greedy_reference(draft, logits)
+        if n == 0:
+            continue
+        assert got[0].item() == want[0].item() and got[1].item() == want[1].item(), f"greedy {got} != {want}"
+        q_lp = log_probs(3 * mx.random.normal((n, V), key=k3), SamplingParams(temp=1.0))
+        for params in (SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9),
+                       SamplingParams(temp=1.3, top_k=40, min_p=0.02)):
+            for trial in range(4):
+                u = mx.random.uniform(shape=(n + 1, 2), key=mx.random.split(k4, 4)[trial])
+                got = run(draft, logits, q_lp, u, params)
+                want = sampled_reference(draft, logits, q_lp, u, params)
+                assert (got[0].item(), got[1].item()) == (want[0].item(), want[1].item()), (
+                    f"sampled {params} {got} != {want}")
+
+
+KERNEL = register(GuardedKernel(
+    "verify_accept", "greedy and speculative-sampling acceptance, one pass per block row", _build, _check))
+
+
+def verify_accept(draft: mx.array, logits: mx.array, params: SamplingParams,
+                  q_lp: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+    """(accepted draft count, next token) from verify logits [n + 1, V] of [last, draft]."""
+    run = KERNEL.kernel()
+    if params.greedy:
+        return greedy_reference(draft, logits) if run is None else run(draft, logits)
+    u = mx.random.uniform(shape=(draft.shape[0] + 1, 2))
+    if run is None:
+        return sampled_reference(draft, logits, q_lp, u, params)
+    return run(draft, logits, q_lp, u, params)
