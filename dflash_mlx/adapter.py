@@ -271,7 +271,7 @@ class TargetAdapter:
             if i in self.tap_ids and i != self.num_layers - 1:
                 layers[i] = TappedLayer(layer, i, self._taps)
         # Only where a kernel can run: elsewhere the stock op is all qmm_verify would call.
-        self.verify_linears = wrap_quantized_linears(model) if backend() == "metal" else 0
+        self.verify_linears = wrap_quantized_linears(model) if backend() is not None else 0
 
     def make_cache(self) -> List[Any]:
         cache = cache_lib.make_prompt_cache(self.model)

@@ -11,8 +11,9 @@ The cost curve times whole cycles, widths interleaved round by round so that
 machine noise falls on all widths alike; it is measured once per (model,
 drafter, quantization, backend, MLX version, BLAS) and cached as JSON. While
 decoding, the sizer also times the real cycles and corrects the curve per
-width, and now and then tries a width next to its choice, so a curve that is
-off (other processes, a longer context, a thermal state) is mended online.
+width, and now and then tries another width whose predicted rate is close, so
+a curve that is off (other processes, a longer context, a thermal state) is
+mended online where it matters.
 """
 
 import hashlib
@@ -40,18 +41,22 @@ class CostCurve:
     def max_width(self) -> int:
         return len(self.verify[0])
 
-    def cost(self, width: int, context: int) -> float:
-        """Seconds per cycle at `width`, interpolated linearly in context length."""
+    def costs(self, context: int) -> List[float]:
+        """Seconds per cycle for widths 1..max_width, interpolated linearly in context length."""
         cs = self.contexts
         i = 0 if context <= cs[0] else min(len(cs) - 2, next((j for j in range(len(cs) - 1) if context <= cs[j + 1]), len(cs) - 2))
-        c0, c1 = cs[i], cs[min(i + 1, len(cs) - 1)]
-        t = 0.0 if c1 == c0 else (context - c0) / (c1 - c0)
-        t = max(0.0, t)
-        def at(rows):
-            return rows[i][width - 1] + t * (rows[min(i + 1, len(cs) - 1)][width - 1] - rows[i][width - 1])
-        if self.cycle is not None:
-            return max(1e-9, at(self.cycle))
-        return max(1e-9, at(self.verify) + at(self.draft))
+        j = min(i + 1, len(cs) - 1)
+        t = 0.0 if cs[j] == cs[i] else max(0.0, (context - cs[i]) / (cs[j] - cs[i]))
+        rows = [self.cycle] if self.cycle is not None else [self.verify, self.draft]
+        out = [0.0] * self.max_width
+        for r in rows:
+            a, b = r[i], r[j]
+            for w in range(self.max_width):
+                out[w] += a[w] + t * (b[w] - a[w])
+        return [max(1e-9, c) for c in out]
+
+    def cost(self, width: int, context: int) -> float:
+        return self.costs(context)[width - 1]
 
     def relative(self, context: int = 64) -> List[float]:
         base = self.cost(1, context)
@@ -71,12 +76,14 @@ class BlockSizer:
         n = self.max_width
         self.tried = [0.0] * n  # times draft position k (1-based index k) was checked
         self.accepted = [0.0] * n
-        # Measured / curve cost: per width (EMA, with its weight) and over all widths.
+        # Measured / curve cost per width (an EMA and how much it has seen); widths
+        # seen little lean on global_ratio, the lowest of them (optimistic).
         self.ratio = [1.0] * n
         self.seen = [0.0] * n
         self.global_ratio = 1.0
         self.cycles = 0
         self.current = 0  # the width chosen last (probes aside)
+        self._context, self._curve_costs = None, []
 
     def alphas(self) -> List[float]:
         """alpha_k for k = 1..max_width-1; untested depths borrow the previous estimate."""
@@ -95,16 +102,29 @@ class BlockSizer:
             total += run
         return total
 
+    def _costs(self, context: int) -> List[float]:
+        if self._context != context:
+            self._context, self._curve_costs = context, self.curve.costs(context)
+        return self._curve_costs
+
+    def _ratio(self, width: int) -> float:
+        n = self.seen[width - 1]
+        return (n * self.ratio[width - 1] + self.weight * self.global_ratio) / (n + self.weight)
+
     def cost(self, width: int, context: int) -> float:
         """Expected seconds of a cycle: the curve, corrected by the cycles timed so far."""
-        n = self.seen[width - 1]
-        ratio = (n * self.ratio[width - 1] + self.weight * self.global_ratio) / (n + self.weight)
-        return self.curve.cost(width, context) * ratio
+        return self._costs(context)[width - 1] * self._ratio(width)
 
     def rates(self, context: int) -> List[float]:
-        """Expected committed tokens per second for widths 1..max_width."""
-        alphas = self.alphas()
-        return [self.expected_tokens(w, alphas) / self.cost(w, context) for w in range(1, self.max_width + 1)]
+        """Expected committed tokens per second for widths 1..max_width (one pass: runs every cycle)."""
+        alphas, costs = self.alphas(), self._costs(context)
+        out, tokens, run = [], 1.0, 1.0
+        for w in range(1, self.max_width + 1):
+            if w > 1:
+                run *= alphas[w - 2]
+                tokens += run
+            out.append(tokens / (costs[w - 1] * self._ratio(w)))
+        return out
 
     def choose(self, context: int) -> int:
         rates = self.rates(context)
@@ -132,7 +152,7 @@ class BlockSizer:
         if seconds is None or seconds <= 0:
             return
         # Clamp outliers (a pause in the caller, a page fault) before averaging.
-        r = seconds / self.curve.cost(width, context)
+        r = seconds / self._costs(context)[width - 1]
         i = width - 1
         if self.seen[i]:
             r = min(max(r, 0.5 * self.ratio[i]), 2.0 * self.ratio[i])

@@ -3,9 +3,9 @@
 Metal cannot run here. What runs: every reference against straightforward
 code, each kernel's self-check against its reference (and against a broken
 implementation, which it must reject), the guard's fallback logic on a
-pretend-Metal backend, and a g++ syntax check of every Metal source as the
-Python wrapper really instantiates it (see tests/metal/metal_stub.h for what
-that does and does not catch).
+pretend-Metal backend, and a g++ syntax check of every Metal source and CUDA
+twin as the Python wrapper really instantiates it (see tests/metal/*_stub.h
+for what that does and does not catch).
 """
 
 import importlib
@@ -327,7 +327,7 @@ def test_doctor_lists_every_kernel(monkeypatch):
 
 
 class Recorder:
-    """Stands in for mx.fast.metal_kernel: records the build and each call."""
+    """Stands in for mx.fast.metal_kernel / cuda_kernel: records the build and each call."""
 
     def __init__(self):
         self.kernels = []
@@ -345,20 +345,20 @@ class Recorder:
         return call
 
 
-def recorded_builds(monkeypatch):
+def recorded_builds(monkeypatch, be="metal"):
     rec = Recorder()
-    monkeypatch.setattr(mx.fast, "metal_kernel", rec)
+    monkeypatch.setattr(mx.fast, "metal_kernel" if be == "metal" else "cuda_kernel", rec)
     draft, logits, _ = random_case(1, 5, 3000)
-    run = va._build("metal")
+    run = va._build(be)
     run(draft, logits.astype(mx.float16))
     q_lp = log_probs(logits[:5], SamplingParams(temp=1.0))
     run(draft, logits, q_lp, mx.random.uniform(shape=(6, 2)), SamplingParams(temp=0.8, top_p=0.9, top_k=5))
     args = verify_mod.random_inputs(mx.random.key(0), B=2, T=4, Hk=2, Hv=4, Dk=128, Dv=64, dtype=mx.bfloat16)
-    verify_mod._build("metal")(*args)
-    replay_mod._build("metal")(args[5], args[1], args[3], mx.zeros((2, 4, 4, 64)), 3)
+    verify_mod._build(be)(*args)
+    replay_mod._build(be)(args[5], args[1], args[3], mx.zeros((2, 4, 4, 64)), 3)
     for bits, gs in ((4, 64), (8, 128)):
         wq, s, b = qmm_mod.quantized(mx.random.key(1), N=200, K=512, group_size=gs, bits=bits)
-        qmm_mod._build("metal")(mx.zeros((6, 512), dtype=mx.float16), wq, s, b, gs, bits)
+        qmm_mod._build(be)(mx.zeros((6, 512), dtype=mx.float16), wq, s, b, gs, bits)
     return rec.kernels
 
 
@@ -367,13 +367,18 @@ ATTRIBUTES = {
     "threadgroup_position_in_grid": "uint3", "threads_per_threadgroup": "uint3",
     "thread_index_in_simdgroup": "uint", "simdgroup_index_in_threadgroup": "uint",
 }
-CTYPES = {mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t", mx.int32: "int", mx.uint32: "uint"}
+METAL_TYPES = {mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t", mx.int32: "int",
+               mx.uint32: "uint"}
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
+              mx.uint32: "uint32_t"}
+NAMES = {"dflash_verify_accept_greedy", "dflash_verify_accept_sampled", "dflash_gdn_verify", "dflash_gdn_replay",
+         "dflash_qmm_verify"}
 
 
-def test_metal_wiring(monkeypatch):
-    kernels = recorded_builds(monkeypatch)
-    assert {k["name"] for k in kernels} == {"dflash_verify_accept_greedy", "dflash_verify_accept_sampled",
-                                            "dflash_gdn_verify", "dflash_gdn_replay", "dflash_qmm_verify"}
+@pytest.mark.parametrize("be", ["metal", "cuda"])
+def test_kernel_wiring(monkeypatch, be):
+    kernels = recorded_builds(monkeypatch, be)
+    assert {k["name"] for k in kernels} == NAMES
     for k in kernels:
         body = k["header"] + k["source"]
         for name in k["inputs"] + k["outputs"]:
@@ -395,26 +400,26 @@ def test_metal_wiring(monkeypatch):
                 assert c["grid"][1] * qmm_mod.SIMDGROUPS * qmm_mod.COLS >= N  # every column is covered
 
 
-def translation_unit(k, call, index):
+def metal_unit(k, call, index):
+    """A translation unit shaped like MLX's Metal kernel: template params, generated signature."""
     tparams, targs = [], []
     for name, value in call["template"]:
         if isinstance(value, mx.Dtype):
             tparams.append(f"typename {name}")
-            targs.append(CTYPES[value])
+            targs.append(METAL_TYPES[value])
         else:
             tparams.append(f"{'bool' if isinstance(value, bool) else 'int'} {name}")
             targs.append(str(value).lower() if isinstance(value, bool) else str(value))
     params, args = [], []
-    dtypes = dict(call["template"])
     for name, value in zip(k["inputs"], call["inputs"]):
         if isinstance(value, int):
             params.append(f"const constant int& {name}")
             args.append(str(value))
         else:
-            params.append(f"const device {CTYPES[value.dtype]}* {name}")
+            params.append(f"const device {METAL_TYPES[value.dtype]}* {name}")
             args.append("nullptr")
     for name, dtype in zip(k["outputs"], call["output_dtypes"]):
-        params.append(f"device {CTYPES[dtype]}* {name}")
+        params.append(f"device {METAL_TYPES[dtype]}* {name}")
         args.append("nullptr")
     for attr, ctype in ATTRIBUTES.items():
         if re.search(rf"\b{attr}\b", k["source"]):
@@ -425,24 +430,47 @@ def translation_unit(k, call, index):
             f"void instantiate_{index}() {{ {fn}<{', '.join(targs)}>({', '.join(args)}); }}\n")
 
 
-def test_metal_sources_pass_a_gpp_syntax_check(monkeypatch, tmp_path):
+def cuda_unit(k, call, index):
+    """A translation unit shaped like MLX's CUDA kernel: constants declared inside the body."""
+    params = []
+    for name, value in zip(k["inputs"], call["inputs"]):
+        ctype = "int32_t" if isinstance(value, int) else CUDA_TYPES[value.dtype]  # scalars become 0-d arrays
+        params.append(f"const {ctype}* {name}")
+    params += [f"{CUDA_TYPES[d]}* {name}" for name, d in zip(k["outputs"], call["output_dtypes"])]
+    consts = []
+    for name, value in call["template"]:
+        if isinstance(value, mx.Dtype):
+            consts.append(f"  using {name} = {CUDA_TYPES[value]};")
+        else:
+            consts.append(f"  constexpr {'bool' if isinstance(value, bool) else 'int'} {name} = "
+                          f"{str(value).lower() if isinstance(value, bool) else value};")
+    return (f"{k['header']}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
+            f"__global__ void {k['name']}_{index}({', '.join(params)}) {{\n" + "\n".join(consts)
+            + f"\n{k['source']}\n}}\n}}\n")
+
+
+def gpp(source: str, stub: str, path: Path):
     compiler = shutil.which("g++")
-    assert compiler, "g++ is needed for the Metal syntax check (apt-get install g++)"
-    stub = Path(__file__).parent / "metal" / "metal_stub.h"
-    for i, k in enumerate(recorded_builds(monkeypatch)):
+    assert compiler, "g++ is needed for the kernel syntax check (apt-get install g++)"
+    path.write_text(f'#include "{Path(__file__).parent / "metal" / stub}"\n' + source)
+    return subprocess.run([compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-unused", str(path)],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("be", ["metal", "cuda"])
+def test_kernel_sources_pass_a_gpp_syntax_check(monkeypatch, tmp_path, be):
+    unit, stub = (metal_unit, "metal_stub.h") if be == "metal" else (cuda_unit, "cuda_stub.h")
+    for k in recorded_builds(monkeypatch, be):
         for j, call in enumerate(k["calls"]):
-            src = tmp_path / f"{k['name']}_{j}.cpp"
-            src.write_text(f'#include "{stub}"\n' + translation_unit(k, call, j))
-            r = subprocess.run([compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-unused", str(src)],
-                               capture_output=True, text=True)
-            assert r.returncode == 0, f"{k['name']} call {j}:\n{r.stderr[:3000]}"
+            r = gpp(unit(k, call, j), stub, tmp_path / f"{k['name']}_{j}.cpp")
+            assert r.returncode == 0, f"{be} {k['name']} call {j}:\n{r.stderr[:3000]}"
 
 
-def test_gpp_check_catches_a_broken_source(monkeypatch, tmp_path):
+@pytest.mark.parametrize("be", ["metal", "cuda"])
+def test_gpp_check_catches_a_broken_source(monkeypatch, tmp_path, be):
     """The syntax check is not vacuous: a typo in a source fails it."""
-    monkeypatch.setattr(va, "GREEDY_SOURCE", va.GREEDY_SOURCE.replace("best_v[sg] = best;", "best_v[sg] = bets;"))
-    k = [k for k in recorded_builds(monkeypatch) if k["name"] == "dflash_verify_accept_greedy"][0]
-    src = tmp_path / "broken.cpp"
-    src.write_text(f'#include "{Path(__file__).parent / "metal" / "metal_stub.h"}"\n' + translation_unit(k, k["calls"][0], 0))
-    r = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", str(src)], capture_output=True, text=True)
-    assert r.returncode != 0 and "bets" in r.stderr
+    monkeypatch.setattr(va, "GREEDY_BODY", va.GREEDY_BODY.replace("? best_v[lane]", "? bets_v[lane]"))
+    k = [k for k in recorded_builds(monkeypatch, be) if k["name"] == "dflash_verify_accept_greedy"][0]
+    unit, stub = (metal_unit, "metal_stub.h") if be == "metal" else (cuda_unit, "cuda_stub.h")
+    r = gpp(unit(k, k["calls"][0], 0), stub, tmp_path / "broken.cpp")
+    assert r.returncode != 0 and "bets_v" in r.stderr

@@ -11,37 +11,22 @@ from functools import partial
 
 import mlx.core as mx
 
-from .gdn_verify import gdn_verify_reference, random_inputs, repeat_heads
+from .common import PRELUDE
+from .gdn_verify import HEAD_SETUP, PROLOGUE, SCALAR, gdn_verify_reference, random_inputs, repeat_heads
 from .guard import GuardedKernel, register
 
-SOURCE = """
-  auto n = thread_position_in_grid.z;
-  auto b_idx = n / Hv;
-  auto hv_idx = n % Hv;
-  auto hk_idx = hv_idx / (Hv / Hk);
-  constexpr int n_per_t = Dk / 32;
-
+BODY = """
   // k: [B, T, Hk, Dk]; delta: [B, T, Hv, Dv]; g: [B, T, Hv]
-  auto k_ = k + b_idx * T * Hk * Dk + hk_idx * Dk;
-  auto d_ = delta + b_idx * T * Hv * Dv + hv_idx * Dv;
-  auto g_ = g + b_idx * T * Hv;
-
-  auto dk_idx = thread_position_in_threadgroup.x;
-  auto dv_idx = thread_position_in_grid.y;
-  auto i_state = state_in + (n * Dv + dv_idx) * Dk;
-  auto o_state = state_out + (n * Dv + dv_idx) * Dk;
-
-  float state[n_per_t];
-  for (int i = 0; i < n_per_t; ++i) {
-    state[i] = static_cast<float>(i_state[n_per_t * dk_idx + i]);
-  }
-  for (int t = 0; t < keep; ++t) {
+  auto k_ = k + b_idx * steps * Hk * Dk + hk_idx * Dk;
+  auto d_ = delta + b_idx * steps * Hv * Dv + hv_idx * Dv;
+  auto g_ = g + b_idx * steps * Hv;
+  for (int t = 0; t < kept; ++t) {
     float dlt = d_[dv_idx];
     for (int i = 0; i < n_per_t; ++i) {
-      state[i] = state[i] * static_cast<float>(g_[hv_idx]);
+      state[i] = state[i] * g_[hv_idx];
     }
     for (int i = 0; i < n_per_t; ++i) {
-      state[i] = state[i] + static_cast<float>(k_[n_per_t * dk_idx + i]) * dlt;
+      state[i] = state[i] + k_[n_per_t * dk_idx + i] * dlt;
     }
     k_ += Hk * Dk;
     d_ += Hv * Dv;
@@ -51,6 +36,12 @@ SOURCE = """
     o_state[n_per_t * dk_idx + i] = static_cast<StT>(state[i]);
   }
 """
+
+
+def source(be: str) -> str:
+    scalars = "".join(f"  int {var} = " + SCALAR[be].format(name=name) + ";\n"
+                      for var, name in (("steps", "T"), ("kept", "keep")))
+    return PROLOGUE[be] + scalars + HEAD_SETUP + BODY
 
 
 @partial(mx.compile, shapeless=False)
@@ -68,18 +59,19 @@ def gdn_replay_reference(state, k, g, delta, keep: int) -> mx.array:
 
 
 def _build(be: str):
-    if be != "metal":
+    if be not in PRELUDE:
         raise RuntimeError(f"no {be} build")
-    kernel = mx.fast.metal_kernel(
+    make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
+    kernel = make(
         name="dflash_gdn_replay", input_names=["state_in", "k", "g", "delta", "T", "keep"],
-        output_names=["state_out"], source=SOURCE,
+        output_names=["state_out"], source=source(be), header=PRELUDE[be],
     )
 
     def run(state, k, g, delta, keep):
         B, T, Hk, Dk = k.shape
         Hv, Dv = delta.shape[2:]
         (out,) = kernel(
-            inputs=[state, k, g, delta, T, keep],
+            inputs=[state, k.astype(mx.float32), g.astype(mx.float32), delta, T, keep],
             template=[("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
             grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
             output_shapes=[state.shape], output_dtypes=[state.dtype],

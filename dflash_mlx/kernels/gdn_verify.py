@@ -14,53 +14,67 @@ from typing import Tuple
 
 import mlx.core as mx
 
+from .common import PRELUDE
 from .guard import GuardedKernel, register
 
-SOURCE = """
-  auto n = thread_position_in_grid.z;
-  auto b_idx = n / Hv;
-  auto hv_idx = n % Hv;
-  auto hk_idx = hv_idx / (Hv / Hk);
+# Thread layout shared with gdn_replay: grid (32, Dv, B * Hv), threadgroup
+# (32, 4, 1); a simdgroup (warp) of 32 lanes splits Dk for one value row.
+PROLOGUE = {
+    "metal": """
+  int n = thread_position_in_grid.z;
+  int dk_idx = thread_position_in_threadgroup.x;
+  int dv_idx = thread_position_in_grid.y;
+""",
+    "cuda": """
+  int n = blockIdx.z;
+  int dk_idx = threadIdx.x;
+  int dv_idx = blockIdx.y * blockDim.y + threadIdx.y;
+""",
+}
+SCALAR = {"metal": "{name}", "cuda": "{name}[0]"}  # how a scalar input reads
+
+HEAD_SETUP = """
+  if (dv_idx >= Dv) { return; }
+  int b_idx = n / Hv;
+  int hv_idx = n % Hv;
+  int hk_idx = hv_idx / (Hv / Hk);
   constexpr int n_per_t = Dk / 32;
-
-  // q, k: [B, T, Hk, Dk]; v, y: [B, T, Hv, Dv]; g, beta: [B, T, Hv]
-  auto q_ = q + b_idx * T * Hk * Dk + hk_idx * Dk;
-  auto k_ = k + b_idx * T * Hk * Dk + hk_idx * Dk;
-  auto v_ = v + b_idx * T * Hv * Dv + hv_idx * Dv;
-  auto y_ = y + b_idx * T * Hv * Dv + hv_idx * Dv;
-  auto d_ = delta + b_idx * T * Hv * Dv + hv_idx * Dv;
-  auto g_ = g + b_idx * T * Hv;
-  auto beta_ = beta + b_idx * T * Hv;
-
-  auto dk_idx = thread_position_in_threadgroup.x;
-  auto dv_idx = thread_position_in_grid.y;
-
   // state_in, state_out: [B, Hv, Dv, Dk]
   auto i_state = state_in + (n * Dv + dv_idx) * Dk;
   auto o_state = state_out + (n * Dv + dv_idx) * Dk;
-
   float state[n_per_t];
   for (int i = 0; i < n_per_t; ++i) {
     state[i] = static_cast<float>(i_state[n_per_t * dk_idx + i]);
   }
+"""
 
-  for (int t = 0; t < T; ++t) {
+BODY = """
+  // q, k: [B, T, Hk, Dk]; v, y, delta: [B, T, Hv, Dv]; g, beta: [B, T, Hv]
+  auto q_ = q + b_idx * steps * Hk * Dk + hk_idx * Dk;
+  auto k_ = k + b_idx * steps * Hk * Dk + hk_idx * Dk;
+  auto v_ = v + b_idx * steps * Hv * Dv + hv_idx * Dv;
+  auto y_ = y + b_idx * steps * Hv * Dv + hv_idx * Dv;
+  auto d_ = delta + b_idx * steps * Hv * Dv + hv_idx * Dv;
+  auto g_ = g + b_idx * steps * Hv;
+  auto beta_ = beta + b_idx * steps * Hv;
+
+  for (int t = 0; t < steps; ++t) {
     float kv_mem = 0.0f;
     for (int i = 0; i < n_per_t; ++i) {
-      auto s_idx = n_per_t * dk_idx + i;
-      state[i] = state[i] * static_cast<float>(g_[hv_idx]);
+      int s_idx = n_per_t * dk_idx + i;
+      state[i] = state[i] * g_[hv_idx];
       kv_mem += state[i] * static_cast<float>(k_[s_idx]);
     }
-    kv_mem = simd_sum(kv_mem);
-    float dlt = (static_cast<float>(v_[dv_idx]) - kv_mem) * static_cast<float>(beta_[hv_idx]);
+    kv_mem = WARP_SUM(kv_mem);
+    float dlt = (static_cast<float>(v_[dv_idx]) - kv_mem) * beta_[hv_idx];
     float out = 0.0f;
     for (int i = 0; i < n_per_t; ++i) {
-      auto s_idx = n_per_t * dk_idx + i;
+      int s_idx = n_per_t * dk_idx + i;
       state[i] = state[i] + static_cast<float>(k_[s_idx]) * dlt;
       out += state[i] * static_cast<float>(q_[s_idx]);
     }
-    out = simd_sum(out);
-    if (thread_index_in_simdgroup == 0) {
+    out = WARP_SUM(out);
+    if (dk_idx == 0) {
       y_[dv_idx] = static_cast<InT>(out);
       d_[dv_idx] = dlt;
     }
@@ -76,6 +90,11 @@ SOURCE = """
     o_state[n_per_t * dk_idx + i] = static_cast<StT>(state[i]);
   }
 """
+
+
+def source(be: str) -> str:
+    steps = "  int steps = " + SCALAR[be].format(name="T") + ";\n"
+    return PROLOGUE[be] + steps + HEAD_SETUP + BODY
 
 
 @partial(mx.compile, shapeless=False)
@@ -113,18 +132,19 @@ def supported(k: mx.array, g: mx.array) -> bool:
 
 
 def _build(be: str):
-    if be != "metal":
+    if be not in PRELUDE:
         raise RuntimeError(f"no {be} build")
-    kernel = mx.fast.metal_kernel(
+    make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
+    kernel = make(
         name="dflash_gdn_verify", input_names=["q", "k", "v", "g", "beta", "state_in", "T"],
-        output_names=["y", "state_out", "delta"], source=SOURCE,
+        output_names=["y", "state_out", "delta"], source=source(be), header=PRELUDE[be],
     )
 
     def run(q, k, v, g, beta, state):
         B, T, Hk, Dk = k.shape
         Hv, Dv = v.shape[2:]
         return tuple(kernel(
-            inputs=[q, k, v, g, beta, state, T],
+            inputs=[q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state, T],
             template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
             grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
             output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv)],

@@ -18,9 +18,13 @@ ENV = "DFLASH_MLX_REFERENCE_KERNELS"
 
 
 def backend() -> Optional[str]:
-    """'metal' when MLX runs on an Apple GPU; None otherwise."""
-    if mx.default_device() == mx.gpu and mx.metal.is_available():
+    """'metal' on an Apple GPU, 'cuda' on MLX's CUDA backend, None on CPU."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
         return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
     return None
 
 
@@ -55,7 +59,7 @@ class GuardedKernel:
         if forced:
             self.state, self.reason = "reference", f"forced by {ENV}"
         elif be is None:
-            self.state, self.reason = "unavailable", f"no Metal back-end (MLX runs on {mx.default_device()})"
+            self.state, self.reason = "unavailable", f"no Metal or CUDA back-end (MLX runs on {mx.default_device()})"
         else:
             try:
                 fn = self._build(be)

@@ -14,25 +14,34 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
+from .common import PRELUDE
 from .guard import GuardedKernel, register
 
 COLS = 4  # output columns per simdgroup
 SIMDGROUPS = 4  # per threadgroup
 MAX_ROWS = 16
 
-SOURCE = """
-  uint lane = thread_index_in_simdgroup;
-  uint col0 = (threadgroup_position_in_grid.y * SG + simdgroup_index_in_threadgroup) * C;
+PROLOGUE = {
+    "metal": """
+  int lane = thread_index_in_simdgroup;
+  int col0 = (threadgroup_position_in_grid.y * SG + simdgroup_index_in_threadgroup) * C;
+""",
+    "cuda": """
+  int lane = threadIdx.x & 31;
+  int col0 = (blockIdx.y * SG + (threadIdx.x >> 5)) * C;
+""",
+}
+
+BODY = """
   constexpr int per_word = 32 / BITS;
   constexpr int words_per_row = K * BITS / 32;
   constexpr int groups_per_row = K / GS;
-  constexpr uint mask = (1u << BITS) - 1u;
+  constexpr unsigned int mask = (1u << BITS) - 1u;
 
   float acc[M][C];
   for (int m = 0; m < M; ++m) {
     for (int c = 0; c < C; ++c) { acc[m][c] = 0.0f; }
   }
-
   for (int k0 = lane * 8; k0 < K; k0 += 256) {
     float xs[M][8];
     float xsum[M];
@@ -44,14 +53,14 @@ SOURCE = """
       }
     }
     for (int c = 0; c < C; ++c) {
-      uint col = col0 + c;
-      if (col >= (uint)N) { break; }
+      int col = col0 + c;
+      if (col >= N) { break; }
       int grp = k0 / GS;
       float s = static_cast<float>(scales[col * groups_per_row + grp]);
       float b = static_cast<float>(biases[col * groups_per_row + grp]);
       float q[8];
       for (int j = 0; j < 8; ++j) {
-        uint word = w[col * words_per_row + (k0 + j) / per_word];
+        unsigned int word = w[col * words_per_row + (k0 + j) / per_word];
         q[j] = static_cast<float>((word >> (BITS * ((k0 + j) % per_word))) & mask);
       }
       for (int m = 0; m < M; ++m) {
@@ -63,9 +72,9 @@ SOURCE = """
   }
   for (int m = 0; m < M; ++m) {
     for (int c = 0; c < C; ++c) {
-      float v = simd_sum(acc[m][c]);
-      uint col = col0 + c;
-      if (lane == 0 && col < (uint)N) { out[m * N + col] = static_cast<T>(v); }
+      float v = WARP_SUM(acc[m][c]);
+      int col = col0 + c;
+      if (lane == 0 && col < N) { out[m * N + col] = static_cast<T>(v); }
     }
   }
 """
@@ -86,11 +95,11 @@ def supported(x: mx.array, group_size: int, bits: int) -> bool:
 
 
 def _build(be: str):
-    if be != "metal":
+    if be not in PRELUDE:
         raise RuntimeError(f"no {be} build")
-    kernel = mx.fast.metal_kernel(
-        name="dflash_qmm_verify", input_names=["x", "w", "scales", "biases"], output_names=["out"], source=SOURCE,
-    )
+    make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
+    kernel = make(name="dflash_qmm_verify", input_names=["x", "w", "scales", "biases"], output_names=["out"],
+                  source=PROLOGUE[be] + BODY, header=PRELUDE[be])
 
     def run(x, w, scales, biases, group_size, bits):
         M, K = x.shape

@@ -7,9 +7,10 @@ normalise(max(0, p - q)); after full acceptance draw from p), with p the
 target's distribution after mlx-lm's filters (top-p, min-p, top-k on
 temperature-1 log probabilities, then temperature).
 
-The Metal kernel gives each block row one threadgroup and reads the row's
-vocabulary once per reduction, with the filters applied as thresholds found
-by bisection over float bit patterns (no sort). Draws use inverse CDF sampling
+The kernel (Metal, and its CUDA twin from the same body) gives each block row
+one threadgroup and reads the row's vocabulary once per reduction, with the
+filters applied as thresholds found by bisection over float bit patterns (no
+sort). Draws use inverse CDF sampling
 from uniforms drawn outside the kernel, so the reference and the kernel
 consume the same random numbers. Ties at a top-k boundary keep every tied
 token (mlx-lm keeps an arbitrary k of them); continuous logits do not tie.
@@ -20,89 +21,50 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..sampling import SamplingParams, log_probs
+from .common import PRELUDE, REDUCTIONS, ROW_PROLOGUE
 from .guard import GuardedKernel, register
 
 THREADS = 1024
 
-HEADER = """
-inline float tg_sum(float v, threadgroup float* red, uint lane, uint sg, uint nsg) {
-  v = simd_sum(v);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (lane == 0) { red[sg] = v; }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  v = lane < nsg ? red[lane] : 0.0f;
-  return simd_sum(v);
-}
+GREEDY_BODY = """
+  int nw = (tgs + 31) / 32;
+  SHARED float best_v[32];
+  SHARED int best_i[32];
 
-inline float tg_max(float v, threadgroup float* red, uint lane, uint sg, uint nsg) {
-  v = simd_max(v);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (lane == 0) { red[sg] = v; }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  v = lane < nsg ? red[lane] : -INFINITY;
-  return simd_max(v);
-}
-
-// Order-preserving map between float and uint, for bisection over floats.
-inline uint fkey(float f) {
-  uint u = as_type<uint>(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-inline float funkey(uint k) {
-  return as_type<float>((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
-}
-"""
-
-GREEDY_SOURCE = """
-  uint row = threadgroup_position_in_grid.x;
-  uint tid = thread_position_in_threadgroup.x;
-  uint tgs = threads_per_threadgroup.x;
-  uint lane = thread_index_in_simdgroup;
-  uint sg = simdgroup_index_in_threadgroup;
-  uint nsg = (tgs + 31) / 32;
-  threadgroup float best_v[32];
-  threadgroup int best_i[32];
-
-  const device T* x = logits + (size_t)row * V;
+  const DEV T* x = logits + (size_t)row * V;
   float best = -INFINITY;
   int bi = V;
-  for (uint i = tid; i < (uint)V; i += tgs) {
+  for (int i = tid; i < V; i += tgs) {
     float v = static_cast<float>(x[i]);
-    if (v > best || bi == V) { best = v; bi = (int)i; }
+    if (v > best || bi == V) { best = v; bi = i; }
   }
   // Reduce (value, index): larger value wins, ties go to the lower index.
-  for (ushort off = 16; off > 0; off /= 2) {
-    float ov = simd_shuffle_down(best, off);
-    int oi = simd_shuffle_down(bi, off);
+  for (int off = 16; off > 0; off /= 2) {
+    float ov = SHFL_DOWN(best, off);
+    int oi = SHFL_DOWN(bi, off);
     if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
   }
-  if (lane == 0) { best_v[sg] = best; best_i[sg] = bi; }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (sg == 0) {
-    best = lane < nsg ? best_v[lane] : -INFINITY;
-    bi = lane < nsg ? best_i[lane] : V;
-    for (ushort off = 16; off > 0; off /= 2) {
-      float ov = simd_shuffle_down(best, off);
-      int oi = simd_shuffle_down(bi, off);
+  if (lane == 0) { best_v[wid] = best; best_i[wid] = bi; }
+  BARRIER();
+  if (wid == 0) {
+    best = lane < nw ? best_v[lane] : -INFINITY;
+    bi = lane < nw ? best_i[lane] : V;
+    for (int off = 16; off > 0; off /= 2) {
+      float ov = SHFL_DOWN(best, off);
+      int oi = SHFL_DOWN(bi, off);
       if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
     }
     if (lane == 0) { posterior[row] = bi; }
   }
 """
 
-SAMPLED_SOURCE = """
-  uint row = threadgroup_position_in_grid.x;
-  uint tid = thread_position_in_threadgroup.x;
-  uint tgs = threads_per_threadgroup.x;
-  uint lane = thread_index_in_simdgroup;
-  uint sg = simdgroup_index_in_threadgroup;
-  uint nsg = (tgs + 31) / 32;
-  threadgroup float red[32];
-  threadgroup float part[1024];
+SAMPLED_BODY = """
+  int nw = (tgs + 31) / 32;
+  SHARED float red[32];
+  SHARED float part[1024];
 
-  const device T* x = logits + (size_t)row * V;
-  const device float* ql = q_lp + (size_t)(row < (uint)n ? row : 0) * V;
+  const DEV T* x = logits + (size_t)row * V;
+  const DEV float* ql = q_lp + (size_t)(row < n_draft ? row : 0) * V;
   float temp = params[0];
   float top_p = params[1];
   float min_p = params[2];
@@ -110,119 +72,128 @@ SAMPLED_SOURCE = """
 
   // Temperature-1 log probabilities: lp_i = x_i - lse.
   float m = -INFINITY;
-  for (uint i = tid; i < (uint)V; i += tgs) { m = metal::max(m, static_cast<float>(x[i])); }
-  m = tg_max(m, red, lane, sg, nsg);
+  for (int i = tid; i < V; i += tgs) { m = FMAX(m, static_cast<float>(x[i])); }
+  m = block_max(m, red, lane, wid, nw);
   float s = 0.0f;
-  for (uint i = tid; i < (uint)V; i += tgs) { s += metal::exp(static_cast<float>(x[i]) - m); }
-  s = tg_sum(s, red, lane, sg, nsg);
-  float lse = m + metal::log(s);
+  for (int i = tid; i < V; i += tgs) { s += EXP(static_cast<float>(x[i]) - m); }
+  s = block_sum(s, red, lane, wid, nw);
+  float lse = m + LOG(s);
   float lp_max = m - lse;
 
   // Filters as one threshold: a token is kept when lp_i >= thr.
   float thr = -INFINITY;
   if (top_p < 1.0f) {
     float total = 0.0f;
-    for (uint i = tid; i < (uint)V; i += tgs) { total += metal::exp(static_cast<float>(x[i]) - lse); }
-    total = tg_sum(total, red, lane, sg, nsg);
+    for (int i = tid; i < V; i += tgs) { total += EXP(static_cast<float>(x[i]) - lse); }
+    total = block_sum(total, red, lane, wid, nw);
     // Smallest t with mass(lp > t) < top_p * total.
-    uint lo = fkey(-INFINITY), hi = fkey(lp_max);
+    unsigned int lo = fkey(-INFINITY), hi = fkey(lp_max);
     while (hi - lo > 1) {
-      uint mid = lo + (hi - lo) / 2;
+      unsigned int mid = lo + (hi - lo) / 2;
       float t = funkey(mid);
       float mass = 0.0f;
-      for (uint i = tid; i < (uint)V; i += tgs) {
+      for (int i = tid; i < V; i += tgs) {
         float lp = static_cast<float>(x[i]) - lse;
-        mass += lp > t ? metal::exp(lp) : 0.0f;
+        mass += lp > t ? EXP(lp) : 0.0f;
       }
-      mass = tg_sum(mass, red, lane, sg, nsg);
+      mass = block_sum(mass, red, lane, wid, nw);
       if (mass < top_p * total) { hi = mid; } else { lo = mid; }
     }
-    thr = metal::max(thr, funkey(hi));
+    thr = FMAX(thr, funkey(hi));
   }
   if (min_p > 0.0f) {
-    thr = metal::max(thr, lp_max + metal::log(min_p));
+    thr = FMAX(thr, lp_max + LOG(min_p));
   }
   if (top_k > 0 && top_k < V) {
     // Smallest t with count(lp >= t) <= top_k.
-    uint lo = fkey(-INFINITY), hi = fkey(lp_max);
+    unsigned int lo = fkey(-INFINITY), hi = fkey(lp_max);
     while (hi - lo > 1) {
-      uint mid = lo + (hi - lo) / 2;
+      unsigned int mid = lo + (hi - lo) / 2;
       float t = funkey(mid);
       float count = 0.0f;
-      for (uint i = tid; i < (uint)V; i += tgs) {
+      for (int i = tid; i < V; i += tgs) {
         count += (static_cast<float>(x[i]) - lse) >= t ? 1.0f : 0.0f;
       }
-      count = tg_sum(count, red, lane, sg, nsg);
+      count = block_sum(count, red, lane, wid, nw);
       if (count <= (float)top_k) { hi = mid; } else { lo = mid; }
     }
-    thr = metal::max(thr, funkey(hi));
+    thr = FMAX(thr, funkey(hi));
   }
 
   // p_i = exp(lp_i / temp - z_max) / z over kept tokens.
   float inv_t = 1.0f / temp;
   float z_max = lp_max * inv_t;
   float z = 0.0f;
-  for (uint i = tid; i < (uint)V; i += tgs) {
+  for (int i = tid; i < V; i += tgs) {
     float lp = static_cast<float>(x[i]) - lse;
-    z += lp >= thr ? metal::exp(lp * inv_t - z_max) : 0.0f;
+    z += lp >= thr ? EXP(lp * inv_t - z_max) : 0.0f;
   }
-  z = tg_sum(z, red, lane, sg, nsg);
+  z = block_sum(z, red, lane, wid, nw);
 
-  bool draft_row = row < (uint)n;
+  bool draft_row = row < n_draft;
   if (draft_row && tid == 0) {
     int d = draft[row];
     float lp_d = static_cast<float>(x[d]) - lse;
-    float p_d = lp_d >= thr ? metal::exp(lp_d * inv_t - z_max) / z : 0.0f;
-    float q_d = metal::exp(ql[d]);
+    float p_d = lp_d >= thr ? EXP(lp_d * inv_t - z_max) / z : 0.0f;
+    float q_d = EXP(ql[d]);
     flags[row] = u[2 * row] * q_d < p_d ? 1 : 0;
   }
 
   // Inverse CDF draw from the residual max(0, p - q) (or p itself on the
   // last row, or when p == q leaves no residual), over contiguous chunks.
-  uint chunk = ((uint)V + tgs - 1) / tgs;
-  uint begin = metal::min(tid * chunk, (uint)V);
-  uint end = metal::min(begin + chunk, (uint)V);
+  int chunk = (V + tgs - 1) / tgs;
+  int begin = IMIN(tid * chunk, V);
+  int end = IMIN(begin + chunk, V);
   bool use_p = !draft_row;
   float local = 0.0f;
-  for (uint i = begin; i < end; ++i) {
+  for (int i = begin; i < end; ++i) {
     float lp = static_cast<float>(x[i]) - lse;
-    float p = lp >= thr ? metal::exp(lp * inv_t - z_max) / z : 0.0f;
-    local += use_p ? p : metal::max(p - metal::exp(ql[i]), 0.0f);
+    float p = lp >= thr ? EXP(lp * inv_t - z_max) / z : 0.0f;
+    local += use_p ? p : FMAX(p - EXP(ql[i]), 0.0f);
   }
-  float mass = tg_sum(local, red, lane, sg, nsg);
+  float mass = block_sum(local, red, lane, wid, nw);
   if (!use_p && mass <= 0.0f) {
     use_p = true;
     local = 0.0f;
-    for (uint i = begin; i < end; ++i) {
+    for (int i = begin; i < end; ++i) {
       float lp = static_cast<float>(x[i]) - lse;
-      local += lp >= thr ? metal::exp(lp * inv_t - z_max) / z : 0.0f;
+      local += lp >= thr ? EXP(lp * inv_t - z_max) / z : 0.0f;
     }
-    mass = tg_sum(local, red, lane, sg, nsg);
+    mass = block_sum(local, red, lane, wid, nw);
   }
   part[tid] = local;
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  BARRIER();
   if (tid == 0) {
     float acc = 0.0f;
-    for (uint j = 0; j < tgs; ++j) { float v = part[j]; part[j] = acc; acc += v; }
+    for (int j = 0; j < tgs; ++j) { float v = part[j]; part[j] = acc; acc += v; }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  BARRIER();
   float target = u[2 * row + 1] * mass;
   float pre = part[tid];
-  if (local > 0.0f && pre <= target && (target < pre + local || tid == tgs - 1 || part[tid + 1] > target)) {
+  if (local > 0.0f && pre <= target && (target < pre + local || tid == tgs - 1)) {
     float c = pre;
     int pick = -1;
     int last = -1;
-    for (uint i = begin; i < end; ++i) {
+    for (int i = begin; i < end; ++i) {
       float lp = static_cast<float>(x[i]) - lse;
-      float p = lp >= thr ? metal::exp(lp * inv_t - z_max) / z : 0.0f;
-      float r = use_p ? p : metal::max(p - metal::exp(ql[i]), 0.0f);
-      if (r > 0.0f) { last = (int)i; }
+      float p = lp >= thr ? EXP(lp * inv_t - z_max) / z : 0.0f;
+      float r = use_p ? p : FMAX(p - EXP(ql[i]), 0.0f);
+      if (r > 0.0f) { last = i; }
       c += r;
-      if (c > target && r > 0.0f) { pick = (int)i; break; }
+      if (c > target && r > 0.0f) { pick = i; break; }
     }
     tokens[row] = pick >= 0 ? pick : last;
   }
 """
+
+# The draft count arrives as a scalar on Metal and as a one-element array on CUDA.
+N_DRAFT = {"metal": "  int n_draft = n;\n", "cuda": "  int n_draft = n[0];\n"}
+
+
+def sources(be: str):
+    """(header, greedy source, sampled source) for a backend."""
+    header = PRELUDE[be] + REDUCTIONS
+    return header, ROW_PROLOGUE[be] + GREEDY_BODY, ROW_PROLOGUE[be] + N_DRAFT[be] + SAMPLED_BODY
 
 
 def _combine(draft: mx.array, flags: mx.array, tokens: mx.array) -> Tuple[mx.array, mx.array]:
@@ -268,16 +239,14 @@ def _params_array(params: SamplingParams) -> mx.array:
 
 
 def _build(be: str):
-    if be != "metal":
+    if be not in PRELUDE:
         raise RuntimeError(f"no {be} build")
-    greedy_k = mx.fast.metal_kernel(
-        name="dflash_verify_accept_greedy", input_names=["logits"], output_names=["posterior"],
-        source=GREEDY_SOURCE, header=HEADER,
-    )
-    sampled_k = mx.fast.metal_kernel(
-        name="dflash_verify_accept_sampled", input_names=["logits", "q_lp", "draft", "u", "params", "n"],
-        output_names=["flags", "tokens"], source=SAMPLED_SOURCE, header=HEADER,
-    )
+    make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
+    header, greedy_src, sampled_src = sources(be)
+    greedy_k = make(name="dflash_verify_accept_greedy", input_names=["logits"], output_names=["posterior"],
+                    source=greedy_src, header=header)
+    sampled_k = make(name="dflash_verify_accept_sampled", input_names=["logits", "q_lp", "draft", "u", "params", "n"],
+                     output_names=["flags", "tokens"], source=sampled_src, header=header)
 
     def run(draft, logits, q_lp=None, u=None, params=None):
         R, V = logits.shape
