@@ -67,19 +67,22 @@ class BlockSizer:
     """Chooses each cycle's block size from acceptance statistics and costs."""
 
     def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, weight: float = 2.0,
-                 decay: float = 0.995, probe_every: int = 16, probe_margin: float = 0.9, ema: float = 0.1,
+                 decay: float = 0.995, probe_every: int = 16, probe_margin: float = 0.9, window: int = 9,
                  stick: float = 1.03):
         self.curve = curve
         self.max_width = min(max_width, curve.max_width)
         self.prior, self.weight, self.decay = prior, weight, decay
-        self.probe_every, self.probe_margin, self.ema, self.stick = probe_every, probe_margin, ema, stick
+        self.probe_every, self.probe_margin, self.window, self.stick = probe_every, probe_margin, window, stick
         n = self.max_width
         self.tried = [0.0] * n  # times draft position k (1-based index k) was checked
         self.accepted = [0.0] * n
-        # Measured / curve cost per width (an EMA and how much it has seen); widths
-        # seen little lean on global_ratio, the lowest of them (optimistic).
+        # Measured / curve cost per width: the median of its last few timed
+        # cycles (robust to the odd stalled cycle, which would otherwise keep a
+        # rarely tried width looking slow); widths seen little lean on
+        # global_ratio, the lowest of those medians (optimistic).
+        self.samples: List[List[float]] = [[] for _ in range(n)]
         self.ratio = [1.0] * n
-        self.seen = [0.0] * n
+        self.seen = [0] * n
         self.global_ratio = 1.0
         self.cycles = 0
         self.current = 0  # the width chosen last (probes aside)
@@ -151,15 +154,13 @@ class BlockSizer:
             self.accepted[k] = self.accepted[k] * self.decay + (k <= accepted)
         if seconds is None or seconds <= 0:
             return
-        # Clamp outliers (a pause in the caller, a page fault) before averaging.
-        r = seconds / self._costs(context)[width - 1]
         i = width - 1
-        if self.seen[i]:
-            r = min(max(r, 0.5 * self.ratio[i]), 2.0 * self.ratio[i])
-        self.ratio[i] = r if self.seen[i] == 0 else (1 - self.ema) * self.ratio[i] + self.ema * r
-        self.seen[i] = min(self.seen[i] + 1, 1 / self.ema)
-        # Widths timed little or never lean on the lowest correction seen: an
-        # optimistic guess, so a width that might be better gets tried and timed.
+        window = self.samples[i]
+        window.append(seconds / self._costs(context)[i])
+        if len(window) > self.window:
+            window.pop(0)
+        self.ratio[i] = sorted(window)[len(window) // 2]
+        self.seen[i] = len(window)
         self.global_ratio = min(self.ratio[j] for j in range(self.max_width) if self.seen[j])
 
 

@@ -105,7 +105,15 @@ def test_widths_never_timed_are_costed_optimistically():
             s.update(w, 0, seconds=ratio * s.curve.cost(w, 64), context=64)
     assert s.global_ratio == pytest.approx(1.5, rel=0.01)
     assert s.cost(6, 64) == pytest.approx(1.5 * s.curve.cost(6, 64), rel=0.01)
-    assert s.cost(2, 64) == pytest.approx((10 * 2.2 + 2 * 1.5) / 12 * s.curve.cost(2, 64), rel=0.01)
+    assert s.cost(2, 64) == pytest.approx((9 * 2.2 + 2 * 1.5) / 11 * s.curve.cost(2, 64), rel=0.01)
+
+
+def test_a_stalled_cycle_does_not_mark_a_width_slow():
+    s = BlockSizer(curve([1.0] * 8), 8, probe_every=0)
+    base = s.curve.cost(4, 64)
+    for seconds in [1.0, 1.0, 1.1, 12.0, 0.9]:  # one cycle stalled by something else
+        s.update(4, 1, seconds=seconds * base, context=64)
+    assert s.cost(4, 64) == pytest.approx(1.0 * base, rel=0.15)
 
 
 def test_close_contenders_are_probed_least_timed_first():
