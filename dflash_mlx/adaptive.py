@@ -67,7 +67,7 @@ class BlockSizer:
     """Chooses each cycle's block size from acceptance statistics and costs."""
 
     def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, weight: float = 2.0,
-                 decay: float = 0.995, probe_every: int = 16, probe_margin: float = 0.9, window: int = 9,
+                 decay: float = 0.98, probe_every: int = 16, probe_margin: float = 0.9, window: int = 9,
                  stick: float = 1.03):
         self.curve = curve
         self.max_width = min(max_width, curve.max_width)

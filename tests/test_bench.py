@@ -37,9 +37,9 @@ def brute_force_best(sizer, context):
 
 
 def test_expected_tokens_from_acceptance_rates():
-    s = BlockSizer(curve([1.0] * 16), 16)
+    s = BlockSizer(curve([1.0] * 16), 16, decay=0.995)
     feed(s, 0.8, cycles=2000)
-    assert all(abs(a - 0.8) < 0.08 for a in s.alphas()[:4])  # ~200 effective cycles (decay)
+    assert all(abs(a - 0.8) < 0.08 for a in s.alphas()[:4])  # ~200 effective observations (decay)
     a = s.alphas()
     assert s.expected_tokens(3) == pytest.approx(1 + a[0] + a[0] * a[1])
     assert abs(s.expected_tokens(8) - sum(0.8 ** k for k in range(8))) < 0.6
