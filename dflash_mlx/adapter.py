@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from mlx_lm.models.rope_utils import initialize_rope as _mlx_lm_rope
@@ -217,21 +217,14 @@ class VerifyQuantizedLinear(_Wrapper):
 
 def wrap_quantized_linears(model: nn.Module) -> int:
     """Route verify-width calls of the model's affine 4/8-bit linears through `qmm_verify`."""
-    count = 0
-    for path, m in list(model.named_modules()):
-        if not (isinstance(m, nn.QuantizedLinear) and getattr(m, "mode", "affine") == "affine"
-                and m.bits in (4, 8) and m.get("biases") is not None):
-            continue
-        *parents, name = path.split(".")
-        parent = model
-        for p in parents:
-            parent = parent[int(p)] if isinstance(parent, list) else getattr(parent, p)
-        if isinstance(parent, list):
-            parent[int(name)] = VerifyQuantizedLinear(m)
-        else:
-            setattr(parent, name, VerifyQuantizedLinear(m))
-        count += 1
-    return count
+    wrapped = [
+        (path, VerifyQuantizedLinear(m)) for path, m in model.named_modules()
+        if isinstance(m, nn.QuantizedLinear) and getattr(m, "mode", "affine") == "affine"
+        and m.bits in (4, 8) and m.get("biases") is not None
+    ]
+    if wrapped:
+        model.update_modules(tree_unflatten(wrapped))
+    return len(wrapped)
 
 
 class TargetAdapter:

@@ -71,8 +71,14 @@ class GuardedKernel:
         return self.state
 
     def kernel(self) -> Optional[Callable]:
-        """The checked kernel, or None when the reference must run."""
-        self.resolve()
+        """The checked kernel, or None when the reference must run.
+
+        Called on every decode step (once per layer for some kernels): after the
+        first decision only the backend is compared; `resolve` re-reads the
+        environment variable as well.
+        """
+        if self.state == "unchecked" or self._key[0] != backend():
+            self.resolve()
         return self._fn
 
 
