@@ -310,6 +310,9 @@ def bench(
     from dflash_mlx import bench as B
 
     sizes = _block_sizes(block_size)
+    for path in (out, plot):
+        if path and not Path(path).resolve().parent.is_dir():
+            fail(f"Cannot write {path}: its folder does not exist; create it or pick another path.")
     try:
         pair = dflash_mlx.load(model, draft)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -336,12 +339,12 @@ def bench(
                           f"{result['draft_relative'][0][w]:.2f}")
     else:
         table = Table("suite", "block", "baseline tok/s", "DFlash tok/s", "speedup", "acceptance", "TTFT ms",
-                      "identical")
+                      "identical", caption="speedup: ratio of medians (of geometric means over prompts)")
         groups = [(name, result["suites"][name]) for name in result["suites"]] + [("overall", result["overall"])]
         for name, per_size in groups:
             for key, s in per_size.items():
                 table.add_row(name, key, f"{s['baseline_tps']:.1f}", f"{s['dflash_tps']:.1f}",
-                              f"{s['speedup']:.2f}x", f"{s['mean_acceptance']:.2f}",
+                              f"{s['speedup']:.2f}x ({s['speedup_geomean']:.2f}x)", f"{s['mean_acceptance']:.2f}",
                               f"{(s['dflash_ttft'] or 0) * 1000:.0f}",
                               f"{s['identical']}/{s['prompts']}" if temp == 0 else "n/a")
                 if "overhead_seconds_per_cycle" in s:
@@ -349,7 +352,9 @@ def bench(
                                   f"overhead {s['overhead_seconds_per_cycle'] * 1000:.2f} ms/cycle")
     err.print(table)
     if out:
-        Path(out).write_text(_json.dumps(result, indent=2) + "\n")
+        tmp = Path(out).with_name(Path(out).name + ".tmp")
+        tmp.write_text(_json.dumps(result, indent=2) + "\n")
+        tmp.replace(out)  # a half-written file never replaces an earlier result
         err.print(f"wrote {out}")
     if plot:
         try:

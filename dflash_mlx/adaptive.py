@@ -7,27 +7,28 @@ expected number of committed tokens, 1 + sum_k prod_{j<=k} alpha_j, where
 alpha_j is the running rate at which draft position j is accepted once
 positions before it were. Each cycle picks the b that maximises gain / cost.
 
-The cost curve times whole cycles, widths interleaved round by round so that
-machine noise falls on all widths alike; it is measured once per (model,
-drafter, quantization, backend, MLX version, BLAS) and cached as JSON. While
-decoding, the sizer also times the real cycles and corrects the curve per
-width, and now and then tries another width whose predicted rate is close, so
-a curve that is off (other processes, a longer context, a thermal state) is
-mended online where it matters.
+The cost curve times whole cycles, widths interleaved round by round and each
+round normalised by its own mean, so that a machine whose speed wanders
+(other processes, clocks) still yields a steady shape; it is measured once per
+(model, drafter, quantization, backend, MLX version, BLAS) and cached as JSON.
+Only relative costs decide the width, so the curve is not corrected online:
+earlier versions did, per width, and the noise of single cycles made the
+choice wander between widths that were in truth no better.
 """
 
+import copy
 import hashlib
 import json
 import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import mlx.core as mx
 
 CONTEXTS = (64, 1024)
-CURVE_VERSION = 2  # bump when what a curve measures changes
+CURVE_VERSION = 3  # bump when what a curve measures changes
 
 
 @dataclass
@@ -63,36 +64,63 @@ class CostCurve:
         return [self.cost(w, context) / base for w in range(1, self.max_width + 1)]
 
 
+class AcceptanceStats:
+    """Per-position acceptance counts, forgetting old outcomes as new ones arrive."""
+
+    def __init__(self, n: int, decay: float):
+        self.decay = decay
+        self.tried = [0.0] * n  # times draft position k (index k, 1-based) was checked
+        self.accepted = [0.0] * n
+
+    def add(self, width: int, accepted: int) -> None:
+        # Only positions actually checked forget, so a run of narrow cycles
+        # does not erase what was known about deeper positions.
+        for k in range(1, min(accepted + 2, width)):
+            self.tried[k] = self.tried[k] * self.decay + 1
+            self.accepted[k] = self.accepted[k] * self.decay + (k <= accepted)
+
+    def capped(self, weight: float) -> "AcceptanceStats":
+        """The same rates, each worth at most `weight` observations."""
+        out = AcceptanceStats(len(self.tried), self.decay)
+        for k, t in enumerate(self.tried):
+            if t > 0:
+                out.tried[k] = min(t, weight)
+                out.accepted[k] = out.tried[k] * self.accepted[k] / t
+        return out
+
+
 class BlockSizer:
-    """Chooses each cycle's block size from acceptance statistics and costs."""
+    """Chooses each cycle's block size from acceptance statistics and the cost curve.
+
+    Statistics are kept across requests (the drafter's usual form) and per
+    request: a request starts from the shared rates, worth `carry`
+    observations per position, so that its own outcomes take over within a few
+    cycles (a drafter that copies well on one prompt may guess poorly on the
+    next).
+    """
 
     def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, weight: float = 2.0,
-                 decay: float = 0.98, probe_every: int = 16, probe_margin: float = 0.9, window: int = 9,
-                 stick: float = 1.03):
+                 decay: float = 0.98, carry: float = 8.0, stick: float = 1.03):
         self.curve = curve
         self.max_width = min(max_width, curve.max_width)
-        self.prior, self.weight, self.decay = prior, weight, decay
-        self.probe_every, self.probe_margin, self.window, self.stick = probe_every, probe_margin, window, stick
-        n = self.max_width
-        self.tried = [0.0] * n  # times draft position k (1-based index k) was checked
-        self.accepted = [0.0] * n
-        # Measured / curve cost per width: the median of its last few timed
-        # cycles (robust to the odd stalled cycle, which would otherwise keep a
-        # rarely tried width looking slow); widths seen little lean on
-        # global_ratio, the lowest of those medians (optimistic).
-        self.samples: List[List[float]] = [[] for _ in range(n)]
-        self.ratio = [1.0] * n
-        self.seen = [0] * n
-        self.global_ratio = 1.0
-        self.cycles = 0
-        self.current = 0  # the width chosen last (probes aside)
-        self._context, self._curve_costs = None, []
+        self.prior, self.weight, self.carry, self.stick = prior, weight, carry, stick
+        self.shared = AcceptanceStats(self.max_width, decay)
+        self.stats = self.shared  # a request's own, once start() made one
+        self.current = 0  # the width chosen last
+        self._context, self._costs = None, []
+
+    def start(self) -> "BlockSizer":
+        """A sizer for a new request: this curve, the shared statistics as its prior."""
+        run = copy.copy(self)  # shares the curve and the shared statistics
+        run.stats = self.shared.capped(self.carry)
+        run.current = 0
+        return run
 
     def alphas(self) -> List[float]:
         """alpha_k for k = 1..max_width-1; untested depths borrow the previous estimate."""
-        out, prev = [], self.prior
+        st, out, prev = self.stats, [], self.prior
         for k in range(1, self.max_width):
-            mean = (self.accepted[k] + self.weight * prev) / (self.tried[k] + self.weight)
+            mean = (st.accepted[k] + self.weight * prev) / (st.tried[k] + self.weight)
             out.append(mean)
             prev = mean
         return out
@@ -105,63 +133,36 @@ class BlockSizer:
             total += run
         return total
 
-    def _costs(self, context: int) -> List[float]:
-        if self._context != context:
-            self._context, self._curve_costs = context, self.curve.costs(context)
-        return self._curve_costs
-
-    def _ratio(self, width: int) -> float:
-        n = self.seen[width - 1]
-        return (n * self.ratio[width - 1] + self.weight * self.global_ratio) / (n + self.weight)
-
     def cost(self, width: int, context: int) -> float:
-        """Expected seconds of a cycle: the curve, corrected by the cycles timed so far."""
-        return self._costs(context)[width - 1] * self._ratio(width)
+        if self._context != context:
+            self._context, self._costs = context, self.curve.costs(context)
+        return self._costs[width - 1]
 
     def rates(self, context: int) -> List[float]:
         """Expected committed tokens per second for widths 1..max_width (one pass: runs every cycle)."""
-        alphas, costs = self.alphas(), self._costs(context)
+        alphas = self.alphas()
         out, tokens, run = [], 1.0, 1.0
         for w in range(1, self.max_width + 1):
             if w > 1:
                 run *= alphas[w - 2]
                 tokens += run
-            out.append(tokens / (costs[w - 1] * self._ratio(w)))
+            out.append(tokens / self.cost(w, context))
         return out
 
     def choose(self, context: int) -> int:
         rates = self.rates(context)
         best = max(range(self.max_width), key=rates.__getitem__) + 1
-        # Keep the previous choice unless another is clearly better: estimates are noisy.
+        # Keep the previous choice unless another is clearly better: the
+        # estimates are noisy and each change of width costs a little.
         if not self.current or rates[best - 1] >= self.stick * rates[self.current - 1]:
             self.current = best
-        self.cycles += 1
-        # Now and then try another width whose predicted rate is close, the
-        # least timed first, so every contender's real cost gets measured.
-        if self.probe_every and self.cycles % self.probe_every == 0:
-            floor = self.probe_margin * rates[self.current - 1]
-            close = [w for w in range(1, self.max_width + 1) if w != self.current and rates[w - 1] >= floor]
-            if close:
-                return min(close, key=lambda w: (self.seen[w - 1], -rates[w - 1]))
         return self.current
 
-    def update(self, width: int, accepted: int, seconds: Optional[float] = None, context: int = 0) -> None:
-        """Record a cycle: its accepted draft tokens and, when timed, its wall time."""
-        # Each position forgets old outcomes only as new ones arrive, so a run
-        # of narrow cycles does not erase what was known about deeper positions.
-        for k in range(1, min(accepted + 2, width)):
-            self.tried[k] = self.tried[k] * self.decay + 1
-            self.accepted[k] = self.accepted[k] * self.decay + (k <= accepted)
-        if seconds is None or seconds <= 0:
-            return
-        i = width - 1
-        window = self.samples[i]
-        window.append(seconds / self._costs(context)[i])
-        if len(window) > self.window:
-            window.pop(0)
-        self.ratio[i] = sorted(window)[len(window) // 2]
-        self.seen[i] = len(window)
-        self.global_ratio = min(self.ratio[j] for j in range(self.max_width) if self.seen[j])
+    def update(self, width: int, accepted: int) -> None:
+        """Record a cycle: `accepted` of its `width - 1` draft tokens were kept."""
+        self.stats.add(width, accepted)
+        if self.stats is not self.shared:
+            self.shared.add(width, accepted)
 
 
 def blas_name() -> str:
@@ -189,12 +190,50 @@ def curve_key(pair) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
-def measure_cost_curve(pair, max_width: int, contexts=CONTEXTS, repeats: int = 5,
-                       progress=lambda done, total: None) -> CostCurve:
-    """Median seconds of the drafter pass, the verify pass and a whole cycle per width.
+def _median(xs: List[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
-    Widths are interleaved within each round, so slow spells of a shared
-    machine spread over all widths instead of biasing a few.
+
+def normalised(rounds: List[List[float]], means: Optional[List[float]] = None) -> List[List[float]]:
+    """Per width, its timings divided by their round's mean (or by `means`, one per round)."""
+    means = means or [sum(r) / len(r) for r in rounds]
+    return [[r[w] / m for r, m in zip(rounds, means)] for w in range(len(rounds[0]))]
+
+
+def profile(rounds: List[List[float]], means: Optional[List[float]] = None) -> List[float]:
+    """A robust per-width cost from rounds of timings (rows: rounds, columns: widths).
+
+    Each round is divided by its own mean first, so that a machine that speeds
+    up or slows down between rounds (other processes, clocks) does not bend
+    the shape; the median shape is then scaled by the median round mean.
+    """
+    means = means or [sum(r) / len(r) for r in rounds]
+    return [_median(col) * _median(means) for col in normalised(rounds, means)]
+
+
+def settled(rounds: List[List[float]], tolerance: float) -> bool:
+    """Whether every width's median shape is known to within `tolerance` (relative standard error)."""
+    n = len(rounds)
+    if n < 3:
+        return False
+    for col in normalised(rounds):
+        mean = sum(col) / n
+        sd = (sum((x - mean) ** 2 for x in col) / (n - 1)) ** 0.5
+        if 1.25 * sd / n ** 0.5 > tolerance * _median(col):  # standard error of a median
+            return False
+    return True
+
+
+def measure_cost_curve(pair, max_width: int, contexts=CONTEXTS, repeats: int = 8, max_repeats: int = 40,
+                       tolerance: float = 0.01, progress=lambda done, total: None) -> CostCurve:
+    """Seconds of the drafter pass, the verify pass and a whole cycle per width.
+
+    Widths are interleaved within each round, in alternating order, and rounds
+    are normalised before their median is taken (`profile`): only relative
+    costs decide the width, and those stay put while the machine's overall
+    speed wanders. After `repeats` rounds, more whole-cycle rounds are added
+    until each width's relative cost is known to `tolerance` (a quiet GPU
+    settles at once; a shared CPU takes more) or `max_repeats` is reached.
     """
     from .decode import draft, verify
     from .sampling import SamplingParams
@@ -202,7 +241,8 @@ def measure_cost_curve(pair, max_width: int, contexts=CONTEXTS, repeats: int = 5
     target, source = pair.target, pair.draft_source
     greedy = SamplingParams()
     verify_rows, draft_rows, cycle_rows = [], [], []
-    total, done = len(contexts) * (repeats + 1), 0
+    max_repeats = max(repeats, max_repeats)
+    total, done = len(contexts) * (max_repeats + 1), 0
     for ctx in contexts:
         prompt = mx.random.randint(0, target.vocab_size, (ctx,))
         tcache = target.make_cache()
@@ -216,34 +256,42 @@ def measure_cost_curve(pair, max_width: int, contexts=CONTEXTS, repeats: int = 5
             return draft(source, dstate, last, None, w, greedy)[0] if w > 1 else mx.array([], dtype=last.dtype)
 
         def run_verify(w, tokens):
-            n_acc, nxt, h = verify(target, tcache, last, tokens, None, greedy)
+            n_acc, nxt, _ = verify(target, tcache, last, tokens, None, greedy)
             out = mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)])
             out.tolist()
             target.crop(tcache, 0, w)
-            return h
 
-        samples = {w: ([], [], []) for w in range(1, max_width + 1)}
-        for r in range(repeats + 1):  # round 0 warms up
-            for w in range(1, max_width + 1):
+        parts, cycles = [], []  # per round: (verify, draft) and whole-cycle seconds per width
+        r = -1  # round -1 warms up
+        while r < repeats or (r < max_repeats and not settled(cycles, tolerance)):
+            split = r < repeats
+            times = [[0.0] * max_width for _ in range(3)]
+            order = range(1, max_width + 1) if r % 2 else range(max_width, 0, -1)
+            for w in order:
+                if split:
+                    tic = time.perf_counter()
+                    tokens = run_draft(w)
+                    mx.eval(tokens)
+                    mid = time.perf_counter()
+                    run_verify(w, tokens)
+                    times[0][w - 1] = time.perf_counter() - mid
+                    times[1][w - 1] = mid - tic if w > 1 else 0.0
                 tic = time.perf_counter()
-                tokens = run_draft(w)
-                mx.eval(tokens)
-                mid = time.perf_counter()
-                run_verify(w, tokens)
-                toc = time.perf_counter()
-                tic2 = time.perf_counter()
                 run_verify(w, run_draft(w))  # one host synchronisation, as in the loop
-                toc2 = time.perf_counter()
-                if r:
-                    samples[w][0].append(toc - mid)
-                    samples[w][1].append(mid - tic if w > 1 else 0.0)
-                    samples[w][2].append(toc2 - tic2)
+                times[2][w - 1] = time.perf_counter() - tic
+            if r >= 0:
+                cycles.append(times[2])
+                if split:
+                    parts.append(times[:2])
+            r += 1
             done += 1
             progress(done, total)
-        med = lambda xs: sorted(xs)[len(xs) // 2]
-        verify_rows.append([med(samples[w][0]) for w in range(1, max_width + 1)])
-        draft_rows.append([med(samples[w][1]) for w in range(1, max_width + 1)])
-        cycle_rows.append([med(samples[w][2]) for w in range(1, max_width + 1)])
+        done += max_repeats - r  # rounds this context did not need
+        progress(done, total)
+        means = [sum(c) / len(c) for c in cycles[: len(parts)]]  # parts are normalised by their round's cycles
+        verify_rows.append(profile([p[0] for p in parts], means))
+        draft_rows.append(profile([p[1] for p in parts], means))
+        cycle_rows.append(profile(cycles))
     return CostCurve(list(contexts), verify_rows, draft_rows, cycle_rows)
 
 

@@ -2,12 +2,17 @@
 
 Each prompt runs the baseline (mlx-lm's own `stream_generate`) and DFlash at
 every requested block size after a warm-up; greedy outputs are compared token
-for token. Speedups are ratios of medians taken in the same run.
+for token. Repeats interleave the settings in a random order each time.
+Speedups are ratios of medians taken in the same run, and ratios of geometric
+means over prompts (a paired comparison: the mean of per-prompt ratios,
+steadier on a noisy machine).
 """
 
 import json
+import math
 import os
 import platform
+import random
 import statistics
 import time
 from collections import Counter
@@ -25,7 +30,7 @@ from .prompt import build_prompt
 from .sampling import SamplingParams
 
 SUITES = ("code", "math", "chat")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def machine_info() -> Dict:
@@ -126,15 +131,27 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+def _geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
 def summarise(rows: List[Dict], key: str) -> Dict:
     base = _median([r["baseline"]["generation_tps"] for r in rows])
     ours = _median([r["dflash"][key]["generation_tps"] for r in rows])
+    # Geometric means over prompts: their ratio is the mean of per-prompt
+    # ratios, a paired comparison steadier than a ratio of medians.
+    base_g = _geomean([r["baseline"]["generation_tps"] for r in rows])
+    ours_g = _geomean([r["dflash"][key]["generation_tps"] for r in rows])
     lengths = [a for r in rows for a in r["dflash"][key]["acceptance_lengths"]]
     return {
         "prompts": len(rows),
         "baseline_tps": base,
         "dflash_tps": ours,
         "speedup": None if not base or ours is None else ours / base,
+        "baseline_tps_geomean": base_g,
+        "dflash_tps_geomean": ours_g,
+        "speedup_geomean": None if not base_g or ours_g is None else ours_g / base_g,
         "mean_acceptance": sum(lengths) / len(lengths) if lengths else None,
         "acceptance_histogram": {str(k): v for k, v in sorted(Counter(lengths).items())},
         "baseline_prompt_tps": _median([r["baseline"]["prompt_tps"] for r in rows]),
@@ -151,8 +168,8 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
               oracle: bool = False, progress=lambda done, total, what: None) -> Dict:
     params = SamplingParams(temp=temp, seed=0 if temp > 0 else None)
     tok, model = pair.tokenizer, pair.target.model
-    total = sum(len(v) for v in prompts.values()) * (1 + len(block_sizes))
-    done = 0
+    total = sum(len(v) for v in prompts.values()) * (1 + len(block_sizes)) * repeats
+    done, rng = 0, random.Random(0)
     # Warm-up: compile kernels and fill allocator caches once for each path.
     first = build_prompt(tok, next(iter(prompts.values()))[0])
     baseline_generate(model, tok, first, 8, temp)
@@ -163,23 +180,35 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
         rows = []
         for text in texts:
             ids = build_prompt(tok, text)
-            runs = [baseline_generate(model, tok, ids, max_tokens, temp) for _ in range(repeats)]
+            runs, dr, source = [], {bs: [] for bs in block_sizes}, None
+            # Repeats interleave the settings in a fresh random order each
+            # time, so neither a slow spell of the machine nor what ran just
+            # before falls on one setting more than another.
+            for r in range(repeats):
+                order = [None, *block_sizes]  # None: the baseline
+                rng.shuffle(order)
+                for bs in order:
+                    if bs is None:
+                        runs.append(baseline_generate(model, tok, ids, max_tokens, temp))
+                        what = "baseline"
+                    else:
+                        if oracle and source is None:
+                            source = OracleSource(ids, baseline_generate(model, tok, ids, max_tokens, temp)["tokens"],
+                                                  pair.target.vocab_size, pair.draft_source.block_size)
+                        bs_run = bs if not (oracle and bs == "auto") else pair.draft_source.block_size
+                        dr[bs].append(_dflash_run(pair, ids, max_tokens, params, bs_run, source))
+                        what = f"block {bs}"
+                    done += 1
+                    progress(done, total, f"{suite}: {what}")
             base = dict(runs[0], generation_tps=_median([r["generation_tps"] for r in runs]))
-            done += 1
-            progress(done, total, f"{suite}: baseline")
             row = {"prompt": text, "prompt_tokens": len(ids), "baseline": {k: v for k, v in base.items() if k != "tokens"},
                    "dflash": {}}
             row["baseline"]["generated_tokens"] = len(base["tokens"])
             for bs in block_sizes:
-                source = OracleSource(ids, base["tokens"], pair.target.vocab_size, pair.draft_source.block_size) if oracle else None
-                bs_run = bs if not (oracle and bs == "auto") else pair.draft_source.block_size
-                dr = [_dflash_run(pair, ids, max_tokens, params, bs_run, source) for _ in range(repeats)]
-                d = dict(dr[0], generation_tps=_median([r["generation_tps"] for r in dr]))
-                d["identical"] = d["tokens"] == base["tokens"] if temp == 0 else None
+                d = dict(dr[bs][0], generation_tps=_median([x["generation_tps"] for x in dr[bs]]))
+                d["identical"] = all(x["tokens"] == base["tokens"] for x in dr[bs]) if temp == 0 else None
                 d["generated_tokens"] = len(d.pop("tokens"))
                 row["dflash"][str(bs)] = d
-                done += 1
-                progress(done, total, f"{suite}: block {bs}")
             rows.append(row)
         suites[suite] = rows
     result = {
@@ -236,7 +265,7 @@ def validate(result: Dict) -> None:
         if field not in result["machine"]:
             raise ValueError(f"benchmark machine info lacks '{field}'")
     for key, s in result["overall"].items():
-        for field in ("baseline_tps", "dflash_tps", "speedup", "mean_acceptance", "acceptance_histogram",
+        for field in ("baseline_tps", "dflash_tps", "speedup", "speedup_geomean", "mean_acceptance", "acceptance_histogram",
                       "baseline_prompt_tps", "dflash_prompt_tps", "baseline_ttft", "dflash_ttft",
                       "identical", "mismatched_prompts"):
             if field not in s:

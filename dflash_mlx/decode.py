@@ -186,14 +186,15 @@ def block_sizing(pair, source, block_size):
     from .adaptive import BlockSizer, load_or_measure
     from .hub import cache_root
 
-    # The pair's own drafter keeps its acceptance statistics across requests.
+    # The pair's own drafter keeps acceptance statistics across requests;
+    # each request starts from them and then follows its own.
     shared = source is pair.draft_source
     sizer = getattr(pair, "sizer", None) if shared else None
     if sizer is None:
         sizer = BlockSizer(load_or_measure(pair, source.block_size, cache_root()), source.block_size)
         if shared:
             pair.sizer = sizer
-    return source.block_size, sizer
+    return source.block_size, sizer.start()
 
 
 def stream_generate(
@@ -235,7 +236,6 @@ def stream_generate(
 
     hidden = None  # target taps of committed tokens not yet given to the drafter
     accepted = 0
-    synced = tic  # when the host last had the cycle's tokens: times whole cycles for the sizer
     while True:
         # Commit this cycle's tokens: stop on EOS, stop strings or the budget.
         finish = None
@@ -277,8 +277,6 @@ def stream_generate(
         n_acc, nxt, new_hidden = pending
         out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens, nxt.reshape(1).astype(d_tokens.dtype)])
         values = out.tolist()  # the cycle's one host synchronisation
-        now = time.perf_counter()
-        seconds, synced = now - synced, now
         accepted = values[0]
         tokens = values[1 : 1 + accepted] + [values[-1]]
         target.crop(tcache, accepted + 1, width)
@@ -288,7 +286,7 @@ def stream_generate(
         stats.cycles += 1
         stats.acceptance_lengths.append(accepted + 1)
         if sizer is not None:
-            sizer.update(width, accepted, seconds, context)
+            sizer.update(width, accepted)
 
 
 def generate(pair, prompt, **kwargs):
