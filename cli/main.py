@@ -311,6 +311,8 @@ def bench(
 
     sizes = _block_sizes(block_size)
     for path in (out, plot):
+        if path and Path(path).is_dir():
+            fail(f"Cannot write {path}: it is a folder; give a file name.")
         if path and not Path(path).resolve().parent.is_dir():
             fail(f"Cannot write {path}: its folder does not exist; create it or pick another path.")
     try:

@@ -181,6 +181,9 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
         for text in texts:
             ids = build_prompt(tok, text)
             runs, dr, source = [], {bs: [] for bs in block_sizes}, None
+            if oracle:  # the target's own greedy continuation, drafted back to it
+                source = OracleSource(ids, baseline_generate(model, tok, ids, max_tokens, temp)["tokens"],
+                                      pair.target.vocab_size, pair.draft_source.block_size)
             # Repeats interleave the settings in a fresh random order each
             # time, so neither a slow spell of the machine nor what ran just
             # before falls on one setting more than another.
@@ -192,9 +195,6 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
                         runs.append(baseline_generate(model, tok, ids, max_tokens, temp))
                         what = "baseline"
                     else:
-                        if oracle and source is None:
-                            source = OracleSource(ids, baseline_generate(model, tok, ids, max_tokens, temp)["tokens"],
-                                                  pair.target.vocab_size, pair.draft_source.block_size)
                         bs_run = bs if not (oracle and bs == "auto") else pair.draft_source.block_size
                         dr[bs].append(_dflash_run(pair, ids, max_tokens, params, bs_run, source))
                         what = f"block {bs}"

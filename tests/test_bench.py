@@ -250,7 +250,8 @@ def test_bench_cli_and_bad_flags(targets, drafters, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output and "verify/1" in r.stderr
     for args, words in [(["--block-size", "big"], "--block-size"), (["--suite", "poetry"], "--suite"),
                         (["--prompts", str(tmp_path / "none.jsonl")], "does not exist"),
-                        (["--out", str(tmp_path / "no" / "r.json")], "folder does not exist")]:
+                        (["--out", str(tmp_path / "no" / "r.json")], "folder does not exist"),
+                        (["--out", str(tmp_path)], "it is a folder")]:
         r = runner.invoke(app, ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]), *args])
         assert r.exit_code == 1 and words in r.stderr
 
