@@ -125,7 +125,7 @@ def convert(
     """Convert a PyTorch / z-lab DFlash drafter checkpoint to MLX."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from convert import convert_drafter
+    from dflash_mlx.convert import convert_drafter
     from dflash_mlx.hub import resolve
 
     target_name = resolve(target).target if target else None

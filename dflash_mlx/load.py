@@ -67,7 +67,7 @@ def converted_path(path: Path) -> Path:
 
 def load_drafter(path: Path) -> DFlashDrafter:
     """Load an MLX drafter; a PyTorch/z-lab one is converted once and cached."""
-    from convert import convert_drafter, is_converted
+    from .convert import convert_drafter, is_converted
 
     path = Path(path)
     if not is_converted(path):

@@ -255,7 +255,7 @@ def save_zlab(path: Path, drafter: DFlashDrafter, config: dict) -> None:
 
 
 def save_checkpoint(out: Path, step: int, drafter, optimizer, config: dict, state: dict) -> Path:
-    from convert.convert import write_atomic
+    from .convert.convert import write_atomic
 
     ckpt = out / "checkpoints" / f"step-{step:07d}"
 
@@ -354,7 +354,7 @@ def train(target_model, tokenizer, prompts, out: Path, cfg: TrainConfig, resume:
     final = latest_checkpoint(out)
     for name in ("config.json", "model.safetensors"):
         shutil.copy(final / name, out / name)
-    from convert import convert_drafter
+    from .convert import convert_drafter
 
     convert_drafter(str(out), str(out / "mlx"), dtype="float16", force=True)
     summary = {"steps": total, "loss": loss, "heldout_acceptance": acc, "examples": len(examples),

@@ -8,7 +8,7 @@ from conftest import plain_greedy
 from typer.testing import CliRunner
 
 import dflash_mlx
-from cli.main import app
+from dflash_mlx.cli.main import app
 from dflash_mlx import adaptive, bench
 from dflash_mlx.adaptive import BlockSizer, CostCurve
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from dflash_mlx.cli.main import app
 from dflash_mlx.hub import aliases, resolve
 
 runner = CliRunner()
@@ -98,7 +98,7 @@ def test_alias_registry_resolution():
 
 def _process(args, env):
     exe = shutil.which("dflash-mlx") or ""
-    cmd = [exe] if exe else [sys.executable, "-m", "cli.main"]
+    cmd = [exe] if exe else [sys.executable, "-m", "dflash_mlx.cli.main"]
     full = dict(os.environ, **env)
     return subprocess.run(cmd + ["generate", *args], capture_output=True, text=True, env=full, timeout=300)
 

@@ -12,8 +12,8 @@ import pytest
 import tiny
 from typer.testing import CliRunner
 
-from cli.main import app
-from convert import convert_drafter, is_converted
+from dflash_mlx.cli.main import app
+from dflash_mlx.convert import convert_drafter, is_converted
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.load import load_drafter
 

@@ -308,7 +308,7 @@ def test_decode_uses_an_active_kernel_through_its_public_function(monkeypatch, p
 
 
 def test_doctor_lists_every_kernel(monkeypatch):
-    from cli.main import app
+    from dflash_mlx.cli.main import app
 
     monkeypatch.delenv(guard.ENV, raising=False)
     for k in guard.REGISTRY.values():

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
-from cli.main import app
+from dflash_mlx.cli.main import app
 from dflash_mlx.server import make_server
 
 openai = pytest.importorskip("openai")
