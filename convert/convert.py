@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from dflash_mlx.config import DrafterConfig
+from dflash_mlx.config import DrafterConfig, check_pair
 from dflash_mlx.drafter import DFlashDrafter
 from dflash_mlx.errors import DFlashError
 
@@ -240,7 +240,6 @@ def convert_drafter(
 ) -> ConvertResult:
     """Convert a DFlash drafter (repo id, directory or checkpoint file) to MLX."""
     from dflash_mlx.hub import fetch
-    from dflash_mlx.load import check_pair
 
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype}).")

@@ -171,3 +171,28 @@ class DrafterConfig:
         if not isinstance(cfg, dict):
             raise DFlashError(f"{path} does not hold a JSON object; re-download the drafter.")
         return cls.from_dict(cfg, source=str(path))
+
+
+def check_pair(config: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+    """One clear line for each way a drafter can fail to fit a target."""
+    if config.hidden_size != hidden_size:
+        raise DFlashError(
+            f"Drafter hidden size {config.hidden_size} != target hidden size {hidden_size}; "
+            "this drafter was trained for another target."
+        )
+    if config.vocab_size != vocab_size:
+        raise DFlashError(
+            f"Drafter vocabulary {config.vocab_size} != target vocabulary {vocab_size}; "
+            "this drafter was trained for another target."
+        )
+    deep = [i for i in config.target_layer_ids if not 0 <= i < num_layers]
+    if deep:
+        raise DFlashError(
+            f"Drafter taps target layer(s) {deep} but the target has {num_layers} layers; "
+            "this drafter was trained for another target."
+        )
+    if not 0 <= config.mask_token_id < vocab_size:
+        raise DFlashError(
+            f"Drafter mask_token_id {config.mask_token_id} is outside the target vocabulary "
+            f"(size {vocab_size}); this drafter was trained for another target."
+        )

@@ -10,7 +10,7 @@ import mlx.nn as nn
 from safetensors import SafetensorError
 
 from .adapter import TargetAdapter, load_target, materialize, model_dims
-from .config import DrafterConfig
+from .config import DrafterConfig, check_pair
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 from .decode import DFlashDraftSource
@@ -27,31 +27,6 @@ class DFlashPair:
     draft_path: Path
     resolved: Optional[Resolved] = None
     sizer: Any = None  # the adaptive block sizer, once --block-size auto has run
-
-
-def check_pair(config: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:
-    """One clear line for each way a drafter can fail to fit a target."""
-    if config.hidden_size != hidden_size:
-        raise DFlashError(
-            f"Drafter hidden size {config.hidden_size} != target hidden size {hidden_size}; "
-            "this drafter was trained for another target."
-        )
-    if config.vocab_size != vocab_size:
-        raise DFlashError(
-            f"Drafter vocabulary {config.vocab_size} != target vocabulary {vocab_size}; "
-            "this drafter was trained for another target."
-        )
-    deep = [i for i in config.target_layer_ids if not 0 <= i < num_layers]
-    if deep:
-        raise DFlashError(
-            f"Drafter taps target layer(s) {deep} but the target has {num_layers} layers; "
-            "this drafter was trained for another target."
-        )
-    if not 0 <= config.mask_token_id < vocab_size:
-        raise DFlashError(
-            f"Drafter mask_token_id {config.mask_token_id} is outside the target vocabulary "
-            f"(size {vocab_size}); this drafter was trained for another target."
-        )
 
 
 def converted_path(path: Path) -> Path:
