@@ -36,7 +36,8 @@ def generate(
         "'demo' is the small code model shipped with the package.",
     ),
     draft: Optional[str] = typer.Option(
-        None, "--draft", help="DFlash drafter: repo id, directory or alias (default: the model's own)."
+        None, "--draft", "--draft-model",
+        help="DFlash drafter: repo id, directory or alias (default: the model's own).",
     ),
     prompt: Optional[str] = typer.Option(
         None, "--prompt", "-p", help="Prompt text; '-' or no flag reads stdin."
@@ -51,9 +52,12 @@ def generate(
         "auto", "--block-size",
         help="Tokens per verify block, or 'auto' to choose each cycle from measured costs and acceptance.",
     ),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    system: Optional[str] = typer.Option(None, "--system", "--system-prompt", help="System prompt."),
     chat_template: bool = typer.Option(
         True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."
+    ),
+    ignore_chat_template: bool = typer.Option(
+        False, "--ignore-chat-template", help="mlx-lm's spelling of --no-chat-template."
     ),
     enable_thinking: Optional[bool] = typer.Option(
         None, "--enable-thinking/--disable-thinking", help="Turn the template's thinking mode on or off."
@@ -76,9 +80,10 @@ def generate(
         pair = dflash_mlx.load(model, draft)
         if enable_thinking is None and pair.resolved is not None:
             enable_thinking = pair.resolved.enable_thinking
-        ids = build_prompt(pair.tokenizer, prompt, system, chat_template, enable_thinking)
+        ids = build_prompt(pair.tokenizer, prompt, system, chat_template and not ignore_chat_template,
+                           enable_thinking)
         if block == "auto":
-            _measure_costs(pair)
+            _auto_sizer(pair, len(ids))
         if verbose:
             cfg = pair.drafter.args
             err.print(
@@ -216,7 +221,9 @@ def train(
 @app.command()
 def serve(
     model: str = typer.Option("demo", "--model", help="Alias, Hugging Face repo id or local directory."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="DFlash drafter (default: the model's own)."),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", "--draft-model", help="DFlash drafter (default: the model's own)."
+    ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise)."),
     port: int = typer.Option(8080, "--port", min=0, max=65535),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
@@ -231,7 +238,7 @@ def serve(
     try:
         pair = dflash_mlx.load(model, draft)
         if block_size == "auto":
-            _measure_costs(pair)
+            _auto_sizer(pair, 0)
         server = make_server(pair, model, host, port, api_key, _one_block_size(block_size),
                              pair.resolved.enable_thinking if pair.resolved else None,
                              max_prompt_tokens, temp)
@@ -248,18 +255,26 @@ def serve(
         server.server_close()
 
 
-def _measure_costs(pair) -> None:
-    """Measure (or load the cached) cost curve that --block-size auto needs, with progress."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+def _auto_sizer(pair, context: int) -> None:
+    """Ready --block-size auto (measuring this machine's costs first if needed,
+    with progress) and say so when it will start by decoding plainly, and why."""
+    from contextlib import ExitStack
 
-    from dflash_mlx.adaptive import load_or_measure
-    from dflash_mlx.hub import cache_root
+    from dflash_mlx.cli.progress import progress
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  console=err, transient=True) as bar:
-        task = bar.add_task("measuring verify and draft costs (once per machine)", total=None)
-        load_or_measure(pair, pair.draft_source.block_size, cache_root(),
-                        progress=lambda done, total: bar.update(task, completed=done, total=total))
+    with ExitStack() as stack:
+        bar = []
+
+        def update(done, total):
+            if not bar:  # nothing is shown when the costs are already cached
+                bar.append(stack.enter_context(progress(
+                    err, "measuring this machine's verify costs (about 10 s, first runs only)", counts=False)))
+            bar[0](done, total)
+
+        sizer = pair.auto_sizer(progress=update)
+    why = sizer.explain(context)
+    if why:
+        err.print(why, highlight=False)
 
 
 def _one_block_size(text: str):
@@ -288,7 +303,7 @@ def _block_sizes(text: str):
 @app.command()
 def bench(
     model: str = typer.Option("demo", "--model", help="Alias, repo id or directory."),
-    draft: Optional[str] = typer.Option(None, "--draft"),
+    draft: Optional[str] = typer.Option(None, "--draft", "--draft-model"),
     suite: str = typer.Option("all", "--suite", help="code, math, chat or all (shipped prompt suites)."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="A .jsonl of {\"prompt\": ...} rows instead."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-m", min=1),

@@ -230,8 +230,10 @@ def wrap_quantized_linears(model: nn.Module) -> int:
 class TargetAdapter:
     """Runs an mlx-lm model and returns logits plus the tapped hidden states."""
 
-    def __init__(self, model: nn.Module, tap_ids: Sequence[int], model_type: str = ""):
+    def __init__(self, model: nn.Module, tap_ids: Sequence[int], model_type: str = "",
+                 quantization: Optional[dict] = None):
         self.model = model
+        self.quantization = quantization  # the checkpoint's, as mlx-lm's config.json gives it
         self.model_type = model_type or getattr(model, "model_type", "")
         lm = getattr(model, "language_model", model)
         self.inner = lm.model
@@ -265,6 +267,11 @@ class TargetAdapter:
                 layers[i] = TappedLayer(layer, i, self._taps)
         # Only where a kernel can run: elsewhere the stock op is all qmm_verify would call.
         self.verify_linears = wrap_quantized_linears(model) if backend() is not None else 0
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The model's float dtype (a quantized embedding's scales carry it)."""
+        return getattr(self.embed_tokens, "scales", self.embed_tokens.weight).dtype
 
     def make_cache(self) -> List[Any]:
         cache = cache_lib.make_prompt_cache(self.model)

@@ -9,8 +9,11 @@ positions before it were. Each cycle picks the b that maximises gain / cost.
 
 The cost curve times whole cycles, widths interleaved round by round and each
 round normalised by its own mean, so that a machine whose speed wanders
-(other processes, clocks) still yields a steady shape; it is measured once per
-(model, drafter, quantization, backend, MLX version, BLAS) and cached as JSON.
+(other processes, clocks) still yields a steady shape. It is kept per (model,
+drafter, quantization, dtype, backend, MLX version, BLAS) as JSON: the first
+run measures for about ten seconds, and later runs add a couple of seconds of
+rounds (and any context the first run had no time for) until every width is
+settled.
 Only relative costs decide the width, so the curve is not corrected online:
 earlier versions did, per width, and the noise of single cycles made the
 choice wander between widths that were in truth no better.
@@ -21,14 +24,14 @@ import hashlib
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
 CONTEXTS = (64, 1024)
-CURVE_VERSION = 3  # bump when what a curve measures changes
+CURVE_VERSION = 4  # bump when what a curve measures changes
 
 
 @dataclass
@@ -43,11 +46,15 @@ class CostCurve:
         return len(self.verify[0])
 
     def costs(self, context: int) -> List[float]:
-        """Seconds per cycle for widths 1..max_width, interpolated linearly in context length."""
+        """Seconds per cycle for widths 1..max_width, interpolated linearly in context length.
+
+        Beyond the measured contexts the nearest measurement is used: a linear
+        extrapolation can make a width look free and win every cycle.
+        """
         cs = self.contexts
         i = 0 if context <= cs[0] else min(len(cs) - 2, next((j for j in range(len(cs) - 1) if context <= cs[j + 1]), len(cs) - 2))
         j = min(i + 1, len(cs) - 1)
-        t = 0.0 if cs[j] == cs[i] else max(0.0, (context - cs[i]) / (cs[j] - cs[i]))
+        t = 0.0 if cs[j] == cs[i] else min(1.0, max(0.0, (context - cs[i]) / (cs[j] - cs[i])))
         rows = [self.cycle] if self.cycle is not None else [self.verify, self.draft]
         out = [0.0] * self.max_width
         for r in rows:
@@ -62,6 +69,35 @@ class CostCurve:
     def relative(self, context: int = 64) -> List[float]:
         base = self.cost(1, context)
         return [self.cost(w, context) / base for w in range(1, self.max_width + 1)]
+
+    @classmethod
+    def from_samples(cls, samples: "CostSamples") -> "CostCurve":
+        n = [i for i, rounds in enumerate(samples.cycle) if rounds and samples.parts[i]]
+        verify, draft, cycle = [], [], []
+        for i in n:
+            parts = samples.parts[i]
+            means = [sum(c) / len(c) for c in samples.cycle[i][: len(parts)]]  # parts share their round's scale
+            verify.append(profile([p[0] for p in parts], means))
+            draft.append(profile([p[1] for p in parts], means))
+            cycle.append(profile(samples.cycle[i]))
+        return cls([samples.contexts[i] for i in n], verify, draft, cycle)
+
+
+@dataclass
+class CostSamples:
+    """The raw rounds a cost curve is made from, kept so later runs can add to them."""
+
+    contexts: List[int]
+    max_width: int
+    cycle: List[List[List[float]]] = field(default_factory=list)  # [context][round][width - 1] seconds
+    parts: List[List[List[List[float]]]] = field(default_factory=list)  # [context][round][verify, draft][width - 1]
+
+    def __post_init__(self):
+        self.cycle = self.cycle or [[] for _ in self.contexts]
+        self.parts = self.parts or [[] for _ in self.contexts]
+
+    def done(self, min_rounds: int, max_rounds: int, tolerance: float) -> bool:
+        return all(len(r) >= max_rounds or (len(r) >= min_rounds and settled(r, tolerance)) for r in self.cycle)
 
 
 class AcceptanceStats:
@@ -89,6 +125,22 @@ class AcceptanceStats:
         return out
 
 
+class FixedWidth:
+    """The block-size policy of a fixed --block-size."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def start(self, seeded: bool = False) -> "FixedWidth":
+        return self
+
+    def choose(self, context: int) -> int:
+        return self.width
+
+    def update(self, width: int, accepted: int) -> None:
+        pass
+
+
 class BlockSizer:
     """Chooses each cycle's block size from acceptance statistics and the cost curve.
 
@@ -109,12 +161,29 @@ class BlockSizer:
         self.current = 0  # the width chosen last
         self._context, self._costs = None, []
 
-    def start(self) -> "BlockSizer":
-        """A sizer for a new request: this curve, the shared statistics as its prior."""
+    def start(self, seeded: bool = False) -> "BlockSizer":
+        """A sizer for a new request: this curve, the shared statistics as its prior.
+
+        A seeded request starts from the prior alone, so that its widths, and
+        with them the order its random numbers are drawn in, are the same
+        whatever earlier requests taught the shared statistics.
+        """
         run = copy.copy(self)  # shares the curve and the shared statistics
-        run.stats = self.shared.capped(self.carry)
+        run.stats = AcceptanceStats(self.max_width, self.shared.decay) if seeded else self.shared.capped(self.carry)
         run.current = 0
         return run
+
+    def explain(self, context: int) -> Optional[str]:
+        """Why a request at `context` tokens would start with plain decoding; None if it drafts."""
+        if self.start().choose(context) > 1:
+            return None
+        w = self.max_width
+        ratio = self.curve.cost(w, context) / self.curve.cost(1, context)
+        return (
+            f"drafting does not pay here: a {w}-token verify cycle costs {ratio:.1f}x one token "
+            f"on this machine (BLAS: {blas_name()}), more than the {self.expected_tokens(w):.1f} tokens "
+            f"a cycle is expected to commit; decoding plainly. --block-size {w} shows the drafter."
+        )
 
     def alphas(self) -> List[float]:
         """alpha_k for k = 1..max_width-1; untested depths borrow the previous estimate."""
@@ -183,13 +252,6 @@ def blas_name() -> str:
     return "reference (stock mlx[cpu])"
 
 
-def curve_key(pair) -> str:
-    q = getattr(pair.target.args, "quantization", None) or {}
-    parts = [str(CURVE_VERSION), str(pair.target_path), str(pair.draft_path), json.dumps(q, sort_keys=True),
-             str(mx.default_device()), mx.__version__, blas_name(), str(pair.target.embed_tokens.weight.dtype)]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
-
-
 def _median(xs: List[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
@@ -224,87 +286,121 @@ def settled(rounds: List[List[float]], tolerance: float) -> bool:
     return True
 
 
-def measure_cost_curve(pair, max_width: int, contexts=CONTEXTS, repeats: int = 8, max_repeats: int = 40,
-                       tolerance: float = 0.01, progress=lambda done, total: None) -> CostCurve:
-    """Seconds of the drafter pass, the verify pass and a whole cycle per width.
+# (draft(width) -> tokens, verify(width, tokens) -> None) for a context of n tokens
+CycleParts = Tuple[Callable[[int], mx.array], Callable[[int, mx.array], None]]
 
-    Widths are interleaved within each round, in alternating order, and rounds
-    are normalised before their median is taken (`profile`): only relative
-    costs decide the width, and those stay put while the machine's overall
-    speed wanders. After `repeats` rounds, more whole-cycle rounds are added
-    until each width's relative cost is known to `tolerance` (a quiet GPU
-    settles at once; a shared CPU takes more) or `max_repeats` is reached.
+
+def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, contexts=CONTEXTS,
+                       budget: float = 10.0, min_rounds: int = 3, max_rounds: int = 40, tolerance: float = 0.02,
+                       samples: Optional[CostSamples] = None,
+                       progress: Callable[[float, float], None] = lambda done, total: None) -> CostSamples:
+    """Time whole cycles at each width and context, within about `budget` seconds.
+
+    `make_cycle(n)` sets up a context of n tokens and returns its two halves:
+    `draft(w)` (lazy draft tokens) and `verify(w, tokens)` (the verify pass,
+    the cycle's one host synchronisation and the crop back). Widths are
+    interleaved within each round in alternating order, and rounds are
+    normalised before their median is taken (`profile`), so drift of the
+    machine's overall speed does not bend the shape. Every context first gets
+    `min_rounds` (one context a run always; the others where they fit),
+    then rounds go to contexts whose widths are not yet known to `tolerance`,
+    up to `max_rounds`. The first round of each context also times the draft
+    and verify halves apart (reports only). Passing earlier `samples` adds to
+    them: later runs refine what a time-capped first run began.
     """
-    from .decode import draft, verify
-    from .sampling import SamplingParams
+    samples = samples or CostSamples(list(contexts), max_width)
+    start = time.perf_counter()
+    spent = lambda: time.perf_counter() - start  # noqa: E731
+    runners = {}
+    # Seconds per round so far: decides whether another context's first rounds fit.
+    round_seconds = max((sum(r) for rounds in samples.cycle for r in rounds), default=0.0)
 
-    target, source = pair.target, pair.draft_source
-    greedy = SamplingParams()
-    verify_rows, draft_rows, cycle_rows = [], [], []
-    max_repeats = max(repeats, max_repeats)
-    total, done = len(contexts) * (max_repeats + 1), 0
-    for ctx in contexts:
-        prompt = mx.random.randint(0, target.vocab_size, (ctx,))
-        tcache = target.make_cache()
-        dstate = source.new_state()
-        _, hidden = target(prompt[None], tcache)
-        source.add_context(dstate, hidden)
-        mx.eval([c.state for c in tcache], source.arrays(dstate))
-        last = prompt[-1:]
+    def one_round(i: int) -> None:
+        nonlocal round_seconds
+        if i not in runners:
+            runners[i] = make_cycle(samples.contexts[i])
+            one_round_timed(i, record=False)  # warm-up
+        one_round_timed(i, record=True)
+        round_seconds = max(round_seconds, sum(samples.cycle[i][-1]))
+        progress(min(spent(), budget), budget)
 
-        def run_draft(w):
-            return draft(source, dstate, last, None, w, greedy)[0] if w > 1 else mx.array([], dtype=last.dtype)
-
-        def run_verify(w, tokens):
-            n_acc, nxt, _ = verify(target, tcache, last, tokens, None, greedy)
-            out = mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)])
-            out.tolist()
-            target.crop(tcache, 0, w)
-
-        parts, cycles = [], []  # per round: (verify, draft) and whole-cycle seconds per width
-        r = -1  # round -1 warms up
-        while r < repeats or (r < max_repeats and not settled(cycles, tolerance)):
-            split = r < repeats
-            times = [[0.0] * max_width for _ in range(3)]
-            order = range(1, max_width + 1) if r % 2 else range(max_width, 0, -1)
-            for w in order:
-                if split:
-                    tic = time.perf_counter()
-                    tokens = run_draft(w)
-                    mx.eval(tokens)
-                    mid = time.perf_counter()
-                    run_verify(w, tokens)
-                    times[0][w - 1] = time.perf_counter() - mid
-                    times[1][w - 1] = mid - tic if w > 1 else 0.0
+    def one_round_timed(i: int, record: bool) -> None:
+        run_draft, run_verify = runners[i]
+        rounds, parts = samples.cycle[i], samples.parts[i]
+        split = record and not parts
+        times = [[0.0] * max_width for _ in range(3)]
+        order = range(1, max_width + 1) if len(rounds) % 2 else range(max_width, 0, -1)
+        for w in order:
+            if split:
                 tic = time.perf_counter()
-                run_verify(w, run_draft(w))  # one host synchronisation, as in the loop
-                times[2][w - 1] = time.perf_counter() - tic
-            if r >= 0:
-                cycles.append(times[2])
-                if split:
-                    parts.append(times[:2])
-            r += 1
-            done += 1
-            progress(done, total)
-        done += max_repeats - r  # rounds this context did not need
-        progress(done, total)
-        means = [sum(c) / len(c) for c in cycles[: len(parts)]]  # parts are normalised by their round's cycles
-        verify_rows.append(profile([p[0] for p in parts], means))
-        draft_rows.append(profile([p[1] for p in parts], means))
-        cycle_rows.append(profile(cycles))
-    return CostCurve(list(contexts), verify_rows, draft_rows, cycle_rows)
+                tokens = run_draft(w)
+                mx.eval(tokens)
+                mid = time.perf_counter()
+                run_verify(w, tokens)
+                times[0][w - 1] = time.perf_counter() - mid
+                times[1][w - 1] = mid - tic if w > 1 else 0.0
+            tic = time.perf_counter()
+            run_verify(w, run_draft(w))
+            times[2][w - 1] = time.perf_counter() - tic
+        if record:
+            rounds.append(times[2])
+            if split:
+                parts.append(times[:2])
+
+    def unsettled(i: int) -> bool:
+        rounds = samples.cycle[i]
+        return len(rounds) < max_rounds and not (len(rounds) >= min_rounds and settled(rounds, tolerance))
+
+    for i in range(len(samples.contexts)):
+        missing = min_rounds - len(samples.cycle[i])
+        if missing <= 0:
+            continue
+        if runners and spent() + (missing + 2) * round_seconds > budget:
+            break  # each run measures at least one context; the next run takes this one
+        while len(samples.cycle[i]) < min_rounds:
+            one_round(i)
+    while spent() + round_seconds <= budget:
+        todo = [i for i in range(len(samples.contexts)) if len(samples.cycle[i]) >= min_rounds and unsettled(i)]
+        if not todo:
+            break
+        for i in todo:
+            if spent() + round_seconds > budget:
+                break
+            one_round(i)
+    progress(budget, budget)
+    return samples
 
 
-def load_or_measure(pair, max_width: int, cache_dir: Path, progress=lambda d, t: None) -> CostCurve:
-    path = Path(cache_dir) / "costs" / f"{curve_key(pair)}-w{max_width}.json"
+def curve_key(pair) -> str:
+    """What a cost curve depends on: models (with their quantization and dtype), backend, MLX, BLAS."""
+    parts = [str(CURVE_VERSION), str(pair.target_path), str(pair.draft_path),
+             json.dumps(pair.target.quantization, sort_keys=True),
+             json.dumps(pair.drafter.args.quantization, sort_keys=True),
+             str(mx.default_device()), mx.__version__, blas_name(), str(pair.target.dtype)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width: int, cache_dir: Path,
+                    budget: float = 10.0, refine: float = 2.0,
+                    progress: Callable[[float, float], None] = lambda d, t: None, **kwargs) -> CostCurve:
+    """The cached cost curve for `key`: measured within about `budget` seconds
+    the first time, then refined by up to `refine` seconds a run until every
+    width is settled."""
+    path = Path(cache_dir) / "costs" / f"{key}-w{max_width}.json"
+    samples = None
     if path.exists():
         try:
-            return CostCurve(**json.loads(path.read_text()))
+            samples = CostSamples(**json.loads(path.read_text()))
         except (json.JSONDecodeError, TypeError):
-            pass
-    curve = measure_cost_curve(pair, max_width, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(curve)))
-    tmp.replace(path)
-    return curve
+            samples = None
+    min_rounds, max_rounds, tolerance = (kwargs.get(k, d) for k, d in
+                                         (("min_rounds", 3), ("max_rounds", 40), ("tolerance", 0.02)))
+    if samples is None or not samples.done(min_rounds, max_rounds, tolerance):
+        first = samples is None  # refining takes a moment: no progress shown
+        samples = measure_cost_curve(make_cycle, max_width, budget=budget if first else refine, samples=samples,
+                                     progress=progress if first else lambda d, t: None, **kwargs)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(samples)))
+        tmp.replace(path)
+    return CostCurve.from_samples(samples)

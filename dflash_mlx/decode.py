@@ -11,6 +11,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .adaptive import BlockSizer, FixedWidth
 from .errors import DFlashError
 from .kernels import verify_accept
 from .sampling import SamplingParams, log_probs, pick
@@ -23,6 +24,7 @@ class GenerationStats:
     generation_tokens: int = 0
     generation_tps: float = 0.0
     cycles: int = 0
+    draft_cycles: int = 0  # cycles that verified a draft (width > 1)
     acceptance_lengths: List[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
     finish_reason: Optional[str] = None
@@ -33,9 +35,12 @@ class GenerationStats:
         return sum(a) / len(a) if a else 0.0
 
     def line(self) -> str:
+        drafting = (
+            f"acceptance {self.mean_acceptance:.2f} tok/cycle"
+            if self.draft_cycles or not self.cycles else "plain decoding (no cycle drafted)"
+        )
         return (
-            f"{self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s, "
-            f"acceptance {self.mean_acceptance:.2f} tok/cycle, "
+            f"{self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s, {drafting}, "
             f"prompt {self.prompt_tokens} tokens at {self.prompt_tps:.1f} tok/s, "
             f"peak memory {self.peak_memory_gb:.2f} GB"
         )
@@ -141,34 +146,70 @@ def verify(target, tcache, last, tokens, q_lp, params: SamplingParams):
     return accepted, nxt, hidden
 
 
+def cycle_parts(pair, n: int):
+    """The two halves of a greedy cycle over n tokens of random context, for timing.
+
+    `draft(w)` returns lazy draft tokens; `verify(w, tokens)` runs the verify
+    pass, fetches its result (the cycle's one host synchronisation, as in the
+    loop) and crops the caches back, so every call sees the same context.
+    """
+    target, source = pair.target, pair.draft_source
+    greedy = SamplingParams()
+    prompt = mx.random.randint(0, target.vocab_size, (n,), key=mx.random.key(n))
+    tcache, dstate = target.make_cache(), source.new_state()
+    prefill(target, source, dstate, prompt, tcache)
+    last = prompt[-1:]
+
+    def run_draft(w):
+        return draft(source, dstate, last, None, w, greedy)[0] if w > 1 else mx.array([], dtype=last.dtype)
+
+    def run_verify(w, tokens):
+        n_acc, nxt, _ = verify(target, tcache, last, tokens, None, greedy)
+        mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)]).tolist()
+        target.crop(tcache, 0, w)
+
+    return run_draft, run_verify
+
+
 class _TextStream:
     """Detokenizes committed tokens and holds back text that may start a stop string."""
 
     def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer = tokenizer
         self.detok = tokenizer.detokenizer if tokenizer is not None else None
         if self.detok is not None:
             self.detok.reset()
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: List[int] = []  # committed so far (kept only when there are stop strings)
         self.text = ""
         self.emitted = 0
 
     def add(self, tokens: List[int], final: bool):
-        """Returns (new text, stopped)."""
+        """Returns (new text, how many of `tokens` to keep, whether a stop string ended the text)."""
         if self.detok is None:
-            return "", False
+            return "", len(tokens), False
         for t in tokens:
             self.detok.add_token(t)
         if final:
             self.detok.finalize()
         self.text = self.detok.text
-        for s in self.stop:
-            i = self.text.find(s, max(0, self.emitted - len(s)))
-            if i >= 0:
-                self.text = self.text[:i]
-                return self._flush(len(self.text)), True
+        if self.stop:
+            for s in self.stop:
+                i = self.text.find(s, max(0, self.emitted - len(s)))
+                if i >= 0:
+                    self.text = self.text[:i]
+                    return self._flush(i), self._needed(tokens, s), True
+            self.ids += tokens
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
-        return self._flush(end), False
+        return self._flush(end), len(tokens), False
+
+    def _needed(self, tokens: List[int], stop: str) -> int:
+        """How many of `tokens` it took to complete `stop` (the detokenizer may show text a few tokens late)."""
+        for n in range(1, len(tokens)):
+            if stop in self.tokenizer.decode(self.ids + tokens[:n]):
+                return n
+        return len(tokens)
 
     def _flush(self, end):
         out = self.text[self.emitted : end]
@@ -176,25 +217,19 @@ class _TextStream:
         return out
 
 
-def block_sizing(pair, source, block_size):
-    """(fixed block size, adaptive sizer or None) for a `block_size` argument."""
-    if block_size != "auto":
-        block_size = block_size or source.block_size
-        if not isinstance(block_size, int) or block_size < 1:
-            raise DFlashError(f"--block-size must be a positive integer or 'auto' (got {block_size}).")
-        return block_size, None
-    from .adaptive import BlockSizer, load_or_measure
-    from .hub import cache_root
-
-    # The pair's own drafter keeps acceptance statistics across requests;
-    # each request starts from them and then follows its own.
-    shared = source is pair.draft_source
-    sizer = getattr(pair, "sizer", None) if shared else None
-    if sizer is None:
-        sizer = BlockSizer(load_or_measure(pair, source.block_size, cache_root()), source.block_size)
-        if shared:
-            pair.sizer = sizer
-    return source.block_size, sizer.start()
+def block_policy(pair, source, block_size):
+    """The policy that picks each cycle's width: a size, 'auto' (measured costs
+    and acceptance; needs `pair`) or a policy object (`start(seeded)` returning
+    a run with `choose(context)` and `update(width, accepted)`)."""
+    if hasattr(block_size, "start"):
+        return block_size
+    if block_size == "auto":
+        shared = pair.auto_sizer()  # the pair's drafter keeps acceptance across requests
+        return shared if source is pair.draft_source else BlockSizer(shared.curve, source.block_size)
+    block_size = block_size or source.block_size
+    if not isinstance(block_size, int) or block_size < 1:
+        raise DFlashError(f"--block-size must be a positive integer or 'auto' (got {block_size}).")
+    return FixedWidth(block_size)
 
 
 def stream_generate(
@@ -202,7 +237,7 @@ def stream_generate(
     prompt: Union[str, Sequence[int]],
     max_tokens: int = 256,
     sampling: Optional[SamplingParams] = None,
-    block_size: Union[int, str, None] = None,
+    block_size: Union[int, str, None, object] = None,
     stop: Sequence[str] = (),
     prefill_step: int = 2048,
     draft_source: Optional[DraftSource] = None,
@@ -211,7 +246,7 @@ def stream_generate(
     params = sampling or SamplingParams()
     target, tokenizer = pair.target, pair.tokenizer
     source = draft_source or pair.draft_source
-    block_size, sizer = block_sizing(pair, source, block_size)
+    policy = block_policy(pair, source, block_size)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be >= 1 (got {max_tokens}).")
     if isinstance(prompt, str):
@@ -221,6 +256,9 @@ def stream_generate(
     eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
     if params.seed is not None:
         mx.random.seed(params.seed)
+    # A seeded request's widths (and so its random draws) depend on nothing
+    # earlier requests left behind.
+    sizer = policy.start(seeded=params.seed is not None)
 
     stats = GenerationStats(prompt_tokens=len(prompt))
     text = _TextStream(tokenizer, stop)
@@ -237,27 +275,20 @@ def stream_generate(
     hidden = None  # target taps of committed tokens not yet given to the drafter
     accepted = 0
     while True:
-        # Commit this cycle's tokens: stop on EOS, stop strings or the budget.
+        # Commit this cycle's tokens: stop on EOS or the budget.
         finish = None
         for i, t in enumerate(tokens):
             if t in eos:
                 tokens, finish = tokens[:i], "stop"
                 break
-        stats.generation_tokens += len(tokens)
-        if finish is None and stats.generation_tokens >= max_tokens:
+        if finish is None and stats.generation_tokens + len(tokens) >= max_tokens:
             finish = "length"
-        segment, stopped = text.add(tokens, final=finish is not None)
-        if stopped:
-            finish = "stop"
-        remaining = max_tokens - stats.generation_tokens
-        context = len(prompt) + stats.generation_tokens
-        if sizer is not None:
-            block_size = sizer.choose(context)
-        width = min(block_size, remaining)
 
-        # Start the next cycle's draft before handing text to the caller.
+        # Launch the next cycle before the host detokenizes and hands text over.
         pending = None
         if finish is None:
+            context = len(prompt) + stats.generation_tokens + len(tokens)
+            width = min(sizer.choose(context), max_tokens - stats.generation_tokens - len(tokens))
             if width > 1:
                 d_tokens, q_lp = draft(source, dstate, last, hidden, width, params)
                 hidden = None
@@ -265,6 +296,11 @@ def stream_generate(
                 d_tokens, q_lp = mx.array([], dtype=last.dtype), None
             pending = verify(target, tcache, last, d_tokens, q_lp, params)
             mx.async_eval(pending)
+
+        segment, kept, stopped = text.add(tokens, final=finish is not None)
+        if stopped:  # later tokens, and the cycle in flight, are dropped
+            tokens, finish = tokens[:kept], "stop"
+        stats.generation_tokens += len(tokens)
 
         elapsed = time.perf_counter() - tic
         stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 else 0.0
@@ -284,9 +320,9 @@ def stream_generate(
         hidden = committed if hidden is None else mx.concatenate([hidden, committed], axis=1)
         last = nxt.reshape(1).astype(last.dtype)
         stats.cycles += 1
+        stats.draft_cycles += width > 1
         stats.acceptance_lengths.append(accepted + 1)
-        if sizer is not None:
-            sizer.update(width, accepted)
+        sizer.update(width, accepted)
 
 
 def generate(pair, prompt, **kwargs):

@@ -1,7 +1,8 @@
 """Loading a target + drafter pair and checking that they belong together."""
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -9,11 +10,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from safetensors import SafetensorError
 
+from .adaptive import BlockSizer, CostCurve, curve_key, load_or_measure
 from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import DrafterConfig, check_pair
 from .drafter import DFlashDrafter
 from .errors import DFlashError
-from .decode import DFlashDraftSource
+from .decode import DFlashDraftSource, cycle_parts
 from .hub import Resolved, cache_root, check_name, fetch, resolve
 
 
@@ -26,7 +28,18 @@ class DFlashPair:
     target_path: Path
     draft_path: Path
     resolved: Optional[Resolved] = None
-    sizer: Any = None  # the adaptive block sizer, once --block-size auto has run
+    _sizer: Optional[BlockSizer] = field(default=None, repr=False)
+
+    def cost_curve(self, budget: float = 10.0, progress=lambda done, total: None) -> CostCurve:
+        """This machine's cycle costs per width, measured within `budget` seconds on first use, then cached."""
+        return load_or_measure(curve_key(self), partial(cycle_parts, self), self.draft_source.block_size,
+                               cache_root(), budget=budget, progress=progress)
+
+    def auto_sizer(self, progress=lambda done, total: None) -> BlockSizer:
+        """The `--block-size auto` policy; its acceptance statistics last across requests."""
+        if self._sizer is None:
+            self._sizer = BlockSizer(self.cost_curve(progress=progress), self.draft_source.block_size)
+        return self._sizer
 
 
 def converted_path(path: Path) -> Path:
@@ -90,14 +103,12 @@ def load(model: str, draft: Optional[str] = None) -> DFlashPair:
     target_path = fetch(resolved.target, "model")
     draft_path = fetch(resolved.draft, "draft")
     config = DrafterConfig.from_file(draft_path / "config.json")
-    model_, tokenizer, _ = load_target(target_path)
+    model_, tokenizer, target_config = load_target(target_path)
     check_pair(config, *model_dims(model_))
-    adapter = TargetAdapter(model_, config.target_layer_ids)
+    adapter = TargetAdapter(model_, config.target_layer_ids, quantization=target_config.get("quantization"))
     drafter = load_drafter(draft_path)
-    # A quantized embedding's scales carry the model's float dtype.
-    dtype = getattr(adapter.embed_tokens, "scales", adapter.embed_tokens.weight).dtype
     if not drafter.args.quantization:
-        drafter.set_dtype(dtype)
+        drafter.set_dtype(adapter.dtype)
     if resolved.alias == "demo" and mx.default_device() == mx.cpu:
         # The CPU backend has no fast half-precision matmul; the demo is tiny.
         model_.set_dtype(mx.float32)

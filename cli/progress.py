@@ -1,0 +1,51 @@
+"""Progress for long work: a rich bar on a terminal, plain timestamped lines elsewhere."""
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+Update = Callable[..., None]  # update(done, total=None, description=None)
+
+
+@contextmanager
+def progress(console: Console, description: str, total: Optional[float] = None, transient: bool = True,
+             every: float = 5.0, counts: bool = True) -> Iterator[Update]:
+    """Yield `update(done, total=None, description=None)`.
+
+    Off a terminal (a pipe, a log file, CI) rich draws nothing until the end,
+    so plain lines are printed instead: one at the start, one at most every
+    `every` seconds and one at the end.
+    """
+    if console.is_terminal:
+        columns = [TextColumn("{task.description}"), BarColumn()]
+        columns += [MofNCompleteColumn()] if counts else []
+        with Progress(*columns, TimeElapsedColumn(), console=console, transient=transient) as bar:
+            task = bar.add_task(description, total=total)
+
+            def update(done, total=None, description=None):
+                fields = {"description": description} if description else {}
+                bar.update(task, completed=done, total=total, **fields)
+
+            yield update
+        return
+    start = last = time.monotonic()
+    state = {"description": description, "done": 0, "total": total}
+    console.print(f"{description} ...", highlight=False)
+
+    def line():
+        d, t = state["done"], state["total"]
+        amount = f" {d:.0f}/{t:.0f}" if counts and t else ""
+        return f"{state['description']}{amount} ({time.monotonic() - start:.0f} s)"
+
+    def update(done, total=None, description=None):
+        nonlocal last
+        state.update(done=done, total=total or state["total"], description=description or state["description"])
+        if time.monotonic() - last >= every:
+            last = time.monotonic()
+            console.print(line(), highlight=False)
+
+    yield update
+    console.print(line() + ": done", highlight=False)
