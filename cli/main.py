@@ -128,20 +128,17 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Replace an existing --mlx-path."),
 ):
     """Convert a PyTorch / z-lab DFlash drafter checkpoint to MLX."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
+    from dflash_mlx.cli.progress import progress
     from dflash_mlx.convert import convert_drafter
     from dflash_mlx.hub import resolve
 
     target_name = resolve(target).target if target else None
     try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=err, transient=True) as bar:
-            task = bar.add_task("converting")
+        with progress(err, "converting", counts=False, quiet_for=2.0) as update:
             result = convert_drafter(
                 hf_path, mlx_path, dtype=dtype, quantize=quantize, q_bits=q_bits,
                 q_group_size=q_group_size, target=target_name, force=force,
-                progress=lambda step: bar.update(task, description=step),
+                progress=lambda step: update(0, description=f"converting: {step}"),
             )
     except DFlashError as e:
         fail(str(e))
@@ -178,10 +175,12 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
 ):
     """Train a DFlash drafter for a target on the target's own outputs."""
+    from contextlib import ExitStack
+
     import mlx.core as mx
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflash_mlx.adapter import load_target
+    from dflash_mlx.cli.progress import progress
     from dflash_mlx.hub import fetch, resolve
     from dflash_mlx.train import TrainConfig, read_prompts
     from dflash_mlx.train import train as run_training
@@ -199,17 +198,18 @@ def train(
             # The CPU backend has no fast half-precision matmul.
             target_model.set_dtype(mx.float32)
         prompts = read_prompts(data, tokenizer)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=err) as bar:
-            gen = bar.add_task("target responses", total=len(prompts))
-            fit = bar.add_task("training", total=None, visible=False)
+        with ExitStack() as data_bar, ExitStack() as train_bar:
+            gen = data_bar.enter_context(progress(err, "target responses", total=len(prompts), transient=False))
+            fit = []
 
             def on_step(step, total, loss, acc):
-                bar.update(fit, completed=step, total=total, visible=True,
-                           description=f"training  loss {loss:.3f}  held-out acceptance {acc:.2f}")
+                if not fit:  # one bar at a time: the data bar ends where training starts
+                    data_bar.close()
+                    fit.append(train_bar.enter_context(progress(err, "training", total=total, transient=False)))
+                fit[0](step, total, f"training  loss {loss:.3f}  held-out acceptance {acc:.2f}")
 
             summary = run_training(target_model, tokenizer, prompts, out, cfg, resume=resume,
-                                   on_data=lambda i, n: bar.update(gen, completed=i), on_step=on_step)
+                                   on_data=lambda i, n: gen(i, n), on_step=on_step)
     except DFlashError as e:
         fail(str(e))
     err.print(
@@ -318,11 +318,11 @@ def bench(
     import json as _json
 
     from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     import dflash_mlx
     from dflash_mlx import bench as B
+    from dflash_mlx.cli.progress import progress as show_progress
 
     sizes = _block_sizes(block_size)
     for path in (out, plot):
@@ -332,12 +332,10 @@ def bench(
             fail(f"Cannot write {path}: its folder does not exist; create it or pick another path.")
     try:
         pair = dflash_mlx.load(model, draft)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=err, transient=True) as bar:
-            task = bar.add_task("benchmark", total=None)
+        with show_progress(err, "benchmark") as update:
 
             def progress(done, total, what="measuring"):
-                bar.update(task, completed=done, total=total, description=what)
+                update(done, total, what)
 
             if sizes == ["sweep"]:
                 result = B.sweep(pair, pair.draft_source.block_size, progress=progress)

@@ -12,12 +12,13 @@ Update = Callable[..., None]  # update(done, total=None, description=None)
 
 @contextmanager
 def progress(console: Console, description: str, total: Optional[float] = None, transient: bool = True,
-             every: float = 5.0, counts: bool = True) -> Iterator[Update]:
+             every: float = 5.0, counts: bool = True, quiet_for: float = 0.0) -> Iterator[Update]:
     """Yield `update(done, total=None, description=None)`.
 
     Off a terminal (a pipe, a log file, CI) rich draws nothing until the end,
     so plain lines are printed instead: one at the start, one at most every
-    `every` seconds and one at the end.
+    `every` seconds and one at the end; with `quiet_for`, none at all unless
+    the work outlasts that many seconds.
     """
     if console.is_terminal:
         columns = [TextColumn("{task.description}"), BarColumn()]
@@ -32,8 +33,9 @@ def progress(console: Console, description: str, total: Optional[float] = None, 
             yield update
         return
     start = last = time.monotonic()
-    state = {"description": description, "done": 0, "total": total}
-    console.print(f"{description} ...", highlight=False)
+    state = {"description": description, "done": 0, "total": total, "shown": quiet_for <= 0}
+    if state["shown"]:
+        console.print(f"{description} ...", highlight=False)
 
     def line():
         d, t = state["done"], state["total"]
@@ -43,9 +45,15 @@ def progress(console: Console, description: str, total: Optional[float] = None, 
     def update(done, total=None, description=None):
         nonlocal last
         state.update(done=done, total=total or state["total"], description=description or state["description"])
-        if time.monotonic() - last >= every:
-            last = time.monotonic()
-            console.print(line(), highlight=False)
+        now = time.monotonic()
+        if not state["shown"] and now - start >= quiet_for:
+            state["shown"] = True
+        elif state["shown"] and now - last >= every:
+            last = now
+        else:
+            return
+        console.print(line(), highlight=False)
 
     yield update
-    console.print(line() + ": done", highlight=False)
+    if state["shown"]:
+        console.print(line() + ": done", highlight=False)

@@ -192,3 +192,36 @@ def test_mlx_lm_flag_spellings_are_accepted(targets, drafters, pairs, baselines)
     # no chat template: the system prompt goes before the prompt as plain text
     ids = tok.encode("x\n\ndef add(a, b):")
     assert r.stdout == tok.decode(plain_greedy(baselines["qwen3"], ids, 12)) + "\n"
+
+
+def test_progress_prints_plain_lines_off_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    from dflash_mlx.cli.progress import progress
+
+    out = io.StringIO()
+    with progress(Console(file=out, force_terminal=False), "working", total=4, every=0) as update:
+        update(1)
+        update(3, description="working hard")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "working ..." and lines[1].startswith("working 1/4 (")
+    assert lines[2].startswith("working hard 3/4 (") and lines[-1].endswith(": done")
+    term = io.StringIO()
+    with progress(Console(file=term, force_terminal=True), "working", total=4) as update:
+        update(2)
+    assert "working ..." not in term.getvalue()  # a live bar, not plain lines
+
+
+def test_quick_work_prints_no_progress_off_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    from dflash_mlx.cli.progress import progress
+
+    out = io.StringIO()
+    with progress(Console(file=out, force_terminal=False), "quick", quiet_for=60) as update:
+        update(1)
+    assert out.getvalue() == ""
