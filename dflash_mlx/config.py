@@ -67,9 +67,21 @@ class DrafterConfig:
             value = cfg.get(name)
             return default if value is None else value
 
-        if "dflash_config" not in cfg and "DFlashDraftModel" not in (
-            cfg.get("architectures") or []
-        ):
+        architectures = cfg.get("architectures") or []
+        if isinstance(architectures, str):
+            architectures = [architectures]
+        if "DFlash2DraftModel" in architectures:
+            raise DFlashError(
+                f"{source} is a DFlash2DraftModel drafter; DFlash 2 drafters are not supported yet "
+                "(only DFlashDraftModel); pass a DFlash 1 drafter with --draft."
+            )
+        other = [a for a in architectures if a != "DFlashDraftModel"]
+        if other:
+            raise DFlashError(
+                f"{source} is a {other[0]} model, not a DFlash drafter (DFlashDraftModel); "
+                "pass a z-lab DFlash drafter with --draft."
+            )
+        if "dflash_config" not in cfg and not architectures:
             raise DFlashError(
                 f"{source} is not a DFlash drafter config (no 'dflash_config' and no "
                 "DFlashDraftModel architecture); pass a z-lab DFlash drafter with --draft."
@@ -152,7 +164,8 @@ class DrafterConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             layer_types=list(layer_types),
             sliding_window=None if sliding_window is None else int(sliding_window),
-            is_causal=lookup("is_causal"),
+            # Only the top level, as the reference reads it (not dflash_config).
+            is_causal=cfg.get("is_causal"),
             input_embedding_scale=float(lookup("input_embedding_scale", 1.0)),
             output_multiplier=float(lookup("output_multiplier", 1.0)),
             final_logit_softcapping=None if not softcap else float(softcap),

@@ -42,11 +42,34 @@ def _cfg(**over):
 
 
 def test_explicit_is_causal_overrides_layer_type_rule():
-    cfg = _cfg()
-    cfg["dflash_config"]["is_causal"] = False
+    cfg = _cfg(is_causal=False)
     c = DrafterConfig.from_dict(cfg)
     assert not any(c.layer_is_causal(i) for i in range(6))
     assert c.layer_window(0) == 4096
+
+
+def test_is_causal_inside_dflash_config_is_ignored_like_the_reference():
+    cfg = _cfg()
+    cfg["dflash_config"]["is_causal"] = False
+    c = DrafterConfig.from_dict(cfg)
+    assert [c.layer_is_causal(i) for i in range(6)] == [True] * 5 + [False]
+
+
+@pytest.mark.parametrize("where", [None, "top", "dflash_config"])
+@pytest.mark.parametrize("value", [True, False])
+def test_is_causal_matches_the_pytorch_reference(where, value):
+    torch = pytest.importorskip("torch")
+    reference = pytest.importorskip("dflash.model")
+    from transformers import Qwen3Config
+
+    cfg = tiny.drafter_config("new", 64, 8, mask_token_id=3, sliding=True)
+    if where is not None:
+        (cfg if where == "top" else cfg["dflash_config"])["is_causal"] = value
+    torch.manual_seed(0)
+    ref = reference.DFlashDraftModel(Qwen3Config(**cfg))
+    want = [layer.self_attn.is_causal for layer in ref.layers]
+    c = DrafterConfig.from_dict(cfg)
+    assert [c.layer_is_causal(i) for i in range(2)] == want
 
 
 def test_scalars_prefer_dflash_config_then_top_level():
@@ -94,6 +117,34 @@ def test_bad_configs_fail_with_one_line(change, words):
     with pytest.raises(DFlashError) as e:
         DrafterConfig.from_dict(cfg)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def _dflash2_cfg():
+    # The field layout of z-lab's DFlash 2 drafter configs (dflash==0.1.0).
+    cfg = _cfg(architectures=["DFlash2DraftModel"], is_causal=False, sliding_window=2048,
+               layer_types=["sliding_attention"] * 6)
+    cfg["dflash_config"].update(block_size=8, conv_kernel_size=2, conv_group_size=16,
+                                selector_rank=256, selector_top_k=16)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "architectures, words",
+    [
+        (["DFlash2DraftModel"], "is a DFlash2DraftModel drafter; DFlash 2 drafters are not supported yet"),
+        ("DFlash2DraftModel", "is a DFlash2DraftModel drafter; DFlash 2 drafters are not supported yet"),
+        (["EagleDraftModel"], "is a EagleDraftModel model, not a DFlash drafter"),
+        (["Qwen3ForCausalLM"], "is a Qwen3ForCausalLM model, not a DFlash drafter"),
+    ],
+)
+def test_dflash2_and_unknown_architectures_are_refused_up_front(tmp_path, architectures, words):
+    cfg = _dflash2_cfg()
+    cfg["architectures"] = architectures
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError) as e:
+        DrafterConfig.from_file(tmp_path / "config.json")
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert str(tmp_path / "config.json") in str(e.value)
 
 
 def test_bad_json_file(tmp_path):
