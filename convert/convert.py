@@ -1,5 +1,7 @@
 """Converting PyTorch/z-lab DFlash drafter checkpoints into the MLX layout."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -11,17 +13,17 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.utils import compute_bits_per_weight, quantize_model, save_config
 
 from dflash_mlx.config import DrafterConfig, check_pair
 from dflash_mlx.drafter import DFlashDrafter
 from dflash_mlx.errors import DFlashError
 
-from .readers import read_safetensors, read_sharded_safetensors, read_torch, to_mx
+from .readers import read_safetensors, read_sharded_safetensors, read_torch
 
 FORMAT = "dflash_mlx"
 FORMAT_VERSION = 1
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-NESTED_KEYS = ("state_dict", "model", "module")
 PREFIXES = ("model.", "module.", "draft_model.")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
@@ -42,18 +44,6 @@ def is_converted(path: Path) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     return isinstance(cfg.get(FORMAT), dict) and cfg[FORMAT].get("format_version") == FORMAT_VERSION
-
-
-def _unwrap(obj, source: Path) -> dict:
-    """The tensor dict inside a training checkpoint (state_dict/model/module)."""
-    while isinstance(obj, dict):
-        inner = next((obj[k] for k in NESTED_KEYS if isinstance(obj.get(k), dict)), None)
-        if inner is None:
-            break
-        obj = inner
-    if not isinstance(obj, dict):
-        raise DFlashError(f"{source} does not hold a state dict of tensors.")
-    return {k: v for k, v in obj.items() if not isinstance(v, (dict, list, int, float, str, type(None)))}
 
 
 def read_checkpoint(path: Path) -> Dict[str, mx.array]:
@@ -84,7 +74,7 @@ def read_checkpoint(path: Path) -> Dict[str, mx.array]:
         if f.suffix == ".safetensors":
             weights.update(read_safetensors(f))
         else:
-            weights.update({k: to_mx(v) for k, v in _unwrap(read_torch(f), f).items()})
+            weights.update(read_torch(f))
     return weights
 
 
@@ -126,7 +116,7 @@ def check_weights(weights: Dict[str, mx.array], model: nn.Module, source: str) -
             raise DFlashError(f"{source}: weight {key} has dtype {value.dtype}; only float weights are supported.")
 
 
-def normalized_config(original: dict, cfg: DrafterConfig, dtype: str, quant: Optional[dict], source: str) -> dict:
+def normalized_config(original: dict, cfg: DrafterConfig, dtype: str, source: str) -> dict:
     """One layout for every drafter: the newer z-lab layout plus our marker."""
     dflash = {
         "block_size": cfg.block_size,
@@ -137,8 +127,9 @@ def normalized_config(original: dict, cfg: DrafterConfig, dtype: str, quant: Opt
     }
     if cfg.final_logit_softcapping:
         dflash["final_logit_softcapping"] = cfg.final_logit_softcapping
-    if cfg.is_causal is not None:
-        dflash["is_causal"] = cfg.is_causal
+    # is_causal stays where it was: the reference reads only the top level.
+    if "is_causal" in (original.get("dflash_config") or {}):
+        dflash["is_causal"] = original["dflash_config"]["is_causal"]
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling:
         rope.update(cfg.rope_scaling)
@@ -164,12 +155,9 @@ def normalized_config(original: dict, cfg: DrafterConfig, dtype: str, quant: Opt
         "dflash_config": dflash,
         FORMAT: {"format_version": FORMAT_VERSION, "source": source},
     }
-    for key in ("bos_token_id", "eos_token_id"):
+    for key in ("is_causal", "bos_token_id", "eos_token_id"):
         if key in original:
             out[key] = original[key]
-    if quant:
-        out["quantization"] = dict(quant)
-        out["quantization_config"] = dict(quant)
     return out
 
 
@@ -187,21 +175,6 @@ def target_dims(name: str):
         return int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"])
     except KeyError as e:
         raise DFlashError(f"Target {name}'s config.json lacks {e.args[0]}.")
-
-
-def bits_per_weight(model: nn.Module) -> float:
-    bits = weights = 0
-    for _, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear):
-            bits += sum(v.nbytes * 8 for _, v in tree_flatten(m.parameters()))
-            weights += m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
-            if "bias" in m:
-                weights += m.bias.size
-        elif isinstance(m, (nn.Linear, nn.RMSNorm)):
-            for _, v in tree_flatten(m.parameters()):
-                bits += v.nbytes * 8
-                weights += v.size
-    return bits / max(weights, 1)
 
 
 def write_atomic(out: Path, force: bool, write: Callable[[Path], None]) -> None:
@@ -275,23 +248,18 @@ def convert_drafter(
     model.load_weights(list(weights.items()))
     model.set_dtype(DTYPES[dtype])
 
-    quant = None
+    new_cfg = normalized_config(original, config, dtype, str(hf_path))
     if quantize:
         progress("quantizing")
-        quant = {"group_size": q_group_size, "bits": q_bits}
-        nn.quantize(
-            model,
-            group_size=q_group_size,
-            bits=q_bits,
-            class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % q_group_size == 0,
-        )
+        # quantize_model prints its own bits-per-weight line; the caller reports it.
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, new_cfg = quantize_model(model, new_cfg, q_group_size, q_bits)
     mx.eval(model.parameters())
     params = dict(tree_flatten(model.parameters()))
 
     def write(tmp: Path):
         mx.save_safetensors(str(tmp / "model.safetensors"), params, metadata={"format": "mlx"})
-        new_cfg = normalized_config(original, config, dtype, quant, str(hf_path))
-        (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
+        save_config(new_cfg, tmp / "config.json")
         (tmp / "config.original.json").write_text(json.dumps(original, indent=2))
 
     progress("writing")
@@ -299,7 +267,7 @@ def convert_drafter(
     return ConvertResult(
         path=out,
         dtype=dtype,
-        bits_per_weight=bits_per_weight(model),
+        bits_per_weight=compute_bits_per_weight(model),
         parameters=sum(v.size for v in params.values()),
-        quantization=quant,
+        quantization=new_cfg.get("quantization"),
     )

@@ -5,14 +5,18 @@ zip format of `torch.save`) are read by a restricted unpickler that admits
 tensors, parameters and plain containers only, and never imports torch.
 """
 
+import io
 import json
+import math
 import pickle
+import pickletools
 import zipfile
 from pathlib import Path
-from typing import Dict
+from typing import Dict, NamedTuple
 
 import mlx.core as mx
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from dflash_mlx.errors import DFlashError
 
@@ -21,32 +25,21 @@ SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
 
 def read_safetensors(path: Path) -> Dict[str, mx.array]:
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise DFlashError(f"{path} is truncated (no safetensors header); download it again.")
-        n = int.from_bytes(head, "little")
-        if n > size - 8 or n > 100_000_000:
-            raise DFlashError(f"{path} is truncated or not a safetensors file (header of {n} bytes); download it again.")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise DFlashError(f"{path} has a corrupt safetensors header; download it again.")
-    data_size = size - 8 - n
-    end = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(info, dict) or "dtype" not in info or "data_offsets" not in info:
-            raise DFlashError(f"{path} has a corrupt safetensors header entry '{key}'; download it again.")
-        if info["dtype"] not in SAFETENSORS_DTYPES:
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    except SafetensorError as e:
+        reason = str(e).split(": ", 1)[-1].splitlines()[0]
+        # Messages differ across safetensors versions ("incomplete metadata",
+        # "MetadataIncompleteBuffer", "header too small", "InvalidHeaderLength").
+        if any(w in reason.lower() for w in ("incomplete", "small", "length")):
+            raise DFlashError(f"{path} is truncated or damaged ({reason}); download it again.")
+        raise DFlashError(f"{path} has a corrupt safetensors header ({reason}); download it again.")
+    for key, dtype in dtypes.items():
+        if dtype not in SAFETENSORS_DTYPES:
             raise DFlashError(
-                f"{path}: tensor '{key}' has dtype {info['dtype']}; only float32, float16 and bfloat16 are supported."
+                f"{path}: tensor '{key}' has dtype {dtype}; only float32, float16 and bfloat16 are supported."
             )
-        end = max(end, info["data_offsets"][1])
-    if end > data_size:
-        raise DFlashError(f"{path} is truncated ({data_size} of {end} data bytes); download it again.")
     try:
         return mx.load(str(path))
     except (RuntimeError, ValueError) as e:
@@ -72,7 +65,7 @@ def read_sharded_safetensors(index: Path) -> Dict[str, mx.array]:
 _TORCH_STORAGES = {
     "FloatStorage": np.float32,
     "HalfStorage": np.float16,
-    "BFloat16Storage": "bfloat16",
+    "BFloat16Storage": np.uint16,  # numpy has no bfloat16: kept as bit patterns
     "DoubleStorage": np.float64,
     "LongStorage": np.int64,
     "IntStorage": np.int32,
@@ -81,51 +74,37 @@ _TORCH_STORAGES = {
     "ByteStorage": np.uint8,
     "BoolStorage": np.bool_,
 }
+NESTED_KEYS = ("state_dict", "model", "module")
 
 
 class _StorageType:
     def __init__(self, name):
-        self.dtype = _TORCH_STORAGES[name]
         self.name = name
 
 
-class BF16Array:
+class BF16Array(NamedTuple):
     """bfloat16 data kept as its uint16 bit pattern (numpy has no bfloat16)."""
 
-    def __init__(self, bits: np.ndarray):
-        self.bits = bits
-
-
-def _rebuild_tensor(storage, offset, size, stride, *args, **kwargs):
-    data, is_bf16 = storage
-    itemsize = data.itemsize
-    view = np.lib.stride_tricks.as_strided(
-        data[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
-    )
-    view = np.ascontiguousarray(view)
-    return BF16Array(view) if is_bf16 else view
-
-
-def _rebuild_parameter(data, *args, **kwargs):
-    return data
-
-
-_ALLOWED = {
-    ("collections", "OrderedDict"): dict,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-}
+    bits: np.ndarray
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
+    """Admits tensors, parameters and plain containers; never imports torch."""
+
     def __init__(self, file, archive: zipfile.ZipFile, prefix: str, source: Path):
         super().__init__(file)
         self.archive, self.prefix, self.source = archive, prefix, source
+        # Storages by key, as (1-D array, is_bf16) tuples: immutable, and only
+        # persistent_load makes them, so a pickle cannot forge one.
+        self.storages = {}
 
     def find_class(self, module, name):
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self.rebuild_tensor
+        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+            return _rebuild_parameter
         if module == "torch" and name in _TORCH_STORAGES:
             return _StorageType(name)
         raise DFlashError(
@@ -137,19 +116,78 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
             raise DFlashError(f"Refusing to load {self.source}: unexpected persistent id in its pickle.")
         storage_type, key = pid[1], pid[2]
-        if not isinstance(storage_type, _StorageType):
-            raise DFlashError(f"Refusing to load {self.source}: unknown storage type in its pickle.")
-        try:
-            raw = self.archive.read(f"{self.prefix}data/{key}")
-        except KeyError:
-            raise DFlashError(f"{self.source} is truncated: tensor data {key} is missing; download it again.")
-        if storage_type.dtype == "bfloat16":
-            return np.frombuffer(raw, dtype=np.uint16), True
-        return np.frombuffer(raw, dtype=storage_type.dtype), False
+        if not (isinstance(storage_type, _StorageType) and isinstance(key, str)):
+            raise ValueError("malformed storage reference")
+        if key not in self.storages:
+            dtype = _TORCH_STORAGES[storage_type.name]
+            try:
+                raw = self.archive.read(f"{self.prefix}data/{key}")
+            except KeyError:
+                raise ValueError(f"tensor data {key} is missing")
+            self.storages[key] = (np.frombuffer(raw, dtype=dtype), dtype is np.uint16)
+        return self.storages[key]
+
+    def rebuild_tensor(self, storage, offset, size, stride, *args, **kwargs):
+        if not any(storage is s for s in self.storages.values()):
+            raise ValueError("a tensor without storage")
+        data, is_bf16 = storage
+        if not (
+            type(offset) is int
+            and type(size) is tuple
+            and type(stride) is tuple
+            and len(size) == len(stride)
+            and all(type(n) is int for n in size + stride)
+        ):
+            raise ValueError("tensor offset, size and stride must be integers")
+        if min((offset, *size, *stride)) < 0:
+            raise ValueError("negative tensor offset, size or stride")
+        numel = math.prod(size)
+        end = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride)) if numel else offset
+        if end > data.size:
+            raise ValueError(f"tensor view ends at element {end} of a storage of {data.size}")
+        # A view with more elements than its storage (stride 0) could make a
+        # small file allocate without bound; checkpoints never hold one.
+        if numel > data.size:
+            raise ValueError(f"tensor of {numel} elements over a storage of {data.size}")
+        view = np.lib.stride_tricks.as_strided(
+            data[offset:], shape=size, strides=tuple(s * data.itemsize for s in stride), writeable=False
+        ).copy()
+        return BF16Array(view) if is_bf16 else view
 
 
-def read_torch(path: Path) -> dict:
-    """The object a `torch.save` zip checkpoint holds, tensors as numpy arrays."""
+def _rebuild_parameter(data, *args, **kwargs):
+    return data
+
+
+def _check_memo(data: bytes) -> None:
+    """The C unpickler sizes its memo by the largest index a PUT names (a
+    crafted one asks for gigabytes): refuse indices no pickle this size needs."""
+    ops = list(pickletools.genops(data))
+    for op, arg, pos in ops:
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg > len(ops):
+            raise ValueError(f"memo index {arg} at byte {pos}")
+
+
+def _unwrap(obj) -> dict:
+    """The tensor dict inside a training checkpoint (state_dict/model/module)."""
+    while isinstance(obj, dict):
+        inner = next((obj[k] for k in NESTED_KEYS if isinstance(obj.get(k), dict)), None)
+        if inner is None:
+            break
+        obj = inner
+    if not isinstance(obj, dict):
+        raise ValueError("it does not hold a state dict of tensors")
+    return {k: v for k, v in obj.items() if isinstance(v, (np.ndarray, BF16Array))}
+
+
+def to_mx(value) -> mx.array:
+    if isinstance(value, BF16Array):
+        return mx.array(value.bits).view(mx.bfloat16)
+    return mx.array(value)
+
+
+def read_torch(path: Path) -> Dict[str, mx.array]:
+    """The tensors of a `torch.save` zip checkpoint (nested state dicts unwrapped)."""
     path = Path(path)
     if not zipfile.is_zipfile(path):
         raise DFlashError(
@@ -166,13 +204,16 @@ def read_torch(path: Path) -> dict:
             order = [n for n in names if n == f"{prefix}byteorder"]
             if order and archive.read(order[0]).strip() != b"little":
                 raise DFlashError(f"{path} was saved big-endian, which is not supported.")
-            with archive.open(pkl[0]) as f:
-                return _RestrictedUnpickler(f, archive, prefix, path).load()
-    except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, ValueError) as e:
-        raise DFlashError(f"{path} is corrupt ({e}); download it again.")
-
-
-def to_mx(value) -> mx.array:
-    if isinstance(value, BF16Array):
-        return mx.array(value.bits).view(mx.bfloat16)
-    return mx.array(value)
+            data = archive.read(pkl[0])
+            _check_memo(data)
+            obj = _RestrictedUnpickler(io.BytesIO(data), archive, prefix, path).load()
+            return {str(k): to_mx(v) for k, v in _unwrap(obj).items()}
+    except DFlashError:
+        raise
+    except Exception as e:
+        # A crafted pickle can raise almost anything (TypeError, IndexError,
+        # struct.error, RecursionError, ...): every one is a bad file.
+        reason = (str(e).splitlines() or [""])[0] or type(e).__name__
+        raise DFlashError(
+            f"{path} is not a valid checkpoint: {reason}; download it again or re-save it with torch.save."
+        )

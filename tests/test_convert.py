@@ -1,8 +1,10 @@
 """`dflash-mlx convert`: parity with z-lab's PyTorch drafter, formats, safety."""
 
+import io
 import json
 import os
 import pickle
+import random
 import zipfile
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx.cli.main import app
 from dflash_mlx.convert import convert_drafter, is_converted
+from dflash_mlx.convert.readers import read_torch
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.load import load_drafter
 
@@ -119,7 +122,7 @@ def test_quantized_output_loads_runs_and_reports_bits(tmp_path, bits):
     assert r.exit_code == 0, r.output
     assert "bits per weight" in r.stderr
     cfg_out = json.loads((tmp_path / "q" / "config.json").read_text())
-    assert cfg_out["quantization"] == {"group_size": 32, "bits": bits}
+    assert cfg_out["quantization"] == {"group_size": 32, "bits": bits, "mode": "affine"}
     drafter = load_drafter(tmp_path / "q")
     assert type(drafter.layers[0].mlp.gate_proj).__name__ == "QuantizedLinear"
     torch.manual_seed(1)
@@ -132,6 +135,34 @@ def test_quantized_output_loads_runs_and_reports_bits(tmp_path, bits):
     assert agree >= (0.99 if bits == 8 else 0.5)
     bpw = float(r.stderr.split("bits per weight")[0].split(",")[-1])
     assert bits < bpw < bits + 2.5  # float32 scales and biases in groups of 32 add 2 bits
+
+
+@pytest.mark.parametrize("where", ["top", "dflash_config"])
+def test_is_causal_keeps_its_place_and_its_meaning(tmp_path, where):
+    cfg = tiny.drafter_config("new", V, 8, mask_token_id=3, sliding=True)
+    (cfg if where == "top" else cfg["dflash_config"])["is_causal"] = False
+    src = save_checkpoint(reference_drafter(cfg), cfg, tmp_path / "src", "safetensors")
+    result = convert_drafter(str(src), str(tmp_path / "mlx"))
+    out = json.loads((result.path / "config.json").read_text())
+    assert ("is_causal" in out) == (where == "top")
+    assert ("is_causal" in out["dflash_config"]) == (where == "dflash_config")
+    from transformers import Qwen3Config
+
+    def causal(c):
+        return [layer.self_attn.is_causal for layer in reference_drafter(c).layers]
+
+    # Read as z-lab's reference reads it: top level only.
+    assert causal(out) == causal(cfg) == ([False, False] if where == "top" else [True, False])
+    assert [layer.self_attn.is_causal for layer in load_drafter(result.path).layers] == causal(cfg)
+
+
+@pytest.mark.parametrize("dtype, bits", [("float32", 32.0), ("bfloat16", 16.0)])
+def test_float_output_reports_its_bits_and_writes_an_mlx_lm_config(tmp_path, good_src, dtype, bits):
+    result = convert_drafter(str(good_src), str(tmp_path / "out"), dtype=dtype)
+    assert result.bits_per_weight == bits and result.quantization is None
+    cfg = json.loads((result.path / "config.json").read_text())
+    assert list(cfg) == sorted(cfg) and "quantization" not in cfg  # as mlx-lm's save_config writes it
+    assert cfg["dtype"] == dtype
 
 
 def test_runtime_converts_a_pytorch_drafter_once_and_caches_it(tmp_path, targets, vocab, monkeypatch):
@@ -184,6 +215,163 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
     assert marker.exists()
 
 
+def _ops(value) -> bytes:
+    """Pickle opcodes building a plain value (no protocol header, STOP or memo)."""
+    buf = io.BytesIO()
+    p = pickle.Pickler(buf, protocol=2)
+    p.fast = True
+    p.dump(value)
+    return buf.getvalue()[2:-1]
+
+
+STORAGE = np.arange(6, dtype=np.float32)
+
+
+def tensor_pickle(offset, size, stride, storage_type=b"FloatStorage", key="0", storage=None) -> bytes:
+    """data.pkl of `{"w": tensor}` as torch.save writes it, with any view parameters."""
+    pid = b"(" + _ops("storage") + b"ctorch\n" + storage_type + b"\n" + _ops(key) + _ops("cpu") + _ops(6) + b"tQ"
+    storage = pid if storage is None else _ops(storage)
+    return (b"\x80\x02}" + _ops("w") + b"ctorch._utils\n_rebuild_tensor_v2\n("
+            + storage + _ops(offset) + _ops(size) + _ops(stride) + b"\x89}tRs.")
+
+
+def write_torch_zip(path: Path, payload: bytes, data: bytes = STORAGE.tobytes()) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", payload)
+        z.writestr("archive/byteorder", "little")
+        if data is not None:
+            z.writestr("archive/data/0", data)
+    return path
+
+
+@pytest.fixture
+def strided_spy(monkeypatch):
+    """Fails the test on any as_strided view reaching outside its base array."""
+    real = np.lib.stride_tricks.as_strided
+
+    def checked(x, shape=None, strides=None, **kw):
+        if shape and all(shape):
+            start = x.__array_interface__["data"][0] - x.base.__array_interface__["data"][0] if x.base is not None else 0
+            last = start + sum((n - 1) * s for n, s in zip(shape, strides)) + x.itemsize
+            total = x.base.nbytes if x.base is not None else x.nbytes
+            assert 0 <= start and last <= total and min(strides) >= 0, "out-of-bounds view"
+        return real(x, shape=shape, strides=strides, **kw)
+
+    monkeypatch.setattr(np.lib.stride_tricks, "as_strided", checked)
+
+
+@pytest.mark.parametrize(
+    "offset, size, stride, want",
+    [
+        (0, (2, 3), (3, 1), [[0, 1, 2], [3, 4, 5]]),
+        (0, (3, 2), (1, 3), [[0, 3], [1, 4], [2, 5]]),  # a transposed view
+        (5, (1,), (1,), [5]),  # the last element exactly
+        (6, (0,), (1,), []),  # empty, just past the end
+        (2, (), (), 2),  # a scalar
+    ],
+)
+def test_torch_reader_reads_views_inside_their_storage(tmp_path, strided_spy, offset, size, stride, want):
+    w = read_torch(write_torch_zip(tmp_path / "ok.bin", tensor_pickle(offset, size, stride)))["w"]
+    assert w.tolist() == want
+
+
+@pytest.mark.parametrize(
+    "offset, size, stride",
+    [
+        (6, (1,), (1,)),  # offset past the end
+        (1, (2, 3), (3, 1)),  # the view runs one element over
+        (0, (7,), (1,)),  # size too large
+        (0, (2, 3), (4, 1)),  # stride too large
+        (2 ** 70, (1,), (1,)),  # offset beyond any integer type
+        (0, (2 ** 62,), (0,)),  # in bounds, but allocates without end
+        (-1, (1,), (1,)),  # negative offset
+        (5, (6,), (-1,)),  # negative stride
+        (0, (-1,), (1,)),  # negative size
+        (0, (2,), (1, 1)),  # sizes and strides of different lengths
+        (0, [2, 3], [3, 1]),  # lists, not tuples
+        ("0", (1,), (1,)),  # wrong types
+        (0.0, (1,), (1,)),
+        (0, (2.0,), (1,)),
+        (0, (True,), (1,)),
+        (None, None, None),
+    ],
+)
+def test_crafted_tensor_views_are_refused(tmp_path, strided_spy, offset, size, stride):
+    path = write_torch_zip(tmp_path / "evil.bin", tensor_pickle(offset, size, stride))
+    with pytest.raises(DFlashError, match=r"evil.bin is not a valid checkpoint: .*; ") as e:
+        read_torch(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "payload, data",
+    [
+        (tensor_pickle(0, (1,), (1,), storage=("not", "a storage")), STORAGE.tobytes()),  # a forged storage
+        (tensor_pickle(0, (1,), (1,), storage=7), STORAGE.tobytes()),
+        (tensor_pickle(0, (1,), (1,), key=["0"]), STORAGE.tobytes()),  # unhashable key
+        (tensor_pickle(0, (1,), (1,)), None),  # tensor data missing
+        (tensor_pickle(0, (1,), (1,)), STORAGE.tobytes()[:-1]),  # not whole elements
+        (tensor_pickle(0, (1,), (1,), storage_type=b"BFloat16Storage"), b"\x00\x01\x02"),
+        (tensor_pickle(0, (1,), (1,))[:-7], STORAGE.tobytes()),  # truncated pickle
+        (b"\x80\x02R.", b""),  # REDUCE on an empty stack
+        (b"\x80\x02h\x05.", b""),  # memo entry that does not exist
+        (b"\x80\x02ccollections\nOrderedDict\nK\x01\x85R.", b""),  # dict(1): TypeError
+        (b"\x80\x02ctorch\nFloatStorage\n)R.", b""),  # calling a storage type
+        (b"\x80\x02ctorch\nFloatStorage\n}X\x04\x00\x00\x00nameK\x01sbK\x00.", b""),
+        (b"\x80\x02" + b"(" * 10000 + b"l" * 10000 + b".", b""),  # deep nesting
+        (b"\x80\x02}r\xff\xff\xff\x7f.", b""),  # a memo of 2**31 entries
+        (b"\x80\x02K\x07.", b""),  # not a state dict
+        (b"\x80\x02\xff.", b""),  # unknown opcode
+    ],
+)
+def test_every_error_a_crafted_pickle_raises_is_one_line(tmp_path, payload, data):
+    path = write_torch_zip(tmp_path / "evil.bin", payload, data)
+    with pytest.raises(DFlashError, match=r"evil.bin is not a valid checkpoint: .*; ") as e:
+        read_torch(path)
+    assert "\n" not in str(e.value)
+
+
+def test_fuzzed_torch_checkpoints_load_or_fail_with_one_line(tmp_path, strided_spy):
+    good = io.BytesIO()
+    torch.save({"state_dict": {"a": torch.arange(12.0).reshape(3, 4).t(), "b": torch.ones(2, dtype=torch.bfloat16)}}, good)
+    archive = zipfile.ZipFile(io.BytesIO(good.getvalue()))
+    members = {i.filename: archive.read(i) for i in archive.infolist()}
+    pkl = next(n for n in members if n.endswith("data.pkl"))
+    rng = random.Random(0)
+    failures = 0
+    for i in range(400):
+        data = bytearray(members[pkl])
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        path = tmp_path / f"f{i}.bin"
+        with zipfile.ZipFile(path, "w") as z:
+            for name, raw in members.items():
+                z.writestr(name, bytes(data) if name == pkl else raw)
+        try:
+            read_torch(path)
+        except DFlashError as e:
+            assert "\n" not in str(e)
+            failures += 1
+    assert failures > 100  # the mutations did reach the reader
+    # Damaged archives, not just pickles.
+    raw = (tmp_path / "f0.bin").read_bytes()
+    for cut in (len(raw) // 3, len(raw) - 30):
+        (tmp_path / "cut.bin").write_bytes(raw[:cut])
+        with pytest.raises(DFlashError):
+            read_torch(tmp_path / "cut.bin")
+
+
+def test_crafted_checkpoint_fails_the_cli_with_one_line(tmp_path):
+    src = tmp_path / "evil"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(tiny.drafter_config("old", V, 8, mask_token_id=3)))
+    write_torch_zip(src / "pytorch_model.bin", tensor_pickle(4, (2, 3), (3, 1)))
+    r = runner.invoke(app, ["convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "out")])
+    assert r.exit_code == 1 and "is not a valid checkpoint" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture
 def good_src(tmp_path):
     cfg = tiny.drafter_config("old", V, 8, mask_token_id=3)
@@ -198,6 +386,17 @@ def _rewrite(src, change):
     save_file(w, str(src / "model.safetensors"))
 
 
+def _bad_offsets(path):
+    """A header whose first tensor's byte range does not fit its shape."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"][1] -= 4
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
 @pytest.mark.parametrize(
     "damage, words",
     [
@@ -209,6 +408,9 @@ def _rewrite(src, change):
          "truncated"),
         (lambda s: (s / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all"),
          "corrupt safetensors header"),
+        (lambda s: (s / "model.safetensors").write_bytes(b""), "truncated"),
+        (lambda s: (s / "model.safetensors").write_bytes((10 ** 6).to_bytes(8, "little") + b"{}"), "truncated"),
+        (lambda s: _bad_offsets(s / "model.safetensors"), "corrupt safetensors header"),
         (lambda s: _rewrite(s, lambda w: w.update({"lm_head.weight": np.zeros((V, 64), np.float32)})),
          "unknown weight(s) lm_head.weight"),
         (lambda s: _rewrite(s, lambda w: w.pop("layers.1.mlp.up_proj.weight")),
