@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -18,9 +17,9 @@ TARGET_FILES = [
     "*.tiktoken",
     "*.txt",
 ]
-DRAFT_FILES = ["*.json", "*.safetensors", "*.bin", "*.pt", "*.pth"]
-PATTERNS = {"model": TARGET_FILES, "draft": DRAFT_FILES, "config": ["config.json"]}
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+TORCH_FILES = [f"*{s}" for s in TORCH_SUFFIXES]
+PATTERNS = {"model": TARGET_FILES, "config": ["config.json"]}
 
 
 @dataclass
@@ -86,12 +85,50 @@ def check_name(name: str, kind: str) -> Optional[Path]:
         if not path.is_dir():
             raise DFlashError(f"{name} is a file; pass the {kind} directory (holding config.json).")
         return path
-    if not _REPO_ID.match(name):
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+        valid = "/" in name  # a bare word here is a mistyped alias, not a repo
+    except HFValidationError:
+        valid = False
+    if not valid:
         known = ", ".join(sorted(aliases()))
         raise DFlashError(
             f"'{name}' is not a directory, a Hugging Face repo id (org/name) or a known alias ({known})."
         )
     return None
+
+
+def _repo_files(name: str) -> list:
+    """The files of a Hub repo; offline or unreachable, those of its cached snapshot."""
+    from huggingface_hub import constants, list_repo_files, try_to_load_from_cache
+    from huggingface_hub import errors as hf_errors
+
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return list_repo_files(name)
+        except hf_errors.RepositoryNotFoundError:
+            raise
+        except Exception:
+            pass  # no connection (its error type depends on the client version)
+    config = try_to_load_from_cache(name, "config.json")
+    if not isinstance(config, str):
+        return []
+    snapshot = Path(config).parent
+    return [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
+
+
+def draft_patterns(name: str) -> list:
+    """Configs plus the safetensors weights where the repo has them, else its torch checkpoints."""
+    files = _repo_files(name)
+    if any(f.endswith(".safetensors") for f in files):
+        return ["*.json", "*.safetensors"]
+    if any(f.endswith(TORCH_SUFFIXES) for f in files):
+        return ["*.json", *TORCH_FILES]
+    # No weights listed (nothing cached): ask for either, the download says what is missing.
+    return ["*.json", "*.safetensors", *TORCH_FILES]
 
 
 def fetch(name: str, kind: str) -> Path:
@@ -102,8 +139,8 @@ def fetch(name: str, kind: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf_errors
 
-    patterns = PATTERNS[kind]
     try:
+        patterns = draft_patterns(name) if kind == "draft" else PATTERNS[kind]
         return Path(snapshot_download(name, allow_patterns=patterns))
     except hf_errors.GatedRepoError:
         raise DFlashError(
