@@ -29,7 +29,7 @@ def read_safetensors(path: Path) -> Dict[str, mx.array]:
         with safe_open(str(path), framework="numpy") as f:
             dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     except SafetensorError as e:
-        reason = str(e).split(": ", 1)[-1].splitlines()[0]
+        reason = (str(e).split(": ", 1)[-1].splitlines() or ["no header"])[0]
         # Messages differ across safetensors versions ("incomplete metadata",
         # "MetadataIncompleteBuffer", "header too small", "InvalidHeaderLength").
         if any(w in reason.lower() for w in ("incomplete", "small", "length")):

@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Dict, Optional
 
+from .config import DrafterConfig
 from .errors import DFlashError
 
 TARGET_FILES = [
@@ -140,7 +141,12 @@ def fetch(name: str, kind: str) -> Path:
     from huggingface_hub import errors as hf_errors
 
     try:
-        patterns = draft_patterns(name) if kind == "draft" else PATTERNS[kind]
+        if kind == "draft":
+            # The config first: a drafter that cannot run is refused before its weights download.
+            DrafterConfig.from_file(Path(snapshot_download(name, allow_patterns=["config.json"])) / "config.json")
+            patterns = draft_patterns(name)
+        else:
+            patterns = PATTERNS[kind]
         return Path(snapshot_download(name, allow_patterns=patterns))
     except hf_errors.GatedRepoError:
         raise DFlashError(

@@ -1,6 +1,8 @@
 """Repo ids and downloads: only the files a drafter needs, online or from the cache."""
 
+import json
 import types
+from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -12,6 +14,7 @@ from dflash_mlx.hub import TARGET_FILES, check_name, fetch
 
 REPO = "z-lab/Some-DFlash-b16"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+CONFIG = (Path(__file__).parent / "data" / "qwen3.5-4b-dflash-newer.config.json").read_text()
 
 
 @pytest.mark.parametrize("name", ["Qwen/Qwen3-4B", "z-lab/Qwen3.5-9B-DFlash", "org/name_with.dots-1"])
@@ -48,6 +51,8 @@ def hub(monkeypatch, tmp_path):
 
     monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "config.json").write_text(CONFIG)
     return state
 
 
@@ -59,7 +64,7 @@ def _cache(tmp_path, files):
     snapshot = repo / "snapshots" / COMMIT
     for f in files:
         (snapshot / f).parent.mkdir(parents=True, exist_ok=True)
-        (snapshot / f).write_text("{}")
+        (snapshot / f).write_text(CONFIG if f == "config.json" else "{}")
     return snapshot
 
 
@@ -76,7 +81,7 @@ def _cache(tmp_path, files):
 def test_drafter_download_fetches_safetensors_or_else_torch_checkpoints(hub, tmp_path, files, want):
     hub.files = files
     assert fetch(REPO, "draft") == tmp_path / "snapshot"
-    assert hub.listed == [REPO] and hub.patterns == [want]
+    assert hub.listed == [REPO] and hub.patterns == [["config.json"], want]
 
 
 def test_target_download_does_not_list_the_repo(hub):
@@ -97,20 +102,20 @@ def test_offline_the_cache_decides(hub, monkeypatch, tmp_path, cached, want):
     hub.error = AssertionError("listed the repo while offline")
     _cache(tmp_path, cached)
     fetch(REPO, "draft")
-    assert hub.listed == [] and hub.patterns == [want]
+    assert hub.listed == [] and hub.patterns == [["config.json"], want]
 
 
 def test_unreachable_hub_falls_back_to_the_cache(hub, tmp_path):
     hub.error = ConnectionError("Name or service not known")
     _cache(tmp_path, ["config.json", "pytorch_model.bin"])
     fetch(REPO, "draft")
-    assert hub.listed == [REPO] and hub.patterns == [["*.json", "*.bin", "*.pt", "*.pth"]]
+    assert hub.listed == [REPO] and hub.patterns == [["config.json"], ["*.json", "*.bin", "*.pt", "*.pth"]]
 
 
 def test_nothing_listed_asks_for_any_weights(hub, tmp_path):
     hub.error = ConnectionError("Name or service not known")  # and nothing cached
     fetch(REPO, "draft")
-    assert hub.patterns == [["*.json", "*.safetensors", "*.bin", "*.pt", "*.pth"]]
+    assert hub.patterns == [["config.json"], ["*.json", "*.safetensors", "*.bin", "*.pt", "*.pth"]]
 
 
 def test_unknown_repo_is_one_line(hub):
@@ -118,7 +123,17 @@ def test_unknown_repo_is_one_line(hub):
     hub.error = hf_errors.RepositoryNotFoundError("404 Client Error", response=response)
     with pytest.raises(DFlashError, match=f"Hugging Face has no repo {REPO}"):
         fetch(REPO, "draft")
-    assert hub.patterns == []
+    assert hub.patterns == [["config.json"]]
+
+
+def test_dflash2_drafter_is_refused_before_its_weights_download(hub, tmp_path):
+    cfg = json.loads(CONFIG)
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    (tmp_path / "snapshot" / "config.json").write_text(json.dumps(cfg))
+    hub.files = ["config.json", "model.safetensors"]
+    with pytest.raises(DFlashError, match="DFlash 2 drafters are not supported yet"):
+        fetch(REPO, "draft")
+    assert hub.patterns == [["config.json"]] and hub.listed == []
 
 
 def test_offline_and_uncached_is_one_line_from_the_real_client(monkeypatch, tmp_path):
