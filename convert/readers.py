@@ -11,6 +11,7 @@ import math
 import pickle
 import pickletools
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, NamedTuple
 
@@ -100,7 +101,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         if (module, name) == ("collections", "OrderedDict"):
-            return dict
+            return OrderedDict  # not dict: state_dict() pickles a `_metadata` attribute
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return self.rebuild_tensor
         if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):

@@ -79,6 +79,9 @@ def save_checkpoint(model, cfg, out: Path, fmt: str):
         # As training frameworks leave it: nested, prefixed, extra entries.
         torch.save({"state_dict": {f"module.draft_model.{k}": v for k, v in sd.items()}, "step": 7},
                    str(out / "pytorch_model.bin"))
+    elif fmt == "bin-state-dict":
+        # As `torch.save(model.state_dict())` leaves it: an OrderedDict with `_metadata`.
+        torch.save(model.state_dict(), str(out / "pytorch_model.bin"))
     elif fmt == "pt-model-prefix":
         torch.save({"model": {f"model.{k}": v.half() for k, v in sd.items()}}, str(out / "drafter.pt"))
     return out
@@ -88,6 +91,7 @@ CASES = [
     ("old", False, "safetensors", 2e-5),
     ("new", True, "safetensors", 2e-5),
     ("new", True, "bin-nested", 2e-5),
+    ("old", False, "bin-state-dict", 2e-5),
     ("old", False, "sharded", 2e-5),
     ("new", False, "pt-model-prefix", 5e-2),
     ("new", True, "bf16-safetensors", 1e-1),
