@@ -100,9 +100,10 @@ def load(model: str, draft: Optional[str] = None) -> DFlashPair:
         raise DFlashError(
             f"No DFlash drafter is known for '{model}'; pass one with --draft (repo id or directory)."
         )
+    # The drafter's config first: one that cannot run is refused before the target downloads.
+    config = DrafterConfig.from_file(fetch(resolved.draft, "config") / "config.json")
     target_path = fetch(resolved.target, "model")
     draft_path = fetch(resolved.draft, "draft")
-    config = DrafterConfig.from_file(draft_path / "config.json")
     model_, tokenizer, target_config = load_target(target_path)
     check_pair(config, *model_dims(model_))
     adapter = TargetAdapter(model_, config.target_layer_ids, quantization=target_config.get("quantization"))
