@@ -42,10 +42,15 @@ class DFlashPair:
         return self._sizer
 
 
+# Bump when the converter's output changes, so cached conversions are redone
+# (2: is_causal stays where the original config had it).
+CONVERSION = 2
+
+
 def converted_path(path: Path) -> Path:
     """Where the MLX conversion of the drafter at `path` is cached."""
     path = Path(path).resolve()
-    h = hashlib.sha256(str(path).encode())
+    h = hashlib.sha256(f"{CONVERSION}|{path}".encode())
     for f in sorted(path.iterdir()):
         if f.is_file():
             st = f.stat()

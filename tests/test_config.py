@@ -204,3 +204,14 @@ def test_two_models_in_one_process_do_not_interfere(targets, drafters, baselines
     tb, _ = dflash_mlx.generate(b, prompt, max_tokens=12, block_size=4)
     assert ta == a.tokenizer.decode(plain_greedy(baselines["qwen3"], prompt, 12))
     assert tb == b.tokenizer.decode(plain_greedy(baselines["llama"], prompt, 12))
+
+
+def test_cached_conversions_are_redone_when_the_converter_changes(tmp_path, monkeypatch):
+    import importlib
+
+    load = importlib.import_module("dflash_mlx.load")  # the package exports a function of that name
+    (tmp_path / "config.json").write_text("{}")
+    before = load.converted_path(tmp_path)
+    assert load.converted_path(tmp_path) == before
+    monkeypatch.setattr(load, "CONVERSION", load.CONVERSION + 1)
+    assert load.converted_path(tmp_path) != before
