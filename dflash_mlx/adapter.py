@@ -73,40 +73,6 @@ def model_dims(model: nn.Module):
     return lm.args.hidden_size, lm.args.vocab_size, len(lm.model.layers)
 
 
-def plain_generate(model, prompt, max_tokens: int, temp: float = 0.0, eos=()) -> list:
-    """Tokens from mlx-lm's own decoding loop (the baseline), stopping at EOS."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
-
-    out = []
-    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=make_sampler(temp))
-    for (tok, _), _ in zip(steps, range(max_tokens)):
-        tok = int(tok)
-        if tok in eos:
-            break
-        out.append(tok)
-    return out
-
-
-def baseline_generate(model, tokenizer, prompt, max_tokens: int, temp: float = 0.0) -> dict:
-    """Plain mlx-lm decoding with its own timings: the benchmark's baseline."""
-    import time
-
-    from mlx_lm.generate import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    tokens, last, ttft = [], None, None
-    tic = time.perf_counter()
-    for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens,
-                             sampler=make_sampler(temp)):
-        if ttft is None:
-            ttft = time.perf_counter() - tic
-        if r.finish_reason != "stop":
-            tokens.append(r.token)
-        last = r
-    return {"tokens": tokens, "generation_tps": last.generation_tps, "prompt_tps": last.prompt_tps, "ttft": ttft}
-
-
 class _Taps:
     """Holds the tapped hidden states of one forward pass (not module state)."""
 

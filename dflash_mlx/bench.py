@@ -1,6 +1,7 @@
 """`dflash-mlx bench`: DFlash against plain mlx-lm decoding on the same tokens.
 
-Each prompt runs the baseline (mlx-lm's own `stream_generate`) and DFlash at
+Each prompt runs the baseline (mlx-lm's own `stream_generate` on a plain,
+unwrapped instance of the target holding the same weights) and DFlash at
 every requested block size after a warm-up; greedy outputs are compared token
 for token. Repeats interleave the settings in a random order each time.
 Speedups are ratios of medians taken in the same run, and ratios of geometric
@@ -16,15 +17,16 @@ import random
 import statistics
 import time
 from collections import Counter
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .adaptive import blas_name, measure_cost_curve
-from .adapter import baseline_generate
-from .decode import DraftSource, peak_memory_gb, stream_generate
+from .adaptive import CostCurve, blas_name, measure_cost_curve
+from .baseline import generate as baseline_generate, plain_target
+from .decode import DraftSource, cycle_parts, peak_memory_gb, stream_generate
 from .errors import DFlashError
 from .prompt import build_prompt
 from .sampling import SamplingParams
@@ -167,7 +169,8 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
               block_sizes: Sequence[Union[int, str]] = ("auto",), temp: float = 0.0, repeats: int = 1,
               oracle: bool = False, progress=lambda done, total, what: None) -> Dict:
     params = SamplingParams(temp=temp, seed=0 if temp > 0 else None)
-    tok, model = pair.tokenizer, pair.target.model
+    # mlx-lm on the model the adapter wrapped would time our wrappers too.
+    tok, model = pair.tokenizer, plain_target(pair)
     total = sum(len(v) for v in prompts.values()) * (1 + len(block_sizes)) * repeats
     done, rng = 0, random.Random(0)
     # Warm-up: compile kernels and fill allocator caches once for each path.
@@ -230,7 +233,8 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
             result["suites"].setdefault(suite, {})[key] = summarise(rows, key)
     result["prompts"] = suites
     if oracle:
-        curve = measure_cost_curve(pair, pair.draft_source.block_size, contexts=(64,))
+        curve = CostCurve.from_samples(
+            measure_cost_curve(partial(cycle_parts, pair), pair.draft_source.block_size, contexts=(64,)))
         for key, summary in result["overall"].items():
             rows = [r["dflash"][key] for r in all_rows]
             cycles = sum(len(r["acceptance_lengths"]) for r in rows)
@@ -243,7 +247,7 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
 
 
 def sweep(pair, max_width: int = 16, progress=lambda d, t: None) -> Dict:
-    curve = measure_cost_curve(pair, max_width, progress=progress)
+    curve = CostCurve.from_samples(measure_cost_curve(partial(cycle_parts, pair), max_width, progress=progress))
     return {
         "schema_version": SCHEMA_VERSION,
         "machine": machine_info(),

@@ -22,8 +22,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .adapter import TargetAdapter, plain_generate
-from .config import DrafterConfig, default_target_layer_ids
+from . import baseline
+from .adapter import TargetAdapter, model_dims
+from .config import DrafterConfig, check_pair, default_target_layer_ids
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 
@@ -117,18 +118,18 @@ def read_prompts(path: Path, tokenizer, chunk_tokens: int = 64) -> List[List[int
 
 def build_dataset(model, tokenizer, prompts, max_new_tokens, temp, out: Path, seed: int,
                   progress: Callable[[int, int], None] = lambda i, n: None) -> List[Example]:
-    """Target responses to `prompts`, cached in out/data.jsonl (resumable)."""
+    """Target responses to `prompts` from mlx-lm's own decoding loop on `model`
+    (as loaded: no adapter wrappers), cached in out/data.jsonl (resumable)."""
     path = out / "data.jsonl"
     done = []
     if path.exists():
         for line in path.read_text().splitlines():
             row = json.loads(line)
             done.append(Example(row["prompt"], row["response"]))
-    eos = set(tokenizer.eos_token_ids)
     with open(path, "a") as f:
         for i in range(len(done), len(prompts)):
             mx.random.seed(seed + i)
-            response = plain_generate(model, prompts[i], max_new_tokens, temp, eos)
+            response = baseline.generate(model, tokenizer, prompts[i], max_new_tokens, temp)["tokens"]
             ex = Example(list(prompts[i]), response)
             f.write(json.dumps(asdict(ex)) + "\n")
             f.flush()
@@ -304,11 +305,13 @@ def train(target_model, tokenizer, prompts, out: Path, cfg: TrainConfig, resume:
         config = drafter_config_for(target_model, tokenizer, cfg)
         settings.write_text(json.dumps({"train": asdict(cfg), "drafter": config}, indent=2))
     dcfg = DrafterConfig.from_dict(config)
-    target = TargetAdapter(target_model, dcfg.target_layer_ids)
+    check_pair(dcfg, *model_dims(target_model))  # before the data is generated
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     weights = mx.exp(-mx.arange(cfg.block_size - 1) / gamma)
 
+    # The target's outputs come from plain mlx-lm, before the adapter wraps the model.
     examples = build_dataset(target_model, tokenizer, prompts, cfg.max_new_tokens, cfg.temp, out, cfg.seed, on_data)
+    target = TargetAdapter(target_model, dcfg.target_layer_ids)
     order = np.random.default_rng(cfg.seed).permutation(len(examples))
     n_held = max(1, int(round(cfg.heldout * len(examples))))
     held = [examples[i] for i in order[:n_held]]

@@ -3,14 +3,18 @@
 import json
 import random
 
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from conftest import plain_greedy
+from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx.cli.main import app
-from dflash_mlx import adaptive, bench
+from dflash_mlx import adaptive, baseline, bench
 from dflash_mlx.adaptive import BlockSizer, CostCurve
+from dflash_mlx.adapter import TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear, wrap_quantized_linears
 
 
 def curve(verify, draft=None, contexts=(64,)):
@@ -143,26 +147,6 @@ def test_choice_sticks_unless_clearly_better():
     assert s.choose(64) == first
 
 
-def test_cost_curve_is_measured_once_and_cached(pairs, tmp_path, monkeypatch):
-    calls = []
-    real = adaptive.measure_cost_curve
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k, repeats=1, max_repeats=2)
-
-    monkeypatch.setattr(adaptive, "measure_cost_curve", counting)
-    pair = pairs["qwen3"]
-    c1 = adaptive.load_or_measure(pair, 4, tmp_path)
-    c2 = adaptive.load_or_measure(pair, 4, tmp_path)
-    assert len(calls) == 1 and c1 == c2 and c1.max_width == 4
-    files = list((tmp_path / "costs").glob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["contexts"] == list(adaptive.CONTEXTS)
-    monkeypatch.setattr(adaptive, "blas_name", lambda: "another-blas")
-    adaptive.load_or_measure(pair, 4, tmp_path)
-    assert len(calls) == 2  # a different BLAS is a different cost curve
-
-
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_auto_block_size_is_lossless(pairs, baselines, family, monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
@@ -247,13 +231,63 @@ def test_bench_cli_and_bad_flags(targets, drafters, tmp_path, monkeypatch):
     assert "BLAS" in r.stderr and "speedup" in r.stderr
     r = runner.invoke(app, ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]),
                             "--block-size", "sweep"])
-    assert r.exit_code == 0, r.output and "verify/1" in r.stderr
+    assert r.exit_code == 0, r.output
+    assert "verify/1" in r.stderr and "draft/verify1" in r.stderr
     for args, words in [(["--block-size", "big"], "--block-size"), (["--suite", "poetry"], "--suite"),
                         (["--prompts", str(tmp_path / "none.jsonl")], "does not exist"),
                         (["--out", str(tmp_path / "no" / "r.json")], "folder does not exist"),
                         (["--out", str(tmp_path)], "it is a folder")]:
         r = runner.invoke(app, ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]), *args])
-        assert r.exit_code == 1 and words in r.stderr
+        assert r.exit_code == 1 and words in r.stderr, (args, r.stderr)
+
+
+def wrappers(model):
+    """Our wrapper classes found in a model instance."""
+    kinds = (TappedLayer, TapedGatedDeltaNet, VerifyQuantizedLinear)
+    return {type(m).__name__ for _, m in model.named_modules() if isinstance(m, kinds)}
+
+
+def test_baseline_is_plain_mlx_lm_on_an_unwrapped_target(pairs, monkeypatch):
+    pair = pairs["qwen3_5"]
+    assert wrappers(pair.target.model) >= {"TappedLayer", "TapedGatedDeltaNet"}
+    models, real = [], bench.baseline_generate
+
+    def spy(model, *a, **k):
+        models.append(model)
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(bench, "baseline_generate", spy)
+    result = bench.run_bench(pair, {"mini": ["def add(a, b):", "import math"]}, max_tokens=16, block_sizes=[4])
+    assert len(models) == 3  # warm-up, then one per prompt
+    for m in models:
+        assert m is not pair.target.model and wrappers(m) == set(), wrappers(m)
+    assert result["overall"]["4"]["identical"] == 2  # its greedy output is DFlash's
+
+
+def test_plain_target_holds_the_pairs_weights_in_their_dtype(targets, drafters):
+    pair = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))
+    # Not the files' dtype (float32), as load() casts the demo pair on CPU.
+    pair.target.model.set_dtype(mx.float16)
+    plain = baseline.plain_target(pair)
+    assert wrappers(plain) == set()
+    assert {v.dtype for _, v in tree_flatten(plain.parameters())} == {mx.float16}
+    x = mx.array([pair.tokenizer.encode("def add(a, b):")])
+    assert mx.array_equal(plain(x), pair.target.model(x))
+
+
+def test_plain_target_unwraps_nested_quantized_wrappers(targets, drafters, tmp_path):
+    from mlx_lm import convert, load
+
+    q = tmp_path / "q4"
+    convert(str(targets["qwen3_5"]), str(q), quantize=True, q_group_size=32, q_bits=4)
+    pair = dflash_mlx.load(str(q), str(drafters["new"]))
+    wrap_quantized_linears(pair.target.model)  # as the adapter does where a kernel runs (a GPU)
+    assert wrappers(pair.target.model) == {"TappedLayer", "TapedGatedDeltaNet", "VerifyQuantizedLinear"}
+    plain = baseline.plain_target(pair)
+    assert wrappers(plain) == set()
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in plain.named_modules())
+    x = mx.array([pair.tokenizer.encode("def add(a, b):")])
+    assert mx.array_equal(plain(x), load(str(q))[0](x))
 
 
 def test_shipped_suites():

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 import dflash_mlx
-from dflash_mlx.adapter import load_target
-from dflash_mlx.drafter import block_mask
+from dflash_mlx import baseline
+from dflash_mlx.adapter import TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear, load_target
+from dflash_mlx.config import DrafterConfig
+from dflash_mlx.drafter import DFlashDrafter, block_mask
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.train import TrainConfig, default_gamma, read_prompts, train
+from dflash_mlx.train import TrainConfig, default_gamma, read_prompts, save_zlab, train
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "import math", "for i in range(10):",
            "Once upon a time", "A small model proposes,", "Apple silicon has", "print(math.sqrt(2))"]
@@ -53,16 +55,53 @@ def test_gamma_follows_the_paper():
     assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
 
 
-def test_training_lowers_the_loss(tmp_path, targets, prompts_file):
+def mean_acceptance(target, draft, prompts, max_tokens=24, block_size=4):
+    """Tokens per cycle the runtime commits with the drafter in `draft`."""
+    pair = dflash_mlx.load(str(target), str(draft))
+    lengths = []
+    for ids in prompts:
+        _, stats = dflash_mlx.generate(pair, ids, max_tokens=max_tokens, block_size=block_size)
+        lengths += stats.acceptance_lengths
+    return sum(lengths) / len(lengths)
+
+
+def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, targets, prompts_file, monkeypatch):
     model, tok, _ = load_target(targets["qwen3"])
+    wrapped_when_generating, real = [], baseline.generate
+
+    def spy(m, *a, **k):
+        wrapped_when_generating.append(any(isinstance(x, (TappedLayer, TapedGatedDeltaNet, VerifyQuantizedLinear))
+                                           for _, x in m.named_modules()))
+        return real(m, *a, **k)
+
+    monkeypatch.setattr(baseline, "generate", spy)
     losses = []
-    summary = train(model, tok, read_prompts(prompts_file, tok), tmp_path / "out",
-                    small_config(steps=30, save_every=30), on_step=lambda s, t, loss, a: losses.append(loss))
+    out = tmp_path / "out"
+    summary = train(model, tok, read_prompts(prompts_file, tok), out,
+                    small_config(steps=30, save_every=30, blocks_per_seq=20, lr=1e-3),
+                    on_step=lambda s, t, loss, a: losses.append(loss))
+    # The data is plain mlx-lm's output, generated before the adapter wraps the model.
+    assert wrapped_when_generating == [False] * len(PROMPTS)
     assert len(losses) == 30
     assert np.mean(losses[-6:]) < np.mean(losses[:6]) - 0.2
-    assert summary["heldout_acceptance"] >= 1.0
-    data = [json.loads(l) for l in (tmp_path / "out" / "data.jsonl").read_text().splitlines()]
+    assert summary["heldout_examples"] == 2 and 1.0 <= summary["heldout_acceptance"] <= 4.0  # estimated (not NaN)
+    data = [json.loads(l) for l in (out / "data.jsonl").read_text().splitlines()]
     assert len(data) == len(PROMPTS) and all(len(r["response"]) > 0 for r in data)
+
+    # Acceptance counts the target's own token, so any drafter scores >= 1:
+    # compare, in the runtime, with the same drafter before training. A random
+    # tiny target leaves nothing to generalise from held-out text (trained or
+    # not, held-out acceptance stays about 1.0), so this is the drafter fitting
+    # the target's continuations of the training prompts (with the 2 held out):
+    # 1.20 tokens/cycle after these 30 steps (every anchor of each sequence), 1.00 untrained.
+    config = json.loads((out / "config.json").read_text())
+    mx.random.seed(small_config().seed)  # the initialisation training started from
+    (tmp_path / "untrained").mkdir()
+    save_zlab(tmp_path / "untrained", DFlashDrafter(DrafterConfig.from_dict(config)), config)
+    prompts = [r["prompt"] for r in data]
+    trained = mean_acceptance(targets["qwen3"], out, prompts)
+    untrained = mean_acceptance(targets["qwen3"], tmp_path / "untrained", prompts)
+    assert trained > untrained + 0.1, (trained, untrained)
 
 
 def test_resume_equals_an_uninterrupted_run(tmp_path, targets, prompts_file):

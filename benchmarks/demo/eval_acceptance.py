@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 import dflash_mlx
-from dflash_mlx.adapter import plain_generate
+from dflash_mlx import baseline
 
 HERE = Path(__file__).parent
 
@@ -34,11 +34,11 @@ def main():
     pair = dflash_mlx.load(args.model, args.draft)
     tok = pair.tokenizer
     prompts = [json.loads(l)["prompt"] for l in Path(args.prompts).read_text().splitlines() if l.strip()]
-    eos = set(tok.eos_token_ids)
     results = {"model": args.model, "prompts": len(prompts), "max_tokens": args.max_tokens,
                "machine": platform.machine(), "mlx": mx.__version__, "device": str(mx.default_device()),
                "block_sizes": {}}
-    refs = [plain_generate(pair.target.model, tok.encode(p), args.max_tokens, 0.0, eos) for p in prompts]
+    plain = baseline.plain_target(pair)  # mlx-lm on an instance the adapter has not wrapped
+    refs = [baseline.generate(plain, tok, tok.encode(p), args.max_tokens)["tokens"] for p in prompts]
     for bs in args.block_sizes:
         cycles = committed = mismatches = 0
         tic = time.perf_counter()
