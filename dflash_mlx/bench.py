@@ -36,21 +36,15 @@ SCHEMA_VERSION = 2
 
 
 def machine_info() -> Dict:
-    cpu = platform.processor() or platform.machine()
-    if platform.system() == "Linux":
+    info = mx.device_info()  # chip name on every backend; memory on Metal and CUDA
+    cpu = info.get("device_name") or platform.processor() or platform.machine()
+    memory = info.get("memory_size")
+    if memory is None:  # the CPU backend does not report it
         try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-    elif platform.system() == "Darwin":
-        cpu = os.popen("sysctl -n machdep.cpu.brand_string").read().strip() or cpu
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    except (ValueError, OSError, AttributeError):
-        memory = None
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            memory = None
+    memory = None if memory is None else memory / 1e9
     return {
         "system": platform.system(),
         "machine": platform.machine(),

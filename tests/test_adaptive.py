@@ -1,6 +1,7 @@
 """The block-size policies and the cost curve behind `--block-size auto`."""
 
 import json
+import random
 import time
 from types import SimpleNamespace
 
@@ -15,63 +16,208 @@ from dflash_mlx.sampling import SamplingParams
 from conftest import plain_greedy
 
 
-def curve(rows, contexts=(64,)):
+def cycle_curve(rows, contexts=(64,)):
+    """A curve of whole-cycle costs (rows: one per context)."""
     return CostCurve(list(contexts), rows, [[0.0] * len(rows[0]) for _ in rows], rows)
+
+
+def curve(verify, draft=None, contexts=(64,)):
+    rows = [list(verify)] if not isinstance(verify[0], list) else verify
+    draft = draft or [[0.0] + [0.1 * rows[0][0]] * (len(rows[0]) - 1)] * len(rows)
+    return CostCurve(list(contexts), rows, draft)
+
+
+def feed(sizer, accept_prob, cycles=300, width=16):
+    """Feed the sizer cycles whose drafts are accepted i.i.d. with accept_prob."""
+    import random
+
+    rnd = random.Random(0)
+    for _ in range(cycles):
+        a = 0
+        while a < width - 1 and rnd.random() < accept_prob:
+            a += 1
+        sizer.update(width, a)
+
+
+def brute_force_best(sizer, context):
+    rates = {w: sizer.expected_tokens(w) / sizer.curve.cost(w, context) for w in range(1, sizer.max_width + 1)}
+    return max(rates, key=rates.get)
+
+
+def test_expected_tokens_from_acceptance_rates():
+    s = BlockSizer(curve([1.0] * 16), 16, decay=0.995)
+    feed(s, 0.8, cycles=2000)
+    assert all(abs(a - 0.8) < 0.08 for a in s.alphas()[:4])  # ~200 effective observations (decay)
+    a = s.alphas()
+    assert s.expected_tokens(3) == pytest.approx(1 + a[0] + a[0] * a[1])
+    assert abs(s.expected_tokens(8) - sum(0.8 ** k for k in range(8))) < 0.6
+
+
+@pytest.mark.parametrize("accept, slope, lo, hi", [
+    (0.9, 0.0, 16, 16),    # free verify: widest block
+    (0.9, 0.15, 5, 16),
+    (0.3, 0.15, 1, 3),     # poor drafter, costly width: small blocks
+    (0.0, 0.05, 1, 1),     # nothing accepted: plain decoding
+])
+def test_choice_maximises_tokens_per_second(accept, slope, lo, hi):
+    s = BlockSizer(curve([1.0 + slope * (w - 1) for w in range(1, 17)]), 16)
+    feed(s, accept)
+    b = s.choose(64)
+    assert b == brute_force_best(s, 64)
+    assert lo <= b <= hi
+
+
+def test_choice_adapts_as_context_grows():
+    flat = [1.0 + 0.01 * (w - 1) for w in range(1, 17)]
+    steep = [3.0 + 0.6 * (w - 1) for w in range(1, 17)]
+    s = BlockSizer(curve([flat, steep], contexts=(64, 4096)), 16)
+    feed(s, 0.7)
+    short, long = s.choose(64), s.choose(4096)
+    assert short > long
+    assert long == brute_force_best(s, 4096)
+    assert s.curve.cost(8, 2080) == pytest.approx((s.curve.cost(8, 64) + s.curve.cost(8, 4096)) / 2)
+
+
+def test_untested_depths_borrow_the_last_estimate():
+    s = BlockSizer(curve([1.0] * 16), 16)
+    feed(s, 1.0, cycles=50, width=4)  # only positions 1..3 ever checked
+    a = s.alphas()
+    assert a[2] > 0.9 and a[10] == pytest.approx(a[2], abs=0.05)
+
+
+def test_a_request_starts_from_shared_statistics_and_then_follows_its_own():
+    root = BlockSizer(curve([1.0 + 0.15 * (w - 1) for w in range(1, 17)]), 16)
+    first = root.start()
+    feed(first, 0.9)  # a drafter that copies well on this prompt
+    wide = first.choose(64)
+    assert wide >= 8 and root.alphas()[0] == pytest.approx(first.alphas()[0], abs=0.05)  # shared learnt it too
+    second = root.start()
+    assert second.choose(64) == wide  # the next request starts where the last one left off
+    for _ in range(40):  # ... but this prompt's drafts all miss
+        second.update(second.choose(64), 0)
+    assert second.choose(64) <= 2
+    assert root.start().choose(64) > 4  # the shared statistics move more slowly
+    assert first.choose(64) == wide  # and leave other requests alone
+
+
+def test_requests_record_into_the_shared_statistics_once():
+    root = BlockSizer(curve([1.0] * 8), 8, decay=1.0)
+    run = root.start()
+    run.update(8, 3)
+    assert root.shared.tried[1:5] == [1.0] * 4 and root.shared.accepted[1:5] == [1.0, 1.0, 1.0, 0.0]
+    root.update(8, 3)  # the root records into the shared statistics directly
+    assert root.shared.tried[1] == 2.0
+
+
+def test_curve_profile_ignores_drift_between_rounds():
+    shape = [0.5] + [0.8 + 0.03 * w for w in range(1, 16)]
+    rnd = random.Random(0)
+    rounds = []
+    for r in range(15):
+        speed = rnd.uniform(0.6, 1.6)  # the whole machine runs faster or slower this round
+        rounds.append([speed * c * rnd.uniform(0.97, 1.03) for c in shape])
+    rounds[3][5] *= 20  # one cycle stalled by something else
+    got = adaptive.profile(rounds)
+    scale = got[0] / shape[0]
+    assert all(g / scale == pytest.approx(c, rel=0.03) for g, c in zip(got, shape))
+    # A plain per-width median, as before, bends the shape under such drift.
+    plain = [sorted(col)[len(col) // 2] for col in zip(*rounds)]
+    assert max(abs(p / plain[0] * shape[0] / c - 1) for p, c in zip(plain, shape)) > 0.05
+
+
+def test_curve_measurement_stops_once_settled():
+    rnd = random.Random(0)
+    quiet = [[c * rnd.uniform(0.995, 1.005) for c in (1.0, 2.0, 3.0)] for _ in range(5)]
+    noisy = [[c * rnd.uniform(0.7, 1.3) for c in (1.0, 2.0, 3.0)] for _ in range(5)]
+    assert adaptive.settled(quiet, 0.01) and not adaptive.settled(noisy, 0.01)
+    assert not adaptive.settled(quiet[:2], 0.01)  # too few rounds to tell
+
+
+def test_narrow_cycles_do_not_erase_deeper_statistics():
+    s = BlockSizer(curve([1.0] * 16), 16)
+    feed(s, 0.95, cycles=300)
+    before = s.alphas()
+    for _ in range(2000):
+        s.update(1, 0)  # width 1 checks no draft position
+    assert s.alphas() == before
+
+
+def test_choice_sticks_unless_clearly_better():
+    s = BlockSizer(curve([1.0] * 16), 16, stick=1.5)
+    feed(s, 0.5, cycles=400)
+    first = s.choose(64)
+    for _ in range(40):  # acceptance improves a little: not enough to move
+        s.update(16, 2)
+    assert s.choose(64) == first
 
 
 FLAT = [1.0 + 0.01 * (w - 1) for w in range(1, 17)]  # drafting always pays
 STEEP = [1.0 * w for w in range(1, 17)]  # a w-token verify costs w tokens: it never does
 
 
-def fake_cycle(seconds_per_width, made):
-    """make_cycle for the measurement: a cycle at width w sleeps w * seconds_per_width."""
+class FakeClock:
+    """A clock that only the fake cycles move: the measurement's budget logic, without timing noise."""
+
+    def __init__(self, monkeypatch):
+        self.now = 0.0
+        monkeypatch.setattr(adaptive.time, "perf_counter", lambda: self.now)
+
+
+def fake_cycle(clock, seconds_per_width, made, noise=0.0):
+    """make_cycle for the measurement: a cycle at width w takes w * seconds_per_width (+- noise)."""
+    rnd = random.Random(len(made))
+
+    def verify(w, tokens):
+        clock.now += w * seconds_per_width * (1 + noise * rnd.uniform(-1, 1))
 
     def make(n):
         made.append(n)
-        return (lambda w: mx.array([0] * (w - 1)),
-                lambda w, tokens: time.sleep(w * seconds_per_width))
+        return (lambda w: mx.array([0] * (w - 1)), verify)
 
     return make
 
 
-def test_measurement_keeps_to_its_budget_and_later_runs_refine_it():
-    made = []
-    tic = time.perf_counter()
-    samples = adaptive.measure_cost_curve(fake_cycle(0.002, made), 8, contexts=(64, 1024), budget=0.25,
+def test_measurement_keeps_to_its_budget_and_later_runs_refine_it(monkeypatch):
+    clock, made = FakeClock(monkeypatch), []
+    samples = adaptive.measure_cost_curve(fake_cycle(clock, 0.002, made), 8, contexts=(64, 1024), budget=0.5,
                                           tolerance=1e-6)
-    took = time.perf_counter() - tic
     round_s = 0.002 * sum(range(1, 9))
-    assert took < 0.25 + 3 * round_s  # the cap holds, give or take the round under way
+    assert clock.now <= 0.5 + round_s  # the cap holds, give or take the round under way
     assert len(samples.cycle[0]) >= 3 and len(samples.parts[0]) == 1  # the first context always gets its rounds
-    before = sum(len(r) for r in samples.cycle)
-    adaptive.measure_cost_curve(fake_cycle(0.002, made), 8, budget=0.25, samples=samples, tolerance=1e-6)
-    assert sum(len(r) for r in samples.cycle) > before  # a later run adds to the same samples
-    assert all(len(r) >= 3 for r in samples.cycle)
-    c = CostCurve.from_samples(samples)
-    assert c.contexts == [64, 1024] and c.relative()[7] == pytest.approx(8.0, rel=0.25)
-
-
-def test_a_context_that_does_not_fit_waits_for_a_later_run():
-    made = []
-    samples = adaptive.measure_cost_curve(fake_cycle(0.01, made), 8, contexts=(64, 1024), budget=0.5)
-    assert made == [64] and samples.cycle[1] == []
+    assert made == [64] and samples.cycle[1] == []  # the second did not fit: it waits for a later run
     assert CostCurve.from_samples(samples).contexts == [64]  # usable meanwhile, clamped to what was measured
+    before = sum(len(r) for r in samples.cycle)
+    clock.now = 0.0
+    adaptive.measure_cost_curve(fake_cycle(clock, 0.002, made), 8, budget=0.25, samples=samples, tolerance=1e-6)
+    assert made == [64, 1024] and len(samples.cycle[1]) >= 3  # a later run adds the missing context
+    assert sum(len(r) for r in samples.cycle) > before
+    c = CostCurve.from_samples(samples)
+    assert c.contexts == [64, 1024] and c.relative()[7] == pytest.approx(8.0)
 
 
-def test_load_or_measure_caches_per_key_and_refines_briefly(tmp_path):
-    made = []
-    first = adaptive.load_or_measure("k1", fake_cycle(0.001, made), 4, tmp_path, budget=0.2, refine=0.05,
-                                     tolerance=1e-9, max_rounds=1000)
+def test_measurement_stops_where_every_width_is_settled(monkeypatch):
+    clock, made = FakeClock(monkeypatch), []
+    samples = adaptive.measure_cost_curve(fake_cycle(clock, 0.001, made), 4, contexts=(64,), budget=100.0)
+    assert len(samples.cycle[0]) == 3  # noiseless rounds settle at once: the budget is not spent
+    assert samples.done(3, 40, 0.02)
+
+
+def test_load_or_measure_caches_per_key_and_refines_briefly(tmp_path, monkeypatch):
+    clock, made = FakeClock(monkeypatch), []
+    first = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
+                                     refine=0.05, tolerance=1e-9, max_rounds=1000)
     stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())
     n = sum(len(r) for r in stored["cycle"])
-    tic = time.perf_counter()
-    again = adaptive.load_or_measure("k1", fake_cycle(0.001, made), 4, tmp_path, budget=0.2, refine=0.05,
-                                     tolerance=1e-9, max_rounds=1000)
-    assert time.perf_counter() - tic < 0.2  # a later run refines within its shorter budget
+    clock.now = 0.0
+    again = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
+                                     refine=0.05, tolerance=1e-9, max_rounds=1000)
+    assert clock.now <= 0.05 + 2 * 0.01  # a later run refines within its shorter budget (and a warm-up)
     stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())
     assert sum(len(r) for r in stored["cycle"]) > n and again.max_width == first.max_width == 4
+    assert adaptive.load_or_measure("k2", fake_cycle(clock, 0.001, made), 4, tmp_path, budget=0.2) is not None
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2  # one file per key
     made.clear()
-    done = adaptive.load_or_measure("k1", fake_cycle(0.001, made), 4, tmp_path, max_rounds=1)
+    done = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made), 4, tmp_path, max_rounds=1)
     assert made == [] and done.max_width == 4  # settled (here: enough rounds): nothing more is measured
 
 
@@ -95,21 +241,21 @@ def test_curve_key_separates_quantization_dtype_and_blas(monkeypatch):
 def test_costs_are_not_extrapolated_beyond_the_measured_contexts():
     cheap_wide = [1.0 + 0.5 * (w - 1) for w in range(1, 17)]
     cheaper_wide = [2.0 + 0.1 * (w - 1) for w in range(1, 17)]
-    c = curve([cheap_wide, cheaper_wide], contexts=(64, 1024))
+    c = cycle_curve([cheap_wide, cheaper_wide], contexts=(64, 1024))
     assert c.costs(10**6) == c.costs(1024)  # linear extrapolation would make wide blocks cost less than free
     assert c.costs(1) == c.costs(64)
     assert c.cost(8, 544) == pytest.approx((c.cost(8, 64) + c.cost(8, 1024)) / 2)
 
 
 def test_explain_says_why_auto_decodes_plainly():
-    steep = BlockSizer(curve([STEEP]), 16)
+    steep = BlockSizer(cycle_curve([STEEP]), 16)
     why = steep.explain(64)
     assert "drafting does not pay here" in why and "16.0x one token" in why and "--block-size 16" in why
-    assert BlockSizer(curve([FLAT]), 16).explain(64) is None
+    assert BlockSizer(cycle_curve([FLAT]), 16).explain(64) is None
 
 
 def test_seeded_requests_do_not_depend_on_earlier_ones():
-    root = BlockSizer(curve([[1.0 + 0.15 * (w - 1) for w in range(1, 17)]]), 16)
+    root = BlockSizer(cycle_curve([[1.0 + 0.15 * (w - 1) for w in range(1, 17)]]), 16)
     fresh = root.start(seeded=True).choose(64)
     for _ in range(200):
         root.update(16, 0)  # earlier requests' drafts all missed
@@ -126,7 +272,7 @@ def test_fixed_width_policy():
 
 def install_curve(monkeypatch, pair, rows, contexts=(64,)):
     """Give the pair (for this test) an auto sizer over a synthetic cost curve: no timing."""
-    monkeypatch.setattr(pair, "_sizer", BlockSizer(curve(rows, contexts), pair.draft_source.block_size))
+    monkeypatch.setattr(pair, "_sizer", BlockSizer(cycle_curve(rows, contexts), pair.draft_source.block_size))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])

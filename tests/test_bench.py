@@ -1,160 +1,17 @@
-"""Benchmark statistics and schema, cost-curve caching, adaptive block size."""
+"""Benchmark statistics and schema, the plain baseline, the oracle."""
 
 import json
-import random
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import plain_greedy
 from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx.cli.main import app
-from dflash_mlx import adaptive, baseline, bench
-from dflash_mlx.adaptive import BlockSizer, CostCurve
+from dflash_mlx import baseline, bench
 from dflash_mlx.adapter import TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear, wrap_quantized_linears
-
-
-def curve(verify, draft=None, contexts=(64,)):
-    rows = [list(verify)] if not isinstance(verify[0], list) else verify
-    draft = draft or [[0.0] + [0.1 * rows[0][0]] * (len(rows[0]) - 1)] * len(rows)
-    return CostCurve(list(contexts), rows, draft)
-
-
-def feed(sizer, accept_prob, cycles=300, width=16):
-    """Feed the sizer cycles whose drafts are accepted i.i.d. with accept_prob."""
-    import random
-
-    rnd = random.Random(0)
-    for _ in range(cycles):
-        a = 0
-        while a < width - 1 and rnd.random() < accept_prob:
-            a += 1
-        sizer.update(width, a)
-
-
-def brute_force_best(sizer, context):
-    rates = {w: sizer.expected_tokens(w) / sizer.curve.cost(w, context) for w in range(1, sizer.max_width + 1)}
-    return max(rates, key=rates.get)
-
-
-def test_expected_tokens_from_acceptance_rates():
-    s = BlockSizer(curve([1.0] * 16), 16, decay=0.995)
-    feed(s, 0.8, cycles=2000)
-    assert all(abs(a - 0.8) < 0.08 for a in s.alphas()[:4])  # ~200 effective observations (decay)
-    a = s.alphas()
-    assert s.expected_tokens(3) == pytest.approx(1 + a[0] + a[0] * a[1])
-    assert abs(s.expected_tokens(8) - sum(0.8 ** k for k in range(8))) < 0.6
-
-
-@pytest.mark.parametrize("accept, slope, lo, hi", [
-    (0.9, 0.0, 16, 16),    # free verify: widest block
-    (0.9, 0.15, 5, 16),
-    (0.3, 0.15, 1, 3),     # poor drafter, costly width: small blocks
-    (0.0, 0.05, 1, 1),     # nothing accepted: plain decoding
-])
-def test_choice_maximises_tokens_per_second(accept, slope, lo, hi):
-    s = BlockSizer(curve([1.0 + slope * (w - 1) for w in range(1, 17)]), 16)
-    feed(s, accept)
-    b = s.choose(64)
-    assert b == brute_force_best(s, 64)
-    assert lo <= b <= hi
-
-
-def test_choice_adapts_as_context_grows():
-    flat = [1.0 + 0.01 * (w - 1) for w in range(1, 17)]
-    steep = [3.0 + 0.6 * (w - 1) for w in range(1, 17)]
-    s = BlockSizer(curve([flat, steep], contexts=(64, 4096)), 16)
-    feed(s, 0.7)
-    short, long = s.choose(64), s.choose(4096)
-    assert short > long
-    assert long == brute_force_best(s, 4096)
-    assert s.curve.cost(8, 2080) == pytest.approx((s.curve.cost(8, 64) + s.curve.cost(8, 4096)) / 2)
-
-
-def test_untested_depths_borrow_the_last_estimate():
-    s = BlockSizer(curve([1.0] * 16), 16)
-    feed(s, 1.0, cycles=50, width=4)  # only positions 1..3 ever checked
-    a = s.alphas()
-    assert a[2] > 0.9 and a[10] == pytest.approx(a[2], abs=0.05)
-
-
-def test_a_request_starts_from_shared_statistics_and_then_follows_its_own():
-    root = BlockSizer(curve([1.0 + 0.15 * (w - 1) for w in range(1, 17)]), 16)
-    first = root.start()
-    feed(first, 0.9)  # a drafter that copies well on this prompt
-    wide = first.choose(64)
-    assert wide >= 8 and root.alphas()[0] == pytest.approx(first.alphas()[0], abs=0.05)  # shared learnt it too
-    second = root.start()
-    assert second.choose(64) == wide  # the next request starts where the last one left off
-    for _ in range(40):  # ... but this prompt's drafts all miss
-        second.update(second.choose(64), 0)
-    assert second.choose(64) <= 2
-    assert root.start().choose(64) > 4  # the shared statistics move more slowly
-    assert first.choose(64) == wide  # and leave other requests alone
-
-
-def test_requests_record_into_the_shared_statistics_once():
-    root = BlockSizer(curve([1.0] * 8), 8, decay=1.0)
-    run = root.start()
-    run.update(8, 3)
-    assert root.shared.tried[1:5] == [1.0] * 4 and root.shared.accepted[1:5] == [1.0, 1.0, 1.0, 0.0]
-    root.update(8, 3)  # the root records into the shared statistics directly
-    assert root.shared.tried[1] == 2.0
-
-
-def test_curve_profile_ignores_drift_between_rounds():
-    shape = [0.5] + [0.8 + 0.03 * w for w in range(1, 16)]
-    rnd = random.Random(0)
-    rounds = []
-    for r in range(15):
-        speed = rnd.uniform(0.6, 1.6)  # the whole machine runs faster or slower this round
-        rounds.append([speed * c * rnd.uniform(0.97, 1.03) for c in shape])
-    rounds[3][5] *= 20  # one cycle stalled by something else
-    got = adaptive.profile(rounds)
-    scale = got[0] / shape[0]
-    assert all(g / scale == pytest.approx(c, rel=0.03) for g, c in zip(got, shape))
-    # A plain per-width median, as before, bends the shape under such drift.
-    plain = [sorted(col)[len(col) // 2] for col in zip(*rounds)]
-    assert max(abs(p / plain[0] * shape[0] / c - 1) for p, c in zip(plain, shape)) > 0.05
-
-
-def test_curve_measurement_stops_once_settled():
-    rnd = random.Random(0)
-    quiet = [[c * rnd.uniform(0.995, 1.005) for c in (1.0, 2.0, 3.0)] for _ in range(5)]
-    noisy = [[c * rnd.uniform(0.7, 1.3) for c in (1.0, 2.0, 3.0)] for _ in range(5)]
-    assert adaptive.settled(quiet, 0.01) and not adaptive.settled(noisy, 0.01)
-    assert not adaptive.settled(quiet[:2], 0.01)  # too few rounds to tell
-
-
-def test_narrow_cycles_do_not_erase_deeper_statistics():
-    s = BlockSizer(curve([1.0] * 16), 16)
-    feed(s, 0.95, cycles=300)
-    before = s.alphas()
-    for _ in range(2000):
-        s.update(1, 0)  # width 1 checks no draft position
-    assert s.alphas() == before
-
-
-def test_choice_sticks_unless_clearly_better():
-    s = BlockSizer(curve([1.0] * 16), 16, stick=1.5)
-    feed(s, 0.5, cycles=400)
-    first = s.choose(64)
-    for _ in range(40):  # acceptance improves a little: not enough to move
-        s.update(16, 2)
-    assert s.choose(64) == first
-
-
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_auto_block_size_is_lossless(pairs, baselines, family, monkeypatch, tmp_path):
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
-    pair = pairs[family]
-    prompt = pair.tokenizer.encode("def add(a, b):")
-    tokens = [t for ev in dflash_mlx.stream_generate(pair, prompt, max_tokens=40, block_size="auto")
-              for t in ev.tokens]
-    assert tokens == plain_greedy(baselines[family], prompt, 40)
 
 
 def test_bench_json_schema_and_identical_check(pairs, tmp_path, monkeypatch):
@@ -293,3 +150,8 @@ def test_plain_target_unwraps_nested_quantized_wrappers(targets, drafters, tmp_p
 def test_shipped_suites():
     suites = bench.load_prompts("all")
     assert set(suites) == {"code", "math", "chat"} and all(len(v) == 12 for v in suites.values())
+
+
+def test_machine_info_comes_from_mlx():
+    m = bench.machine_info()
+    assert m["chip"] == mx.device_info()["device_name"] and m["memory_gb"] > 0 and m["blas"]
