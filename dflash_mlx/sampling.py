@@ -52,8 +52,21 @@ def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
 
 
+def greedy_log_probs(logits: mx.array) -> mx.array:
+    """mlx-lm's greedy log probabilities: `logits - logsumexp(logits)` in the logits' dtype.
+
+    mlx-lm's `generate_step` takes the argmax of exactly these. In bfloat16 (or
+    float16) the log-sum-exp is rounded to the dtype and so is each
+    difference, so two logits one ulp apart can tie (the lower index wins)
+    where the raw logits would not: greedy picks must come from this, never
+    from the raw logits. MLX's LogSumExp accumulates in float32 and rounds its
+    result to the input dtype; each row is reduced on its own.
+    """
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def pick(logits: mx.array, params: SamplingParams) -> mx.array:
-    """One token per row: argmax, or a draw from the filtered distribution."""
+    """One token per row: mlx-lm's greedy argmax, or a draw from the filtered distribution."""
     if params.greedy:
-        return mx.argmax(logits, axis=-1)
+        return mx.argmax(greedy_log_probs(logits), axis=-1)
     return mx.random.categorical(log_probs(logits, params))

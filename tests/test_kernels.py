@@ -79,17 +79,44 @@ def random_case(seed, n, V, scale=3.0):
     return draft, logits, k4
 
 
+def mlx_lm_greedy_rows(logits):
+    """mlx-lm's generate_step pick, one [1, V] row at a time: its greedy sampler on
+    `logits - logsumexp(logits)` computed in the logits' dtype."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    picks = []
+    for i in range(logits.shape[0]):
+        row = logits[i : i + 1]
+        picks.append(greedy_sampler(row - mx.logsumexp(row, keepdims=True)).item())
+    return picks
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
 @pytest.mark.parametrize("seed", range(12))
-def test_greedy_reference_is_the_longest_agreeing_prefix(seed):
+def test_greedy_reference_is_the_longest_agreeing_prefix(seed, dtype):
     n = seed % 6 + 1
     draft, logits, _ = random_case(seed, n, 301)
+    logits = logits.astype(dtype)
     accepted, nxt = va.greedy_reference(draft, logits)
-    post = np.argmax(np.array(logits), axis=-1)
+    post = mlx_lm_greedy_rows(logits)
     d = np.array(draft)
     want = 0
     while want < n and d[want] == post[want]:
         want += 1
     assert (accepted.item(), nxt.item()) == (want, post[want])
+
+
+def test_greedy_reference_breaks_bf16_near_ties_like_mlx_lm():
+    """199,999 logits of 2.0 and one of 2.015625: the raw argmax is the last index,
+    mlx-lm's (argmax of bf16 log probabilities, which tie) is the first."""
+    tie = mx.concatenate([mx.full((199_999,), 2.0, dtype=mx.bfloat16), mx.array([2.015625], dtype=mx.bfloat16)])
+    logits = mx.stack([tie, tie[::-1]])
+    assert mx.argmax(logits, axis=-1).tolist() == [199_999, 0]
+    assert mlx_lm_greedy_rows(logits) == [0, 0]
+    accepted, nxt = va.greedy_reference(mx.array([0], dtype=mx.int32), logits)
+    assert (accepted.item(), nxt.item()) == (1, 0)
+    accepted, nxt = va.greedy_reference(mx.array([199_999], dtype=mx.int32), logits)
+    assert (accepted.item(), nxt.item()) == (0, 0)
 
 
 @pytest.mark.parametrize("params", [
@@ -449,10 +476,18 @@ def cuda_unit(k, call, index):
             + f"\n{k['source']}\n}}\n}}\n")
 
 
+# Builtins the kernels use that the stub headers do not declare (same caveats).
+EXTRA_STUBS = {
+    "metal_stub.h": "namespace metal {\nnamespace fast { inline float exp(float x) { return std::exp(x); } }\n"
+                    "inline bool isinf(float x) { return std::isinf(x); }\n}\n",
+    "cuda_stub.h": "inline float __expf(float x) { return expf(x); }\n",
+}
+
+
 def gpp(source: str, stub: str, path: Path):
     compiler = shutil.which("g++")
     assert compiler, "g++ is needed for the kernel syntax check (apt-get install g++)"
-    path.write_text(f'#include "{Path(__file__).parent / "metal" / stub}"\n' + source)
+    path.write_text(f'#include "{Path(__file__).parent / "metal" / stub}"\n' + EXTRA_STUBS[stub] + source)
     return subprocess.run([compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-unused", str(path)],
                           capture_output=True, text=True)
 
@@ -474,3 +509,131 @@ def test_gpp_check_catches_a_broken_source(monkeypatch, tmp_path, be):
     unit, stub = (metal_unit, "metal_stub.h") if be == "metal" else (cuda_unit, "cuda_stub.h")
     r = gpp(unit(k, k["calls"][0], 0), stub, tmp_path / "broken.cpp")
     assert r.returncode != 0 and "bets_v" in r.stderr
+
+
+# ---------------------------------------------------------------- the greedy body, executed
+
+# A minimal SIMT emulation (for this test only): one std::thread per GPU thread,
+# std::barrier for __syncthreads and for each warp's shuffles, static locals as
+# shared memory, a bfloat16 that rounds to nearest even. It runs the real CUDA
+# twin source (and, with the Metal prelude's log-sum-exp settings, the Metal
+# shape of it): it checks the logic and the dtype rounding, not a GPU's
+# floating-point reduction order.
+SIMT = r'''
+#include <math.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <cstdio>
+#include <cstdlib>
+#include <barrier>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct dim3 { unsigned int x = 0, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+struct __nv_bfloat16 {  // round-to-nearest-even, as the hardware converts
+  uint16_t bits = 0;
+  __nv_bfloat16() {}
+  __nv_bfloat16(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    bits = std::isnan(f) ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const { uint32_t u = (uint32_t)bits << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+using std::max;
+using std::min;
+static std::barrier<>* block_bar;
+struct WarpX { std::barrier<>* bar; uint32_t slot[32]; };
+static WarpX warps[32];
+void __syncthreads() { block_bar->arrive_and_wait(); }
+template <typename T> T shfl_from(T v, int src) {
+  int lane = threadIdx.x & 31; WarpX& w = warps[threadIdx.x >> 5];
+  uint32_t u; std::memcpy(&u, &v, 4); w.slot[lane] = u; w.bar->arrive_and_wait();
+  uint32_t r = w.slot[src]; w.bar->arrive_and_wait();
+  T out; std::memcpy(&out, &r, 4); return out;
+}
+template <typename T> T __shfl_xor_sync(unsigned, T v, int mask, int = 32) { return shfl_from(v, (threadIdx.x & 31) ^ mask); }
+template <typename T> T __shfl_down_sync(unsigned, T v, unsigned off, int = 32) {
+  int l = threadIdx.x & 31; return shfl_from(v, l + (int)off < 32 ? l + (int)off : l);
+}
+unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __expf(float x) { return expf(x); }
+namespace cooperative_groups {}
+'''
+
+
+
+def simt_greedy(logits, mode, workdir):
+    """Posterior of every row from the greedy kernel body run under the emulation."""
+    R, V = logits.shape
+    ctype = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16"}[logits.dtype]
+    header, greedy_src, _ = va.sources("cuda")
+    if mode == "metal":  # the Metal build's log-sum-exp: 4 reads per thread, one-pass block kernel to 4096
+        header += "\n#undef LSE_READS\n#define LSE_READS(T) 4\n#undef LSE_BLOCK_LIMIT\n#define LSE_BLOCK_LIMIT 4096\n"
+    src = SIMT + header + f"""
+__global__ void kernel(const {ctype}* logits, int32_t* posterior) {{
+  using T = {ctype};
+  constexpr int V = {V};
+{greedy_src}
+}}
+int main(int argc, char** argv) {{
+  int rows = std::atoi(argv[1]);
+  std::vector<{ctype}> x((size_t)rows * {V});
+  FILE* f = std::fopen(argv[2], "rb");
+  if (std::fread(x.data(), sizeof({ctype}), x.size(), f) != x.size()) return 1;
+  std::fclose(f);
+  std::vector<int32_t> post(rows);
+  blockDim.x = {va.THREADS};
+  for (int w = 0; w < 32; ++w) warps[w].bar = new std::barrier<>(32);
+  block_bar = new std::barrier<>({va.THREADS});
+  for (int row = 0; row < rows; ++row) {{
+    std::vector<std::thread> ts;
+    for (int t = 0; t < {va.THREADS}; ++t)
+      ts.emplace_back([&, t, row] {{ threadIdx.x = t; blockIdx.x = row; kernel(x.data(), post.data()); }});
+    for (auto& t : ts) t.join();
+  }}
+  for (int r = 0; r < rows; ++r) std::printf("%d\\n", post[r]);
+}}
+"""
+    (workdir / "k.cpp").write_text(src)
+    r = subprocess.run([shutil.which("g++"), "-std=c++20", "-O1", "-pthread", "-w", str(workdir / "k.cpp"), "-o",
+                        str(workdir / "k")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[:3000]
+    np.array(logits.view(mx.uint16) if logits.dtype == mx.bfloat16 else logits).tofile(workdir / "in.bin")
+    out = subprocess.run([str(workdir / "k"), str(R), str(workdir / "in.bin")], capture_output=True, text=True,
+                         check=True).stdout
+    return [int(v) for v in out.split()]
+
+
+def near_tie_rows(V, rows, seed):
+    """bf16 rows of 2.0 (and lower noise) with one 2.015625 late in the row: the raw
+    argmax is that one; mlx-lm's, on tied bf16 log probabilities, the first 2.0."""
+    rng = np.random.default_rng(seed)
+    x = np.where(rng.random((rows, V)) < 0.6, 2.0, rng.normal(-2.0, 1.0, (rows, V)))
+    x[:, 0] = 2.0
+    x[np.arange(rows), rng.integers(V // 2, V, rows)] = 2.015625
+    return mx.array(x.astype(np.float32)).astype(mx.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["cuda", "metal"])
+def test_greedy_kernel_body_picks_like_mlx_lm_when_executed(mode, tmp_path):
+    cases = [
+        mx.stack([mx.concatenate([mx.full((199_999,), 2.0, dtype=mx.bfloat16), mx.array([2.015625], mx.bfloat16)])]),
+        near_tie_rows(1000, 3, 0),  # the one-pass block branch in the Metal shape
+        near_tie_rows(9000, 3, 1),  # the looped branch
+        3 * mx.random.normal((3, 4099), key=mx.random.key(9)),  # float32
+    ]
+    for i, logits in enumerate(cases):
+        want = mlx_lm_greedy_rows(logits)
+        if logits.dtype == mx.bfloat16:
+            assert want != mx.argmax(logits, axis=-1).tolist()  # the case tells the two rules apart
+        work = tmp_path / str(i)
+        work.mkdir()
+        assert simt_greedy(logits, mode, work) == want, (mode, i)

@@ -170,3 +170,29 @@ def test_invalid_sampling_settings():
     for kw in [dict(temp=-0.1), dict(top_p=0.0), dict(top_p=1.2), dict(top_k=-1), dict(min_p=1.5)]:
         with pytest.raises(dflash_mlx.DFlashError):
             SamplingParams(**kw)
+
+
+def near_tie_bf16():
+    """199,999 logits of 2.0 and one of 2.015625 (one bf16 ulp above), last."""
+    return mx.concatenate([mx.full((199_999,), 2.0, dtype=mx.bfloat16), mx.array([2.015625], dtype=mx.bfloat16)])
+
+
+def mlx_lm_greedy(logits):
+    """mlx-lm's generate_step pick for one row: its greedy sampler on its log probabilities."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    row = logits[None]
+    return greedy_sampler(row - mx.logsumexp(row, keepdims=True))[0]
+
+
+def test_greedy_pick_uses_mlx_lm_log_probabilities_in_the_model_dtype():
+    logits = near_tie_bf16()
+    # The raw argmax is the lone larger logit; in bf16 both log probabilities round
+    # to the same value and mlx-lm's argmax takes the first of them.
+    assert mx.argmax(logits).item() == 199_999
+    want = mlx_lm_greedy(logits).item()
+    assert want == 0
+    assert gen.pick(logits, SamplingParams()).item() == want
+    # Rows of a batch are picked the same way, each on its own.
+    rows = mx.stack([logits, logits[::-1]])
+    assert gen.pick(rows, SamplingParams()).tolist() == [want, mlx_lm_greedy(logits[::-1]).item()]

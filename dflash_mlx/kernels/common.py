@@ -22,6 +22,13 @@ METAL_PRELUDE = """
 #define IMIN(a, b) metal::min(a, b)
 #define AS_UINT(f) as_type<unsigned int>(f)
 #define AS_FLOAT(u) as_type<float>(u)
+#define ISINF(x) metal::isinf(x)
+// MLX's LogSumExp kernels (mlx/backend/metal/kernels/logsumexp.h): fast::exp,
+// 4 reads per thread, a one-pass block kernel up to 4096 columns.
+#define FAST_EXP(x) metal::fast::exp(x)
+#define LSE_READS(T) 4
+#define LSE_BLOCK_LIMIT 4096
+#define FINITE_MAX 3.40282347e+38f
 """
 
 CUDA_PRELUDE = """
@@ -37,6 +44,13 @@ CUDA_PRELUDE = """
 #define IMIN(a, b) min(a, b)
 #define AS_UINT(f) __float_as_uint(f)
 #define AS_FLOAT(u) __uint_as_float(u)
+#define ISINF(x) isinf(x)
+// MLX's LogSumExp kernel (mlx/backend/cuda/logsumexp.cu): __expf, 16 bytes
+// read per thread, always the looped (online) form.
+#define FAST_EXP(x) __expf(x)
+#define LSE_READS(T) (16 / (int)sizeof(T))
+#define LSE_BLOCK_LIMIT 0
+#define FINITE_MAX 3.40282347e+38f
 
 __device__ inline float WARP_SUM(float v) {
   for (int off = 16; off > 0; off /= 2) { v += __shfl_xor_sync(0xffffffffu, v, off); }

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..sampling import SamplingParams, log_probs
+from ..sampling import SamplingParams, greedy_log_probs, log_probs
 from .common import PRELUDE, REDUCTIONS, ROW_PROLOGUE
 from .guard import GuardedKernel, register
 
@@ -28,14 +28,63 @@ THREADS = 1024
 
 GREEDY_BODY = """
   int nw = (tgs + 31) / 32;
+  SHARED float red[32];
+  SHARED float red2[32];
   SHARED float best_v[32];
   SHARED int best_i[32];
 
   const DEV T* x = logits + (size_t)row * V;
+
+  // mlx-lm's greedy pick is the argmax of logits - logsumexp(logits), both in
+  // the logits' dtype T. The log-sum-exp follows MLX's own LogSumExp kernel
+  // for this backend step for step (same element-to-thread mapping, reads per
+  // thread, reduction structure and exp), accumulated in float and rounded
+  // to T; threads MLX would not launch only ever add exact zeros.
+  constexpr int R = LSE_READS(T);
+  float m = -FINITE_MAX;
+  float s = 0.0f;
+  if (V <= LSE_BLOCK_LIMIT) {
+    // MLX's block kernel (one pass, tgs * R >= V): the max first, then the sum.
+    float v[R];
+    for (int j = 0; j < R; ++j) {
+      int i = tid * R + j;
+      v[j] = i < V ? static_cast<float>(x[i]) : -INFINITY;
+    }
+    for (int j = 0; j < R; ++j) { m = m < v[j] ? v[j] : m; }
+    m = block_max(m, red, lane, wid, nw);
+    for (int j = 0; j < R; ++j) { s += FAST_EXP(v[j] - m); }
+    s = block_sum(s, red2, lane, wid, nw);
+  } else {
+    // MLX's looped kernel: a running max and a rescaled running sum.
+    int passes = (V + tgs * R - 1) / (tgs * R);
+    for (int r = 0; r < passes; ++r) {
+      int off = r * tgs * R + tid * R;
+      float v[R];
+      for (int j = 0; j < R; ++j) { v[j] = off + j < V ? static_cast<float>(x[off + j]) : -INFINITY; }
+      float pm = m;
+      for (int j = 0; j < R; ++j) { m = m < v[j] ? v[j] : m; }
+      s *= FAST_EXP(pm - m);
+      for (int j = 0; j < R; ++j) { s += FAST_EXP(v[j] - m); }
+    }
+    float pm = m;
+    m = WARP_MAX(m);
+    s *= FAST_EXP(pm - m);
+    s = WARP_SUM(s);
+    pm = m;
+    if (lane == 0) { red[wid] = m; }
+    BARRIER();
+    m = WARP_MAX(lane < nw ? red[lane] : -FINITE_MAX);
+    s *= FAST_EXP(pm - m);
+    if (lane == 0) { red2[wid] = s; }
+    BARRIER();
+    s = WARP_SUM(lane < nw ? red2[lane] : 0.0f);
+  }
+  float lse = static_cast<float>(static_cast<T>(ISINF(m) ? m : LOG(s) + m));
+
   float best = -INFINITY;
   int bi = V;
   for (int i = tid; i < V; i += tgs) {
-    float v = static_cast<float>(x[i]);
+    float v = static_cast<float>(static_cast<T>(static_cast<float>(x[i]) - lse));
     if (v > best || bi == V) { best = v; bi = i; }
   }
   // Reduce (value, index): larger value wins, ties go to the lower index.
@@ -203,8 +252,12 @@ def _combine(draft: mx.array, flags: mx.array, tokens: mx.array) -> Tuple[mx.arr
 
 
 def greedy_reference(draft: mx.array, logits: mx.array) -> Tuple[mx.array, mx.array]:
-    """draft: [n] tokens; logits: [n + 1, V] verify logits of [last, draft]."""
-    posterior = mx.argmax(logits, axis=-1)
+    """draft: [n] tokens; logits: [n + 1, V] verify logits of [last, draft].
+
+    Each row's pick is mlx-lm's: the argmax of the log probabilities computed
+    in the logits' dtype (`sampling.greedy_log_probs`), not of the raw logits.
+    """
+    posterior = mx.argmax(greedy_log_probs(logits), axis=-1)
     return _combine(draft, draft == posterior[: draft.shape[0]], posterior)
 
 
