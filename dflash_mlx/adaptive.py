@@ -292,7 +292,7 @@ CycleParts = Tuple[Callable[[int], mx.array], Callable[[int, mx.array], None]]
 
 def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, contexts=CONTEXTS,
                        budget: float = 10.0, min_rounds: int = 3, max_rounds: int = 40, tolerance: float = 0.02,
-                       samples: Optional[CostSamples] = None,
+                       split_rounds: int = 1, samples: Optional[CostSamples] = None,
                        progress: Callable[[float, float], None] = lambda done, total: None) -> CostSamples:
     """Time whole cycles at each width and context, within about `budget` seconds.
 
@@ -304,8 +304,8 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
     machine's overall speed does not bend the shape. Every context first gets
     `min_rounds` (one context a run always; the others where they fit),
     then rounds go to contexts whose widths are not yet known to `tolerance`,
-    up to `max_rounds`. The first round of each context also times the draft
-    and verify halves apart (reports only). Passing earlier `samples` adds to
+    up to `max_rounds`. The first `split_rounds` rounds of each context also
+    time the draft and verify halves apart (reports only). Passing earlier `samples` adds to
     them: later runs refine what a time-capped first run began.
     """
     samples = samples or CostSamples(list(contexts), max_width)
@@ -327,7 +327,7 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
     def one_round_timed(i: int, record: bool) -> None:
         run_draft, run_verify = runners[i]
         rounds, parts = samples.cycle[i], samples.parts[i]
-        split = record and not parts
+        split = record and len(parts) < split_rounds
         times = [[0.0] * max_width for _ in range(3)]
         order = range(1, max_width + 1) if len(rounds) % 2 else range(max_width, 0, -1)
         for w in order:

@@ -228,7 +228,8 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
     result["prompts"] = suites
     if oracle:
         curve = CostCurve.from_samples(
-            measure_cost_curve(partial(cycle_parts, pair), pair.draft_source.block_size, contexts=(64,)))
+            measure_cost_curve(partial(cycle_parts, pair), pair.draft_source.block_size, contexts=(64,),
+                               split_rounds=5))
         for key, summary in result["overall"].items():
             rows = [r["dflash"][key] for r in all_rows]
             cycles = sum(len(r["acceptance_lengths"]) for r in rows)
@@ -241,7 +242,8 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
 
 
 def sweep(pair, max_width: int = 16, progress=lambda d, t: None) -> Dict:
-    curve = CostCurve.from_samples(measure_cost_curve(partial(cycle_parts, pair), max_width, progress=progress))
+    curve = CostCurve.from_samples(measure_cost_curve(partial(cycle_parts, pair), max_width, budget=60.0,
+                                                      min_rounds=8, split_rounds=8, progress=progress))
     return {
         "schema_version": SCHEMA_VERSION,
         "machine": machine_info(),
