@@ -14,6 +14,15 @@ os.environ["DFLASH_MLX_CACHE"] = tempfile.mkdtemp(prefix="dflash-mlx-cache-")
 import tiny  # noqa: E402
 
 FAMILIES = ["qwen3", "llama", "qwen3_5"]
+# The lossless tests also cover these, built on demand by `zoo` (float32 unless a variant says).
+LOSSLESS_FAMILIES = FAMILIES + ["qwen3_5_moe"]
+DRAFTER_LAYOUT = {"qwen3": "old", "llama": "new", "qwen3_5": "new", "qwen3_5_moe": "new"}
+# Variants written by mlx-lm's own converter from the float32 target.
+VARIANTS = {
+    "float32": None,
+    "bfloat16": dict(dtype="bfloat16"),
+    "4bit": dict(dtype="bfloat16", quantize=True, q_bits=4, q_group_size=64),
+}
 
 
 @pytest.fixture(scope="session")
@@ -56,8 +65,7 @@ def drafters(root, vocab):
 def pairs(targets, drafters):
     import dflash_mlx
 
-    layout = {"qwen3": "old", "llama": "new", "qwen3_5": "new"}
-    return {f: dflash_mlx.load(str(targets[f]), str(drafters[layout[f]])) for f in FAMILIES}
+    return {f: dflash_mlx.load(str(targets[f]), str(drafters[DRAFTER_LAYOUT[f]])) for f in FAMILIES}
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +73,49 @@ def baselines(targets):
     from mlx_lm import load
 
     return {f: load(str(targets[f]))[0] for f in FAMILIES}
+
+
+class Zoo:
+    """Targets of every lossless family and variant, each built, loaded as a
+    DFlash pair and as a plain mlx-lm model once, on first use."""
+
+    def __init__(self, root, tokenizer_dir, vocab, targets, drafters):
+        self.root, self.tokenizer_dir, self.vocab = root, tokenizer_dir, vocab
+        self.paths = {(f, "float32"): p for f, p in targets.items()}
+        self.drafters = drafters
+        self.pairs, self.baselines = {}, {}
+
+    def path(self, family, variant="float32"):
+        key = (family, variant)
+        if key not in self.paths:
+            if variant == "float32":
+                self.paths[key] = tiny.build_target(self.root / family, family, self.tokenizer_dir, self.vocab[0])
+            else:
+                src = self.path(family)
+                self.paths[key] = tiny.convert_target(src, self.root / f"{family}-{variant}", **VARIANTS[variant])
+        return self.paths[key]
+
+    def pair(self, family, variant="float32"):
+        import dflash_mlx
+
+        key = (family, variant)
+        if key not in self.pairs:
+            self.pairs[key] = dflash_mlx.load(str(self.path(family, variant)),
+                                              str(self.drafters[DRAFTER_LAYOUT[family]]))
+        return self.pairs[key]
+
+    def baseline(self, family, variant="float32"):
+        from mlx_lm import load
+
+        key = (family, variant)
+        if key not in self.baselines:
+            self.baselines[key] = load(str(self.path(family, variant)))[0]
+        return self.baselines[key]
+
+
+@pytest.fixture(scope="session")
+def zoo(root, tokenizer_dir, vocab, targets, drafters):
+    return Zoo(root, tokenizer_dir, vocab, targets, drafters)
 
 
 def plain_greedy(model, prompt, max_tokens, eos=(0,)):

@@ -79,6 +79,12 @@ def target_config(family: str, vocab_size: int) -> dict:
                     linear_conv_kernel_dim=4,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                      "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
+    if family == "qwen3_5_moe":
+        # Qwen3.5/3.6-MoE: the hybrid qwen3_5 stack with a sparse MoE block
+        # (routed SwitchGLU experts and a gated shared expert) in every layer.
+        return dict(target_config("qwen3_5", vocab_size), model_type="qwen3_5_moe", num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                    decoder_sparse_step=1, norm_topk_prob=True)
     raise ValueError(family)
 
 
@@ -91,7 +97,7 @@ def build_target(out: Path, family: str, tokenizer_dir: Path, vocab_size: int, s
     model = model_cls(args_cls.from_dict(cfg))
     # Scaled-up projections keep a random model from collapsing into repeats.
     params = {
-        k: v * 3.0 if k.endswith("weight") and v.ndim == 2 and "embed" not in k else v
+        k: v * 3.0 if k.endswith("weight") and "embed" not in k and (v.ndim == 2 or "switch_mlp" in k) else v
         for k, v in tree_flatten(model.parameters())
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -145,4 +151,21 @@ def build_drafter(out: Path, cfg: dict, seed: int = 1) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def convert_target(src: Path, out: Path, dtype: str = None, quantize: bool = False, q_bits: int = 4,
+                   q_group_size: int = 64) -> Path:
+    """A copy of the target at `src` cast and/or quantized by mlx-lm's own converter
+    (`mlx_lm.convert`, offline from a local directory), as `mlx_lm.convert
+    --dtype ... -q` would write it."""
+    import contextlib
+    import io
+
+    from mlx_lm.convert import convert
+
+    if not out.exists():
+        with contextlib.redirect_stdout(io.StringIO()):
+            convert(str(src), str(out), quantize=quantize, q_bits=q_bits if quantize else None,
+                    q_group_size=q_group_size if quantize else None, dtype=dtype)
     return out
