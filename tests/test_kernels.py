@@ -637,3 +637,16 @@ def test_greedy_kernel_body_picks_like_mlx_lm_when_executed(mode, tmp_path):
         work = tmp_path / str(i)
         work.mkdir()
         assert simt_greedy(logits, mode, work) == want, (mode, i)
+
+
+def test_qmm_timing_leaves_the_global_random_state_alone(monkeypatch):
+    # The one-time timing runs mid-request on a GPU; seeded sampling must not see it.
+    monkeypatch.setattr(qmm_mod, "_faster", {})
+    w = mx.random.normal((64, 128), key=mx.random.key(1))
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((4, 128), key=mx.random.key(2))
+    mx.random.seed(5)
+    expected = mx.random.uniform(shape=(4,))
+    mx.random.seed(5)
+    qmm_mod.kernel_wins(qmm_mod.stock, x, wq, scales, biases, 64, 4)
+    assert mx.array_equal(mx.random.uniform(shape=(4,)), expected)
