@@ -2,12 +2,23 @@
 
 Handler threads parse and validate requests; one worker thread owns the
 model and runs jobs one at a time from a FIFO queue, so no two requests ever
-share a cache, and all MLX work stays on one thread. A streaming client that
-disconnects cancels its job; the worker stops at the next cycle.
+share a cache, and all MLX work stays on one thread. A client that
+disconnects, streaming or not, cancels its job; the worker stops at the next
+cycle.
+
+The tokenizer is shared by the handler threads (chat templating, encoding)
+and the worker (detokenising inside `stream_generate`). Hugging Face fast
+tokenizers are not thread-safe (concurrent use fails with "RuntimeError:
+Already borrowed"), so every use of it goes through one lock: the worker's
+pair holds a `_Locked` view of the tokenizer, and handlers tokenize under the
+same lock.
 """
 
+import copy
 import json
 import queue
+import select
+import socket
 import threading
 import time
 import uuid
@@ -21,12 +32,19 @@ from .prompt import build_chat_prompt
 from .sampling import SamplingParams
 
 MAX_BODY = 4 * 1024 * 1024
+POLL_S = 0.05  # how often a waiting handler checks that its client is still there
+# Fields the speculative path cannot honour yet: refused (400) when set to
+# anything but their neutral value, never silently ignored. mlx-lm's server
+# accepts the penalties, logit_bias and XTC; it treats repetition_penalty 0 as
+# off, and 1 is the multiplicative identity, so both count as unset.
 UNSUPPORTED = {
     "n": lambda v: v not in (None, 1),
     "logprobs": lambda v: v not in (None, False),
     "top_logprobs": lambda v: v is not None,
     "presence_penalty": lambda v: v not in (None, 0, 0.0),
     "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v not in (None, 0, 0.0, 1, 1.0),
+    "xtc_probability": lambda v: v not in (None, 0, 0.0),
     "logit_bias": lambda v: v not in (None, {}),
     "tools": lambda v: v not in (None, []),
     "response_format": lambda v: v not in (None, {"type": "text"}),
@@ -45,6 +63,48 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class ClientGone(Exception):
+    """The client closed its connection while its request was being served."""
+
+
+_TICK = object()
+_PLAIN = (str, bytes, int, float, bool, type(None), list, tuple, dict, set, frozenset)
+
+
+class _Locked:
+    """A view of an object whose every attribute read, call and write holds `lock`.
+
+    Objects reached through it (bound methods, the streaming detokenizer, whose
+    methods and `text` property may call the tokenizer) are wrapped the same way;
+    plain data is returned as is.
+    """
+
+    def __init__(self, obj, lock):
+        object.__setattr__(self, "_obj", obj)
+        object.__setattr__(self, "_lock", lock)
+
+    def __getattr__(self, name):
+        with self._lock:
+            value = getattr(self._obj, name)
+        return value if isinstance(value, _PLAIN) else _Locked(value, self._lock)
+
+    def __setattr__(self, name, value):
+        with self._lock:
+            setattr(self._obj, name, value)
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            return self._obj(*args, **kwargs)
+
+    def __len__(self):
+        with self._lock:
+            return len(self._obj)
+
+    def __bool__(self):
+        with self._lock:
+            return bool(self._obj)
+
+
 @dataclass
 class Job:
     prompt: List[int]
@@ -53,6 +113,7 @@ class Job:
     stop: List[str]
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ended: bool = False  # the handler has seen the engine's last event (None)
 
 
 class Engine:
@@ -60,13 +121,23 @@ class Engine:
 
     def __init__(self, pair, model_id: str, block_size: Optional[int] = None,
                  enable_thinking: Optional[bool] = None, max_prompt_tokens: int = 32768,
-                 default_temp: float = 0.0):
-        self.pair, self.model_id, self.block_size = pair, model_id, block_size
+                 default_temp: float = 0.0, max_tokens_limit: int = 32768, default_max_tokens: int = 256):
+        self.model_id, self.block_size = model_id, block_size
         self.default_temp = default_temp
         self.enable_thinking = enable_thinking
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_tokens_limit = max_tokens_limit
+        self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
+        # One lock for every use of the tokenizer, on any thread (see the module docstring).
+        self.tokenizer_lock = threading.RLock()
+        self.tokenizer = pair.tokenizer
+        self.pair = pair
+        if pair.tokenizer is not None:
+            self.tokenizer = _Locked(pair.tokenizer, self.tokenizer_lock)
+            self.pair = copy.copy(pair)  # the worker's pair: the same models, the locked tokenizer
+            object.__setattr__(self.pair, "tokenizer", self.tokenizer)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self.stats = {"completed": 0, "cancelled": 0, "active": 0}
+        self.stats = {"completed": 0, "cancelled": 0, "active": 0, "generated_tokens": 0}
         self.thread = threading.Thread(target=self._run, daemon=True, name="dflash-engine")
         self.thread.start()
 
@@ -81,11 +152,13 @@ class Engine:
                 return
             if job.cancelled.is_set():
                 self.stats["cancelled"] += 1
+                job.events.put(None)
                 continue
             self.stats["active"] = 1
             try:
                 for event in stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
                                              sampling=job.params, block_size=self.block_size, stop=job.stop):
+                    self.stats["generated_tokens"] += len(event.tokens)
                     job.events.put(event)
                     if job.cancelled.is_set():
                         break
@@ -116,6 +189,67 @@ def _get(body, name, types, default=None, check=None, what=""):
     return value
 
 
+# Arguments of apply_chat_template itself, which chat_template_kwargs may not set.
+_TEMPLATE_RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                      "return_tensors", "chat_template", "tools", "documents", "continue_final_message",
+                      "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+
+
+def _chat_prompt(tok, messages, thinking, extra) -> List[int]:
+    if not extra:
+        return build_chat_prompt(tok, messages, thinking)
+    # As build_chat_prompt, with the client's other template variables (mlx-lm passes them on too).
+    kwargs = dict(extra)
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _tokenize(engine: Engine, body, chat: bool) -> List[int]:
+    tok = engine.tokenizer
+    if chat:
+        messages = _get(body, "messages", list, None, lambda v: len(v) > 0, "a non-empty list of messages")
+        if messages is None:
+            raise APIError(400, "'messages' is required.", param="messages")
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise APIError(400, "Each message needs a string 'role' and a string 'content'.", param="messages")
+        extra = body.get("chat_template_kwargs")
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise APIError(400, "'chat_template_kwargs' must be an object.", param="chat_template_kwargs")
+        reserved = sorted(set(extra) & _TEMPLATE_RESERVED)
+        if reserved:
+            raise APIError(400, f"'chat_template_kwargs' may not set {', '.join(reserved)}.",
+                           param="chat_template_kwargs")
+        extra = dict(extra)
+        thinking, where = extra.pop("enable_thinking", None), "chat_template_kwargs"
+        if body.get("enable_thinking") is not None:
+            thinking, where = body["enable_thinking"], "enable_thinking"
+        if thinking is not None and not isinstance(thinking, bool):
+            raise APIError(400, "'enable_thinking' must be a boolean.", param=where)
+        if thinking is None:
+            thinking = engine.enable_thinking
+        with engine.tokenizer_lock:
+            if getattr(tok, "chat_template", None):
+                try:
+                    return _chat_prompt(tok, messages, thinking, extra)
+                except Exception as e:  # the template refused these messages (jinja's raise_exception)
+                    if type(e).__module__.startswith("jinja2"):
+                        raise APIError(400, f"The chat template rejected the messages: {e}", param="messages")
+                    raise
+            return tok.encode("\n".join(m["content"] for m in messages))
+    text = body.get("prompt")
+    if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+        text = text[0]
+    if not isinstance(text, str):
+        raise APIError(400, "'prompt' must be a string.", param="prompt")
+    with engine.tokenizer_lock:
+        return tok.encode(text)
+
+
 def parse_request(engine: Engine, body: Any, chat: bool):
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
@@ -125,39 +259,24 @@ def parse_request(engine: Engine, body: Any, chat: bool):
                        param="model", code="model_not_found")
     for name, bad in UNSUPPORTED.items():
         if name in body and bad(body[name]):
-            raise APIError(400, f"'{name}' is not supported by DFlash speculative decoding; remove it.",
-                           param=name, code="unsupported_parameter")
-    tok = engine.pair.tokenizer
-    if chat:
-        messages = _get(body, "messages", list, None, lambda v: len(v) > 0, "a non-empty list of messages")
-        if messages is None:
-            raise APIError(400, "'messages' is required.", param="messages")
-        for m in messages:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise APIError(400, "Each message needs a string 'role' and a string 'content'.", param="messages")
-        thinking = body.get("enable_thinking", (body.get("chat_template_kwargs") or {}).get("enable_thinking"))
-        if thinking is not None and not isinstance(thinking, bool):
-            raise APIError(400, "'enable_thinking' must be a boolean.", param="enable_thinking")
-        if thinking is None:
-            thinking = engine.enable_thinking
-        if getattr(tok, "chat_template", None):
-            prompt = build_chat_prompt(tok, messages, thinking)
-        else:
-            prompt = tok.encode("\n".join(m["content"] for m in messages))
-    else:
-        text = body.get("prompt")
-        if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
-            text = text[0]
-        if not isinstance(text, str):
-            raise APIError(400, "'prompt' must be a string.", param="prompt")
-        prompt = tok.encode(text)
-    if not prompt:
-        raise APIError(400, "The prompt is empty.", param="messages" if chat else "prompt")
-    if len(prompt) > engine.max_prompt_tokens:
-        raise APIError(400, f"The prompt has {len(prompt)} tokens; this server accepts at most "
-                            f"{engine.max_prompt_tokens}.", code="context_length_exceeded")
-    max_tokens = _get(body, "max_completion_tokens", int, None, lambda v: v >= 1, "a positive integer")
-    max_tokens = _get(body, "max_tokens", int, max_tokens or 256, lambda v: v >= 1, "a positive integer")
+            raise APIError(400, f"'{name}' is not supported yet by this DFlash server; remove it "
+                                f"(or leave it at its default).", param=name, code="unsupported_parameter")
+    # Cheap checks first: a request that fails them costs no tokenizer time.
+    # max_completion_tokens (OpenAI's current name, and mlx-lm's first choice) wins over max_tokens.
+    limit = engine.max_tokens_limit
+    max_tokens, name = None, "max_tokens"
+    for name in ("max_completion_tokens", "max_tokens"):
+        max_tokens = _get(body, name, int, None, lambda v: v >= 1, "a positive integer")
+        if max_tokens is not None:
+            break
+    # Over the server's limit is refused, as OpenAI refuses a max_tokens over the
+    # model's limit, rather than clamped: a client asking for more than it can get
+    # should hear so, not find a finish_reason "length" it did not expect.
+    if max_tokens is not None and max_tokens > limit:
+        raise APIError(400, f"'{name}' is too large: {max_tokens}. This server generates at most {limit} "
+                            f"tokens per request.", param=name, code="invalid_value")
+    if max_tokens is None:
+        max_tokens = engine.default_max_tokens
     temp = _get(body, "temperature", (int, float), engine.default_temp, lambda v: 0 <= v <= 2,
                 "a number in [0, 2]")
     top_p = _get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
@@ -173,6 +292,14 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         raise APIError(400, "'stop' must be a string or a list of up to 4 strings.", param="stop")
     stream = _get(body, "stream", bool, False, None, "a boolean")
     params = SamplingParams(temp=float(temp), top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed)
+
+    prompt = _tokenize(engine, body, chat)
+    if not prompt:
+        raise APIError(400, "The prompt is empty.", param="messages" if chat else "prompt")
+    if len(prompt) > engine.max_prompt_tokens:
+        raise APIError(400, f"The prompt has {len(prompt)} tokens; this server accepts at most "
+                            f"{engine.max_prompt_tokens}.", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
     return Job(prompt, max_tokens, params, stop), stream
 
 
@@ -211,6 +338,20 @@ class Handler(BaseHTTPRequestHandler):
                 {"id": self.engine.model_id, "object": "model", "created": 0, "owned_by": "dflash-mlx"}]})
         self._send_json(404, APIError(404, f"No route {self.path}.", code="not_found").body())
 
+    def _body_length(self) -> int:
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            if self.headers.get("Transfer-Encoding"):
+                raise APIError(411, "Send the request body with a Content-Length header, not chunked.")
+            return 0
+        raw = raw.strip()
+        if not (raw.isascii() and raw.isdigit()):  # int() would also take "-5", "+5", " 5 " and "1_000"
+            raise APIError(400, f"Invalid Content-Length header {raw!r}: it must be a non-negative integer.")
+        length = int(raw)
+        if length > MAX_BODY:
+            raise APIError(413, f"The request body is over {MAX_BODY} bytes.")
+        return length
+
     def do_POST(self):
         if not self._authorised():
             return
@@ -218,9 +359,7 @@ class Handler(BaseHTTPRequestHandler):
         if not chat and self.path != "/v1/completions":
             return self._send_json(404, APIError(404, f"No route {self.path}.", code="not_found").body())
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
-                raise APIError(413, f"The request body is over {MAX_BODY} bytes.")
+            length = self._body_length()
             try:
                 body = json.loads(self.rfile.read(length) or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -230,19 +369,62 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return self._send_json(e.status, e.body())
         except DFlashError as e:
+            self.close_connection = True
             return self._send_json(400, APIError(400, str(e)).body())
+        except Exception as e:  # a bug, not the client's fault: still an answer, not a dropped connection
+            self.close_connection = True
+            return self._send_json(500, APIError(500, f"The request could not be handled: {e}",
+                                                 "server_error").body())
         self.engine.submit(job)
-        if stream:
-            self._stream(job, chat)
-        else:
-            self._complete(job, chat)
+        try:
+            if stream:
+                self._stream(job, chat)
+            else:
+                self._complete(job, chat)
+        except (ClientGone, BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+            self.close_connection = True
+            job.cancelled.set()
+            while not job.ended:  # drain until the engine lets go of the job
+                job.ended = job.events.get() is None
+
+    def _client_gone(self) -> bool:
+        """Whether the client has closed its end: the socket reads as EOF (or fails).
+
+        A client waiting for its answer sends nothing, so a readable socket with
+        no bytes to peek means it hung up (a half-close counts as gone too).
+        """
+        try:
+            if hasattr(select, "poll"):  # select() fails on descriptors past FD_SETSIZE (1024)
+                poller = select.poll()
+                poller.register(self.connection, select.POLLIN)
+                events = poller.poll(0)
+                if any(e & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, e in events):
+                    return True
+                readable = bool(events)
+            else:
+                readable = bool(select.select([self.connection], [], [], 0)[0])
+            return readable and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def _events(self, job):
+        """The job's events; raises ClientGone as soon as the client hangs up, event or not."""
+        checked = time.monotonic()
         while True:
-            event = job.events.get()
+            try:
+                event = job.events.get(timeout=POLL_S)
+            except queue.Empty:
+                event = _TICK  # no event yet: a chance to check the client
             if event is None:
+                job.ended = True
                 return
-            yield event
+            now = time.monotonic()
+            if now - checked >= POLL_S:
+                checked = now
+                if self._client_gone():
+                    raise ClientGone()
+            if event is not _TICK:
+                yield event
 
     def _complete(self, job: Job, chat: bool):
         text, stats, finish = [], None, None
@@ -284,22 +466,17 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
             self.wfile.flush()
 
-        try:
-            if chat:
-                chunk("", None, first=True)
-            for event in self._events(job):
-                if isinstance(event, APIError):
-                    self.wfile.write(f"data: {json.dumps(event.body())}\n\n".encode())
-                    break
-                if event.text or event.finish_reason:
-                    chunk(event.text, event.finish_reason,
-                          usage=_usage(event.stats) if event.finish_reason else None)
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
-            job.cancelled.set()
-            for _ in self._events(job):  # drain until the engine lets go
-                pass
+        if chat:
+            chunk("", None, first=True)
+        for event in self._events(job):
+            if isinstance(event, APIError):
+                self.wfile.write(f"data: {json.dumps(event.body())}\n\n".encode())
+                break
+            if event.text or event.finish_reason:
+                chunk(event.text, event.finish_reason,
+                      usage=_usage(event.stats) if event.finish_reason else None)
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
 
 
 def _usage(stats) -> Dict[str, Any]:
@@ -316,8 +493,12 @@ def _usage(stats) -> Dict[str, Any]:
 
 def make_server(pair, model_id: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
                 block_size: Optional[int] = None, enable_thinking: Optional[bool] = None,
-                max_prompt_tokens: int = 32768, default_temp: float = 0.0) -> ThreadingHTTPServer:
-    engine = Engine(pair, model_id, block_size, enable_thinking, max_prompt_tokens, default_temp)
+                max_prompt_tokens: int = 32768, default_temp: float = 0.0, max_tokens_limit: int = 32768,
+                default_max_tokens: int = 256) -> ThreadingHTTPServer:
+    """`max_prompt_tokens` and `max_tokens_limit` bound every request (over them: a 400);
+    `default_max_tokens` is what a request that names no limit gets."""
+    engine = Engine(pair, model_id, block_size, enable_thinking, max_prompt_tokens, default_temp,
+                    max_tokens_limit, default_max_tokens)
     handler = type("DFlashHandler", (Handler,), {"engine": engine, "api_key": api_key})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True

@@ -1,5 +1,6 @@
 """`dflash-mlx serve` over real HTTP on loopback, with the official openai client."""
 
+import copy
 import http.client
 import json
 import socket
@@ -26,7 +27,7 @@ def start(pair, **kw):
 @pytest.fixture(scope="module")
 def served(targets, drafters):
     pair = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))
-    server, url = start(pair, max_prompt_tokens=200)
+    server, url = start(pair, max_prompt_tokens=200, max_tokens_limit=20000)
     yield pair, url
     server.shutdown()
     server.engine.close()
@@ -141,7 +142,7 @@ def test_disconnect_mid_stream_stops_generation(served, client):
 
 
 def raw_post(url, path, body, headers=None):
-    conn = http.client.HTTPConnection(url[7:])
+    conn = http.client.HTTPConnection(url[7:], timeout=60)  # a request wrongly accepted must not hang the suite
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
@@ -164,6 +165,28 @@ def raw_post(url, path, body, headers=None):
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 3}}, 400,
          "logit_bias"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}, 400, "at most 200"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20001}, 400,
+         "'max_tokens' is too large: 20001. This server generates at most 20000"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 9}, 400,
+         "'max_completion_tokens' is too large"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}, 400,
+         "'chat_template_kwargs' must be an object"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"}, 400,
+         "'chat_template_kwargs' must be an object"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+          "chat_template_kwargs": {"enable_thinking": "no"}}, 400, "'enable_thinking' must be a boolean"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+          "chat_template_kwargs": {"tokenize": True}}, 400, "may not set tokenize"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.1}, 400,
+         "'repetition_penalty' is not supported yet"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400,
+         "'presence_penalty' is not supported yet"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -0.5}, 400,
+         "'frequency_penalty' is not supported yet"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": -100}}, 400,
+         "'logit_bias' is not supported yet"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "xtc_probability": 0.5}, 400,
+         "'xtc_probability' is not supported yet"),
     ],
 )
 def test_bad_requests_get_openai_style_errors(served, body, status, words):
@@ -171,7 +194,58 @@ def test_bad_requests_get_openai_style_errors(served, body, status, words):
     got, err = raw_post(url, "/v1/chat/completions", body)
     assert got == status
     assert words in err["error"]["message"] and err["error"]["type"]
+    if isinstance(body, dict) and status == 400 and "messages" not in words:
+        assert err["error"]["param"] in body
     assert health(url)["status"] == "ok"
+
+
+def test_completion_prompt_over_the_limit(served):
+    got, err = raw_post(served[1], "/v1/completions", {"model": MODEL, "prompt": "word " * 400})
+    assert got == 400 and "at most 200" in err["error"]["message"]
+    assert err["error"]["code"] == "context_length_exceeded" and err["error"]["param"] == "prompt"
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        presence_penalty=0, frequency_penalty=0.0, logit_bias={},
+        extra_body={"repetition_penalty": 1.0, "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.usage.completion_tokens == 3
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                           temperature=0)
+    assert r.usage.prompt_tokens < plain.usage.prompt_tokens  # the template saw enable_thinking=True
+
+
+def raw_exchange(url, head, body=b""):
+    """Send raw bytes; return (status, parsed JSON body) of the reply the server closes on."""
+    host, port = url[7:].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        data = b""
+        while True:
+            part = sock.recv(65536)
+            if not part:
+                break
+            data += part
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@pytest.mark.parametrize("length", ["abc", "-5", "1.5", "", "+7", "\u0667"])
+def test_bad_content_length_gets_a_json_400(served, length):
+    url = served[1]
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    status, err = raw_exchange(url, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                    f"Content-Length: {length}\r\n\r\n", body)
+    assert status == 400
+    assert "Content-Length" in err["error"]["message"] and err["error"]["type"] == "invalid_request_error"
+    assert health(url)["status"] == "ok"
+
+
+def test_chunked_body_gets_a_json_411(served):
+    status, err = raw_exchange(served[1], "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                          "Transfer-Encoding: chunked\r\n\r\n", b"2\r\n{}\r\n0\r\n\r\n")
+    assert status == 411 and "Content-Length" in err["error"]["message"]
 
 
 def test_api_key(targets, drafters):
@@ -187,6 +261,150 @@ def test_api_key(targets, drafters):
         assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        server.shutdown()
+        server.engine.close()
+
+
+def wait_for(url, cond, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        h = health(url)
+        if cond(h):
+            return h
+        time.sleep(0.05)
+    return health(url)
+
+
+def send_raw_request(url, body):
+    host, port = url[7:].split(":")
+    data = json.dumps(body)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n{data}".encode())
+    return sock
+
+
+def test_disconnect_before_a_complete_answer_stops_generation(served, client):
+    """A non-streaming client that hangs up, while generating or while queued, cancels its job."""
+    url = served[1]
+    before = wait_for(url, lambda h: h["active"] == 0 and h["queued"] == 0)
+    long = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 20000}
+    running = send_raw_request(url, long)
+    wait_for(url, lambda h: h["active"] == 1 and h["generated_tokens"] > before["generated_tokens"])
+    queued = send_raw_request(url, {**long, "prompt": "import math"})
+    wait_for(url, lambda h: h["queued"] == 1)
+    queued.close()
+    time.sleep(0.5)  # the handler notices while the job still waits in the queue
+    running.close()
+    h = wait_for(url, lambda h: h["cancelled"] >= before["cancelled"] + 2 and h["active"] == 0)
+    assert h["cancelled"] == before["cancelled"] + 2
+    assert h["completed"] == before["completed"]
+    assert h["generated_tokens"] - before["generated_tokens"] < 20000 // 4
+    tic = time.time()
+    r = client.completions.create(model=MODEL, prompt="import math", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4 and time.time() - tic < 30
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def ask(seed, stream=False, prompt="def add(a, b):"):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0.9,
+                  top_p=0.95, stream=stream)
+        if seed is not None:
+            kw["seed"] = seed
+        r = client.chat.completions.create(**kw)
+        return "".join(c.choices[0].delta.content or "" for c in r) if stream else r.choices[0].message.content
+
+    first = ask(11)
+    ask(None, prompt="The quick brown fox")  # unseeded sampling in between moves the random state
+    client.completions.create(model=MODEL, prompt="import math", max_tokens=5, temperature=0.7, seed=3)
+    assert ask(11) == first
+    assert ask(11, stream=True) == first
+    greedy = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}],
+                                            max_tokens=24, temperature=0).choices[0].message.content
+    assert {first, ask(12), ask(13)} != {greedy}  # it did sample
+
+
+class BorrowChecked:
+    """A tokenizer that, like a Hugging Face fast tokenizer's Rust core, fails with
+    "Already borrowed" when two threads use it at once (here: deterministically,
+    each use holding it a little while)."""
+
+    def __init__(self, obj, busy=None):
+        object.__setattr__(self, "_obj", obj)
+        object.__setattr__(self, "_busy", busy or threading.Lock())
+
+    def _use(self, fn, *args, **kwargs):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("Already borrowed")
+        try:
+            time.sleep(0.0005)
+            return fn(*args, **kwargs)
+        finally:
+            self._busy.release()
+
+    def __getattr__(self, name):
+        value = self._use(getattr, self._obj, name)
+        if name == "detokenizer":
+            return BorrowChecked(value, self._busy)
+        if callable(value):
+            return lambda *a, **k: self._use(value, *a, **k)
+        return value
+
+    def __setattr__(self, name, value):
+        self._use(setattr, self._obj, name, value)
+
+    def __len__(self):
+        return self._use(len, self._obj)
+
+
+def test_concurrent_tokenization_while_generating(served):
+    """Handler threads template and encode while the engine detokenises: no errors, right answers."""
+    pair = copy.copy(served[0])
+    pair.tokenizer = BorrowChecked(served[0].tokenizer)
+    server, url = start(pair)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        turns = [{"role": r, "content": f"def f{i}(x): return x * {i}"}
+                 for i, r in zip(range(12), ["user", "assistant"] * 6)]
+        requests = []
+        for i in range(3):
+            messages = turns[: 7 + i * 2] + [{"role": "user", "content": "for i in range(10):"}]
+            requests.append(("chat", messages))
+            requests.append(("completion", "The quick brown fox " * (i + 1)))
+
+        def ask(kind, what, stream):
+            if kind == "chat":
+                r = client.chat.completions.create(model=MODEL, messages=what, max_tokens=4, temperature=0,
+                                                   stream=stream)
+                return "".join(c.choices[0].delta.content or "" for c in r) if stream else r.choices[0].message.content
+            r = client.completions.create(model=MODEL, prompt=what, max_tokens=4, temperature=0, stream=stream)
+            return "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+
+        want = [ask(kind, what, False) for kind, what in requests]  # one at a time: nothing to race with
+        results, errors = {}, []
+
+        def worker(i):
+            kind, what = requests[i % len(requests)]
+            try:
+                results[i] = ask(kind, what, i % 3 == 0)
+            except Exception as e:  # collected and reported below
+                errors.append(f"{e!r} (caused by {e.__cause__!r})")
+
+        # A long stream keeps the engine detokenising while the others are templated and encoded.
+        background = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=200, temperature=0,
+                                               stream=True)
+        first = next(iter(background))
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        rest = "".join(c.choices[0].text for c in background)
+        for t in threads:
+            t.join(300)
+        assert not errors, errors[:3]
+        assert len(results) == 24
+        assert all(results[i] == want[i % len(requests)] for i in results)
+        assert len(first.choices[0].text + rest) > 0
     finally:
         server.shutdown()
         server.engine.close()
