@@ -491,6 +491,11 @@ def _usage(stats) -> Dict[str, Any]:
     }
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # socketserver's default listen backlog of 5 is small for bursts of clients
+
+
 def make_server(pair, model_id: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
                 block_size: Optional[int] = None, enable_thinking: Optional[bool] = None,
                 max_prompt_tokens: int = 32768, default_temp: float = 0.0, max_tokens_limit: int = 32768,
@@ -500,7 +505,6 @@ def make_server(pair, model_id: str, host: str = "127.0.0.1", port: int = 8080, 
     engine = Engine(pair, model_id, block_size, enable_thinking, max_prompt_tokens, default_temp,
                     max_tokens_limit, default_max_tokens)
     handler = type("DFlashHandler", (Handler,), {"engine": engine, "api_key": api_key})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
+    server = _HTTPServer((host, port), handler)
     server.engine = engine
     return server
