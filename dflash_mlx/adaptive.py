@@ -43,7 +43,7 @@ class CostCurve:
 
     @property
     def max_width(self) -> int:
-        return len(self.verify[0])
+        return len((self.cycle or self.verify)[0])
 
     def costs(self, context: int) -> List[float]:
         """Seconds per cycle for widths 1..max_width, interpolated linearly in context length.
@@ -71,15 +71,20 @@ class CostCurve:
         return [self.cost(w, context) / base for w in range(1, self.max_width + 1)]
 
     @classmethod
-    def from_samples(cls, samples: "CostSamples") -> "CostCurve":
-        n = [i for i, rounds in enumerate(samples.cycle) if rounds and samples.parts[i]]
-        verify, draft, cycle = [], [], []
+    def from_samples(cls, samples: "CostSamples", min_rounds: int = 3) -> "CostCurve":
+        """The curve over the first context and any other measured `min_rounds` times so far.
+
+        `verify` and `draft` (reports only) hold the contexts whose halves were timed apart.
+        """
+        n = [i for i, rounds in enumerate(samples.cycle) if rounds and (i == 0 or len(rounds) >= min_rounds)]
+        verify, draft = [], []
         for i in n:
             parts = samples.parts[i]
-            means = [sum(c) / len(c) for c in samples.cycle[i][: len(parts)]]  # parts share their round's scale
-            verify.append(profile([p[0] for p in parts], means))
-            draft.append(profile([p[1] for p in parts], means))
-            cycle.append(profile(samples.cycle[i]))
+            if parts:
+                means = [sum(c) / len(c) for c in samples.cycle[i][: len(parts)]]  # parts share their round's scale
+                verify.append(profile([p[0] for p in parts], means))
+                draft.append(profile([p[1] for p in parts], means))
+        cycle = [profile(samples.cycle[i]) for i in n]
         return cls([samples.contexts[i] for i in n], verify, draft, cycle)
 
 
@@ -91,6 +96,7 @@ class CostSamples:
     max_width: int
     cycle: List[List[List[float]]] = field(default_factory=list)  # [context][round][width - 1] seconds
     parts: List[List[List[List[float]]]] = field(default_factory=list)  # [context][round][verify, draft][width - 1]
+    setup_per_token: float = 0.0  # seconds to set a context up (its prefill), per token
 
     def __post_init__(self):
         self.cycle = self.cycle or [[] for _ in self.contexts]
@@ -292,7 +298,7 @@ CycleParts = Tuple[Callable[[int], mx.array], Callable[[int, mx.array], None]]
 
 def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, contexts=CONTEXTS,
                        budget: float = 10.0, min_rounds: int = 3, max_rounds: int = 40, tolerance: float = 0.02,
-                       split_rounds: int = 1, samples: Optional[CostSamples] = None,
+                       split_rounds: int = 0, samples: Optional[CostSamples] = None,
                        progress: Callable[[float, float], None] = lambda done, total: None) -> CostSamples:
     """Time whole cycles at each width and context, within about `budget` seconds.
 
@@ -301,27 +307,41 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
     the cycle's one host synchronisation and the crop back). Widths are
     interleaved within each round in alternating order, and rounds are
     normalised before their median is taken (`profile`), so drift of the
-    machine's overall speed does not bend the shape. Every context first gets
-    `min_rounds` (one context a run always; the others where they fit),
-    then rounds go to contexts whose widths are not yet known to `tolerance`,
-    up to `max_rounds`. The first `split_rounds` rounds of each context also
-    time the draft and verify halves apart (reports only). Passing earlier `samples` adds to
-    them: later runs refine what a time-capped first run began.
+    machine's overall speed does not bend the shape.
+
+    Rounds go first to contexts with fewer than `min_rounds` (the very first
+    context gets them at once, whatever the budget), then to contexts whose
+    widths are not yet known to `tolerance`, up to `max_rounds`; a round
+    starts only where it is expected to fit the budget, set-up included (so
+    on a slow machine a long context may never be measured: costs there are
+    held at the longest measured context). Passing earlier
+    `samples` adds to them: later runs refine what a time-capped first run
+    began. The first `split_rounds` rounds of a context also time the draft and
+    verify halves apart (for reports).
     """
     samples = samples or CostSamples(list(contexts), max_width)
     start = time.perf_counter()
     spent = lambda: time.perf_counter() - start  # noqa: E731
     runners = {}
-    # Seconds per round so far: decides whether another context's first rounds fit.
-    round_seconds = max((sum(r) for rounds in samples.cycle for r in rounds), default=0.0)
+    first_ever = not any(samples.cycle)
+
+    def expected(i: int) -> float:
+        """Seconds the next round at context i should take, its set-up (a prefill) included if new."""
+        own = [sum(r) for r in samples.cycle[i]]
+        before = [sum(r) for rounds in samples.cycle[:i] for r in rounds]
+        seconds = max(own) if own else 1.5 * max(before, default=0.0)  # longer contexts cost more
+        seconds *= 1 + (len(samples.parts[i]) < split_rounds)
+        return seconds + (i not in runners) * samples.setup_per_token * samples.contexts[i]
 
     def one_round(i: int) -> None:
-        nonlocal round_seconds
         if i not in runners:
+            tic = time.perf_counter()
             runners[i] = make_cycle(samples.contexts[i])
-            one_round_timed(i, record=False)  # warm-up
+            samples.setup_per_token = max(samples.setup_per_token,
+                                          (time.perf_counter() - tic) / samples.contexts[i])
+            if not runners.keys() - {i} and not samples.cycle[i]:
+                one_round_timed(i, record=False)  # a fresh measurement warms up once
         one_round_timed(i, record=True)
-        round_seconds = max(round_seconds, sum(samples.cycle[i][-1]))
         progress(min(spent(), budget), budget)
 
     def one_round_timed(i: int, record: bool) -> None:
@@ -347,25 +367,23 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
             if split:
                 parts.append(times[:2])
 
-    def unsettled(i: int) -> bool:
+    def wanted(i: int) -> bool:
         rounds = samples.cycle[i]
         return len(rounds) < max_rounds and not (len(rounds) >= min_rounds and settled(rounds, tolerance))
 
+    def fits(i: int) -> bool:
+        return spent() + expected(i) <= budget
+
+    progress(0.0, budget)
     for i in range(len(samples.contexts)):
-        missing = min_rounds - len(samples.cycle[i])
-        if missing <= 0:
-            continue
-        if runners and spent() + (missing + 2) * round_seconds > budget:
-            break  # each run measures at least one context; the next run takes this one
-        while len(samples.cycle[i]) < min_rounds:
+        while len(samples.cycle[i]) < min_rounds and ((first_ever and i == 0) or fits(i)):
             one_round(i)
-    while spent() + round_seconds <= budget:
-        todo = [i for i in range(len(samples.contexts)) if len(samples.cycle[i]) >= min_rounds and unsettled(i)]
+    while True:
+        todo = [i for i in range(len(samples.contexts))
+                if len(samples.cycle[i]) >= min_rounds and wanted(i) and fits(i)]
         if not todo:
             break
         for i in todo:
-            if spent() + round_seconds > budget:
-                break
             one_round(i)
     progress(budget, budget)
     return samples
@@ -381,11 +399,12 @@ def curve_key(pair) -> str:
 
 
 def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width: int, cache_dir: Path,
-                    budget: float = 10.0, refine: float = 2.0,
-                    progress: Callable[[float, float], None] = lambda d, t: None, **kwargs) -> CostCurve:
+                    budget: float = 10.0, refine: float = 3.0, min_rounds: int = 3, max_rounds: int = 12,
+                    tolerance: float = 0.02, progress: Callable[[float, float], None] = lambda d, t: None
+                    ) -> CostCurve:
     """The cached cost curve for `key`: measured within about `budget` seconds
-    the first time, then refined by up to `refine` seconds a run until every
-    width is settled."""
+    the first time, then refined by about `refine` seconds a run until every
+    width is settled (or has `max_rounds`)."""
     path = Path(cache_dir) / "costs" / f"{key}-w{max_width}.json"
     samples = None
     if path.exists():
@@ -393,14 +412,13 @@ def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width
             samples = CostSamples(**json.loads(path.read_text()))
         except (json.JSONDecodeError, TypeError):
             samples = None
-    min_rounds, max_rounds, tolerance = (kwargs.get(k, d) for k, d in
-                                         (("min_rounds", 3), ("max_rounds", 40), ("tolerance", 0.02)))
     if samples is None or not samples.done(min_rounds, max_rounds, tolerance):
         first = samples is None  # refining takes a moment: no progress shown
-        samples = measure_cost_curve(make_cycle, max_width, budget=budget if first else refine, samples=samples,
-                                     progress=progress if first else lambda d, t: None, **kwargs)
+        samples = measure_cost_curve(make_cycle, max_width, budget=budget if first else refine,
+                                     min_rounds=min_rounds, max_rounds=max_rounds, tolerance=tolerance,
+                                     samples=samples, progress=progress if first else lambda d, t: None)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(samples)))
         tmp.replace(path)
-    return CostCurve.from_samples(samples)
+    return CostCurve.from_samples(samples, min_rounds)
