@@ -230,6 +230,12 @@ def serve(
     block_size: str = typer.Option("auto", "--block-size", help="N or 'auto'."),
     temp: float = typer.Option(0.0, "--temp", min=0.0, max=2.0, help="Default temperature."),
     max_prompt_tokens: int = typer.Option(32768, "--max-prompt-tokens", min=1),
+    max_tokens: int = typer.Option(
+        32768, "--max-tokens", min=1, help="Most tokens one request may generate; asking for more gets a 400."
+    ),
+    default_max_tokens: int = typer.Option(
+        256, "--default-max-tokens", min=1, help="Tokens generated for a request that sets no max_tokens."
+    ),
 ):
     """Serve an OpenAI-compatible API (chat and completions) with DFlash."""
     import dflash_mlx
@@ -241,7 +247,8 @@ def serve(
             _auto_sizer(pair, 0)
         server = make_server(pair, model, host, port, api_key, _one_block_size(block_size),
                              pair.resolved.enable_thinking if pair.resolved else None,
-                             max_prompt_tokens, temp)
+                             max_prompt_tokens, temp, max_tokens_limit=max_tokens,
+                             default_max_tokens=default_max_tokens)
     except DFlashError as e:
         fail(str(e))
     except OSError as e:

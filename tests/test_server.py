@@ -408,3 +408,34 @@ def test_concurrent_tokenization_while_generating(served):
     finally:
         server.shutdown()
         server.engine.close()
+
+
+def test_serve_command_limits(targets, drafters, tmp_path):
+    """The real `serve` command, as a process: --max-tokens bounds requests, --default-max-tokens fills them."""
+    import os
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("dflash-mlx")
+    cmd = [exe] if exe else [sys.executable, "-m", "dflash_mlx.cli.main"]
+    proc = subprocess.Popen(cmd + ["serve", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]),
+                                   "--port", "0", "--block-size", "4", "--max-tokens", "12",
+                                   "--default-max-tokens", "3"],
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, DFLASH_MLX_CACHE=str(tmp_path)))
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "serve exited before listening"
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
+        chat = {"model": str(targets["qwen3"]), "messages": [{"role": "user", "content": "count"}]}
+        status, body = raw_post(url, "/v1/chat/completions", dict(chat, max_tokens=13))
+        assert status == 400 and "max_tokens" in json.dumps(body)
+        status, body = raw_post(url, "/v1/chat/completions", chat)
+        assert status == 200 and body["usage"]["completion_tokens"] <= 3
+        assert body["choices"][0]["finish_reason"] == "length" or body["usage"]["completion_tokens"] < 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
