@@ -2,7 +2,6 @@
 
 import json
 import random
-import time
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -10,7 +9,7 @@ import pytest
 
 import dflash_mlx
 from dflash_mlx import adaptive
-from dflash_mlx.adaptive import BlockSizer, CostCurve, CostSamples, FixedWidth
+from dflash_mlx.adaptive import BlockSizer, CostCurve, FixedWidth
 from dflash_mlx.sampling import SamplingParams
 
 from conftest import plain_greedy

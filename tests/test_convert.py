@@ -150,7 +150,6 @@ def test_is_causal_keeps_its_place_and_its_meaning(tmp_path, where):
     out = json.loads((result.path / "config.json").read_text())
     assert ("is_causal" in out) == (where == "top")
     assert ("is_causal" in out["dflash_config"]) == (where == "dflash_config")
-    from transformers import Qwen3Config
 
     def causal(c):
         return [layer.self_attn.is_causal for layer in reference_drafter(c).layers]

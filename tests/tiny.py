@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 SPECIALS = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|mask|>"]

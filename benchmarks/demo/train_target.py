@@ -10,7 +10,6 @@ drafter. Run with OpenBLAS on Linux (see benchmarks/demo/README.md).
 import argparse
 import hashlib
 import json
-import math
 import random
 import sys
 import sysconfig
