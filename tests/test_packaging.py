@@ -32,3 +32,47 @@ def test_user_folders_named_cli_or_convert_do_not_shadow(tmp_path):
     code = "import dflash_mlx.load, dflash_mlx.cli.main, dflash_mlx.convert; print('ok')"
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def _imports():
+    """Module -> the project modules it imports (at the top or inside functions)."""
+    import re
+
+    files = {}
+    for folder, package in (("dflash_mlx", "dflash_mlx"), ("cli", "dflash_mlx.cli"), ("convert", "dflash_mlx.convert")):
+        for f in (ROOT / folder).rglob("*.py"):
+            parts = [package, *f.relative_to(ROOT / folder).with_suffix("").parts]
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for name, f in files.items():
+        pkg = name if f.stem == "__init__" else name.rsplit(".", 1)[0]
+        deps = set()
+        for m in re.finditer(r"^\s*from\s+(\.+)([\w.]*)\s+import|^\s*from\s+(dflash_mlx[\w.]*)\s+import", f.read_text(), re.M):
+            if m.group(3):
+                dep = m.group(3)
+            else:
+                base = pkg
+                for _ in range(len(m.group(1)) - 1):
+                    base = base.rsplit(".", 1)[0]
+                dep = base + ("." + m.group(2) if m.group(2) else "")
+            while dep and dep not in files:
+                dep = dep.rsplit(".", 1)[0] if "." in dep else ""
+            if dep and dep != name:
+                deps.add(dep)
+        graph[name] = deps
+    return graph, {n for n, f in files.items() if f.stem == "__init__"}
+
+
+def test_no_import_circles():
+    graph, packages = _imports()
+
+    def reaches(start, goal, seen):
+        for d in graph[start] - packages:  # a package's __init__ only re-exports
+            if d == goal or (d not in seen and not seen.add(d) and reaches(d, goal, seen)):
+                return True
+        return False
+
+    circles = sorted(n for n in graph if n not in packages and reaches(n, n, set()))
+    assert circles == [], circles
+    assert "dflash_mlx.decode" not in graph["dflash_mlx.adaptive"]
+    assert "dflash_mlx.load" not in graph["dflash_mlx.convert.convert"]
