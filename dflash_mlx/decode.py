@@ -139,11 +139,17 @@ def verify(target, tcache, last, tokens, q_lp, params: SamplingParams):
     """One target pass over [last, tokens]: accepted count, next token, taps."""
     block = mx.concatenate([last, tokens])
     logits, hidden = target(block[None], tcache, record=True)
-    logits = logits[0]
-    if tokens.shape[0] == 0:
-        return mx.array(0), pick(logits[-1], params), hidden
-    accepted, nxt = verify_accept(tokens, logits, params, q_lp)
+    accepted, nxt = verify_accept(tokens, logits[0], params, q_lp)
     return accepted, nxt, hidden
+
+
+def step(target, tcache, last, params: SamplingParams, record: bool = False):
+    """One plain decoding step, as mlx-lm's: the token after `last`, and the taps.
+
+    The loop records nothing for a rollback: a plain step is never cropped.
+    """
+    logits, hidden = target(last[None], tcache, record=record)
+    return pick(logits[0, -1], params), hidden
 
 
 def cycle_parts(pair, n: int):
@@ -161,9 +167,13 @@ def cycle_parts(pair, n: int):
     last = prompt[-1:]
 
     def run_draft(w):
-        return draft(source, dstate, last, None, w, greedy)[0] if w > 1 else mx.array([], dtype=last.dtype)
+        return draft(source, dstate, last, None, w, greedy)[0] if w > 1 else None
 
     def run_verify(w, tokens):
+        if w == 1:
+            step(target, tcache, last, greedy, record=True)[0].item()
+            target.crop(tcache, 0, 1)
+            return
         n_acc, nxt, _ = verify(target, tcache, last, tokens, None, greedy)
         mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)]).tolist()
         target.crop(tcache, 0, w)
@@ -220,7 +230,9 @@ class _TextStream:
 def block_policy(pair, source, block_size):
     """The policy that picks each cycle's width: a size, 'auto' (measured costs
     and acceptance; needs `pair`) or a policy object (`start(seeded)` returning
-    a run with `choose(context)` and `update(width, accepted)`)."""
+    a run with `choose(context)` and `update(width, accepted)`; `choose` is
+    asked once per cycle, after a plain cycle before its `update`, which
+    carries nothing to learn)."""
     if hasattr(block_size, "start"):
         return block_size
     if block_size == "auto":
@@ -272,8 +284,8 @@ def stream_generate(
     stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
     tic = time.perf_counter()
 
-    hidden = None  # target taps of committed tokens not yet given to the drafter
-    accepted = 0
+    taps = []  # target taps of committed tokens not yet given to the drafter
+    accepted, ahead, chosen = 0, None, None
     while True:
         # Commit this cycle's tokens: stop on EOS or the budget.
         finish = None
@@ -286,15 +298,19 @@ def stream_generate(
 
         # Launch the next cycle before the host detokenizes and hands text over.
         pending = None
-        if finish is None:
+        if finish is None and ahead is not None:
+            pending, width, chosen = ahead, 1, None  # a plain step already under way
+        elif finish is None:
             context = len(prompt) + stats.generation_tokens + len(tokens)
-            width = min(sizer.choose(context), max_tokens - stats.generation_tokens - len(tokens))
+            chosen = sizer.choose(context) if chosen is None else chosen
+            width = min(chosen, max_tokens - stats.generation_tokens - len(tokens))
             if width > 1:
+                hidden = mx.concatenate(taps, axis=1) if len(taps) > 1 else (taps or [None])[0]
                 d_tokens, q_lp = draft(source, dstate, last, hidden, width, params)
-                hidden = None
+                taps = []
+                pending = verify(target, tcache, last, d_tokens, q_lp, params)
             else:
-                d_tokens, q_lp = mx.array([], dtype=last.dtype), None
-            pending = verify(target, tcache, last, d_tokens, q_lp, params)
+                pending = step(target, tcache, last, params)
             mx.async_eval(pending)
 
         segment, kept, stopped = text.add(tokens, final=finish is not None)
@@ -310,14 +326,30 @@ def stream_generate(
         if finish is not None:
             return
 
-        n_acc, nxt, new_hidden = pending
-        out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens, nxt.reshape(1).astype(d_tokens.dtype)])
-        values = out.tolist()  # the cycle's one host synchronisation
-        accepted = values[0]
-        tokens = values[1 : 1 + accepted] + [values[-1]]
-        target.crop(tcache, accepted + 1, width)
-        committed = new_hidden[:, : accepted + 1]
-        hidden = committed if hidden is None else mx.concatenate([hidden, committed], axis=1)
+        ahead = chosen = None
+        if width == 1:
+            # Plain decoding runs one step ahead, as mlx-lm's generate_step
+            # does: the next step is launched before the host reads this token
+            # (the sizer learns nothing from a plain step, so it can choose now).
+            nxt, hidden = pending
+            if max_tokens - stats.generation_tokens > 1:
+                chosen = sizer.choose(len(prompt) + stats.generation_tokens + 1)
+            if chosen == 1:
+                ahead = step(target, tcache, nxt.reshape(1), params)
+                mx.async_eval(ahead)
+            accepted, tokens = 0, [nxt.item()]  # the cycle's one host synchronisation
+        else:
+            n_acc, nxt, hidden = pending
+            out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens,
+                                  nxt.reshape(1).astype(d_tokens.dtype)])
+            values = out.tolist()  # the cycle's one host synchronisation
+            accepted = values[0]
+            tokens = values[1 : 1 + accepted] + [values[-1]]
+            target.crop(tcache, accepted + 1, width)
+        taps.append(hidden[:, : accepted + 1])
+        if len(taps) == 256:  # a long plain run: bound what is held, in one batched projection
+            source.add_context(dstate, mx.concatenate(taps, axis=1))
+            taps = []
         last = nxt.reshape(1).astype(last.dtype)
         stats.cycles += 1
         stats.draft_cycles += width > 1

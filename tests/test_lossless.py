@@ -383,3 +383,17 @@ def test_bf16_near_ties_are_broken_like_mlx_lm_end_to_end(zoo, drafters, family)
         source = OracleSource(prompt + ref, pair.target.vocab_size, feature_dim, lambda c, w: None)
         out, events = dflash_tokens(pair, prompt, 20, block_size=block_size, draft_source=source)
         assert out == ref and [e.accepted for e in events[1:]][: len(source.expected)] == source.expected
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_long_plain_run_then_drafting(pairs, baselines, family):
+    """Past 256 plain steps the loop hands the held taps to the drafter in one
+    batch; drafting afterwards still sees exactly the committed context."""
+    pair = pairs[family]
+    prompt, ref = next((p, r) for p in (pair.tokenizer.encode(t) for t in PROMPTS)
+                       for r in [plain_greedy(baselines[family], p, 300)] if len(r) >= 290)
+    policy = ScriptedWidths([1] * 270 + [4, 8, 1, 4])
+    source = ContextChecked(pair, prompt + ref)
+    out, _ = dflash_tokens(pair, prompt, len(ref), block_size=policy, draft_source=source)
+    assert out == ref
+    assert source.widths[:2] == [4, 8] and source.given >= len(prompt) + 270
