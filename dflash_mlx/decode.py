@@ -86,6 +86,10 @@ class DraftSource:
         """Logits [width - 1, V] for the block after `last`, committing `hidden` first."""
         raise NotImplementedError
 
+    def rewind(self, state, n: int) -> None:
+        """Forget the last n committed context rows (the cost measurement repeats a cycle)."""
+        raise NotImplementedError
+
 
 class DFlashDraftSource(DraftSource):
     def __init__(self, drafter, target):
@@ -103,6 +107,10 @@ class DFlashDraftSource(DraftSource):
 
     def arrays(self, state):
         return [(c.keys, c.values) for c in state if c.keys is not None]
+
+    def rewind(self, state, n):
+        for c in state:
+            c.trim(n)
 
     def propose(self, state, last, hidden, width):
         block = mx.concatenate([last, mx.full((width - 1,), self.mask_token_id, last.dtype)])
@@ -156,19 +164,28 @@ def step(target, tcache, last, params: SamplingParams, record: bool = False):
 def cycle_parts(pair, n: int):
     """The two halves of a greedy cycle over n tokens of random context, for timing.
 
-    `draft(w)` returns lazy draft tokens; `verify(w, tokens)` runs the verify
-    pass, fetches its result (the cycle's one host synchronisation, as in the
-    loop) and crops the caches back, so every call sees the same context.
+    `draft(w)` returns lazy draft tokens, committing first the taps of about
+    as many rows as a cycle of that width commits (as in the loop); `verify(w,
+    tokens)` runs the verify pass (a plain step for width 1), fetches its
+    result (the cycle's one host synchronisation) and crops the caches back,
+    so every call sees the same context.
     """
     target, source = pair.target, pair.draft_source
     greedy = SamplingParams()
     prompt = mx.random.randint(0, target.vocab_size, (n,), key=mx.random.key(n))
     tcache, dstate = target.make_cache(), source.new_state()
-    prefill(target, source, dstate, prompt, tcache)
+    _, taps = target(prompt[None], tcache, last_only=True)
+    source.add_context(dstate, taps)
+    mx.eval([c.state for c in tcache], source.arrays(dstate))
     last = prompt[-1:]
 
     def run_draft(w):
-        return draft(source, dstate, last, None, w, greedy)[0] if w > 1 else None
+        if w == 1:
+            return None
+        rows = min((w + 1) // 2, taps.shape[1])
+        tokens = draft(source, dstate, last, taps[:, -rows:], w, greedy)[0]
+        source.rewind(dstate, rows)  # the lazy draft keeps what it read
+        return tokens
 
     def run_verify(w, tokens):
         if w == 1:

@@ -74,6 +74,10 @@ class DraftCache:
     def length(self):
         return self.start + self.offset
 
+    def trim(self, n: int) -> None:
+        """Forget the last n committed rows (no copy)."""
+        self.offset -= min(n, self.offset)
+
 
 class Attention(nn.Module):
     def __init__(self, args: DrafterConfig, layer_idx: int):

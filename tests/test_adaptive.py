@@ -327,3 +327,19 @@ def test_stop_string_ends_the_count_too(pairs):
     assert events[-1].finish_reason == "stop"
     kept = [t for ev in events for t in ev.tokens]
     assert kept == ids[:need] and events[-1].stats.generation_tokens == need < len(ids)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_timed_cycles_leave_the_context_as_they_found_it(pairs, family):
+    """The cost curve repeats cycles on one context: each draft commits taps as the
+    loop does and is rewound, each verify is cropped back."""
+    from dflash_mlx.decode import cycle_parts
+
+    run_draft, run_verify = cycle_parts(pairs[family], 24)
+    first = {w: run_draft(w) for w in (2, 4, 8)}
+    for w in (1, 8, 4, 2, 1, 4):
+        tokens = run_draft(w)
+        if w > 1:
+            assert mx.array_equal(tokens, first[w])  # same drafter context every time
+        run_verify(w, tokens)
+    assert all(mx.array_equal(run_draft(w), first[w]) for w in first)
