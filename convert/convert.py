@@ -18,6 +18,7 @@ from mlx_lm.utils import compute_bits_per_weight, quantize_model, save_config
 from dflash_mlx.config import DrafterConfig, check_pair
 from dflash_mlx.drafter import DFlashDrafter
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.hub import TORCH_SUFFIXES, fetch
 
 from .readers import read_safetensors, read_sharded_safetensors, read_torch
 
@@ -26,7 +27,6 @@ FORMAT_VERSION = 1
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 PREFIXES = ("model.", "module.", "draft_model.")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 @dataclass
@@ -163,8 +163,6 @@ def normalized_config(original: dict, cfg: DrafterConfig, dtype: str, source: st
 
 def target_dims(name: str):
     """(hidden size, vocabulary, layers) of a target, from its config.json only."""
-    from dflash_mlx.hub import fetch
-
     path = fetch(name, "config")
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -212,8 +210,6 @@ def convert_drafter(
     progress: Callable[[str], None] = lambda step: None,
 ) -> ConvertResult:
     """Convert a DFlash drafter (repo id, directory or checkpoint file) to MLX."""
-    from dflash_mlx.hub import fetch
-
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype}).")
     if quantize and q_bits not in (4, 8):

@@ -11,9 +11,8 @@ The cost curve times whole cycles, widths interleaved round by round and each
 round normalised by its own mean, so that a machine whose speed wanders
 (other processes, clocks) still yields a steady shape. It is kept per (model,
 drafter, quantization, dtype, backend, MLX version, BLAS) as JSON: the first
-run measures for about ten seconds, and later runs add a couple of seconds of
-rounds (and any context the first run had no time for) until every width is
-settled.
+run measures for about ten seconds, and later runs add a few seconds of
+rounds (and any context that fits) until every width is settled.
 Only relative costs decide the width, so the curve is not corrected online:
 earlier versions did, per width, and the noise of single cycles made the
 choice wander between widths that were in truth no better.
@@ -103,7 +102,7 @@ class CostSamples:
         self.parts = self.parts or [[] for _ in self.contexts]
 
     def done(self, min_rounds: int, max_rounds: int, tolerance: float) -> bool:
-        return all(len(r) >= max_rounds or (len(r) >= min_rounds and settled(r, tolerance)) for r in self.cycle)
+        return all(finished(r, min_rounds, max_rounds, tolerance) for r in self.cycle)
 
 
 class AcceptanceStats:
@@ -292,6 +291,11 @@ def settled(rounds: List[List[float]], tolerance: float) -> bool:
     return True
 
 
+def finished(rounds: List[List[float]], min_rounds: int, max_rounds: int, tolerance: float) -> bool:
+    """Whether a context needs no more rounds: `max_rounds` of them, or settled after `min_rounds`."""
+    return len(rounds) >= max_rounds or (len(rounds) >= min_rounds and settled(rounds, tolerance))
+
+
 # (draft(width) -> tokens, verify(width, tokens) -> None) for a context of n tokens
 CycleParts = Tuple[Callable[[int], mx.array], Callable[[int, mx.array], None]]
 
@@ -368,8 +372,7 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
                 parts.append(times[:2])
 
     def wanted(i: int) -> bool:
-        rounds = samples.cycle[i]
-        return len(rounds) < max_rounds and not (len(rounds) >= min_rounds and settled(rounds, tolerance))
+        return not finished(samples.cycle[i], min_rounds, max_rounds, tolerance)
 
     def fits(i: int) -> bool:
         return spent() + expected(i) <= budget
