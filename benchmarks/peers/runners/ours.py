@@ -1,0 +1,46 @@
+"""Runner: this repository's runtime (`dflash_mlx.load` + `dflash_mlx.stream_generate`), greedy.
+
+Settings: "default" = block_size "auto" (the adaptive sizer, its cost curve measured once
+and cached under ~/.cache/dflash-mlx/costs), "block8" = fixed block size 8.
+Acceptance: GenerationStats.cycles (target passes after the prefill, plain width-1 steps
+included) and GenerationStats.acceptance_lengths (tokens each cycle committed).
+"""
+
+import mlx.core as mx
+
+from _common import float_dtypes, serve
+
+BLOCKS = {"default": "auto", "block8": 8}
+
+
+def load(args):
+    import mlx_lm
+
+    import dflash_mlx
+    from dflash_mlx.adaptive import blas_name
+
+    pair = dflash_mlx.load(args.target, args.drafter)
+    dtypes = sorted(set(float_dtypes(pair.target.model.parameters())) | set(float_dtypes(pair.drafter.parameters())))
+    if dtypes != ["float32"]:
+        raise RuntimeError(f"the pair loaded as {dtypes}, expected float32")
+    return pair, {"runtime": "dflash-mlx (this repository)", "version": dflash_mlx.__version__,
+                  "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "blas": blas_name(), "dtype": "float32",
+                  "settings": {"default": "block_size='auto'", "block8": "block_size=8"}}
+
+
+def generate(pair, prompt_ids, max_tokens, setting):
+    from dflash_mlx import SamplingParams, stream_generate
+
+    stats = None
+    for ev in stream_generate(pair, prompt_ids, max_tokens=max_tokens, sampling=SamplingParams(temp=0.0),
+                              block_size=BLOCKS[setting]):
+        stats = ev.stats
+        yield ev.tokens
+    return {"cycles": stats.cycles, "cycle_tokens": sum(stats.acceptance_lengths),
+            "reported": {"generation_tps": stats.generation_tps, "mean_acceptance": stats.mean_acceptance,
+                         "draft_cycles": stats.draft_cycles},
+            "acceptance_source": "GenerationStats.cycles and sum(acceptance_lengths)"}
+
+
+if __name__ == "__main__":
+    serve(load, generate)
