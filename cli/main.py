@@ -360,19 +360,30 @@ def bench(
             table.add_row(str(w + 1), *[f"{row[w]:.2f}" for row in result["verify_relative"]],
                           f"{result['draft_relative'][0][w]:.2f}")
     else:
-        table = Table("suite", "block", "baseline tok/s", "DFlash tok/s", "speedup", "acceptance", "TTFT ms",
-                      "identical", caption="speedup: ratio of medians (of geometric means over prompts)")
+        table = Table("suite", "block", "baseline tok/s", "DFlash tok/s", "speedup", "acceptance", "identical",
+                      caption="speedup: ratio of medians (of geometric means over prompts)")
+        prompt_table = Table("suite", "block", "baseline prompt tok/s", "DFlash prompt tok/s", "ratio",
+                             "baseline TTFT ms", "DFlash TTFT ms",
+                             caption="prompt processing: medians of mlx-lm's and our own figures, same prompts")
         groups = [(name, result["suites"][name]) for name in result["suites"]] + [("overall", result["overall"])]
         for name, per_size in groups:
             for key, s in per_size.items():
                 table.add_row(name, key, f"{s['baseline_tps']:.1f}", f"{s['dflash_tps']:.1f}",
                               f"{s['speedup']:.2f}x ({s['speedup_geomean']:.2f}x)", f"{s['mean_acceptance']:.2f}",
-                              f"{(s['dflash_ttft'] or 0) * 1000:.0f}",
                               f"{s['identical']}/{s['prompts']}" if temp == 0 else "n/a")
-                if "overhead_seconds_per_cycle" in s:
-                    table.add_row("", "", "", "", "", "", "",
-                                  f"overhead {s['overhead_seconds_per_cycle'] * 1000:.2f} ms/cycle")
+                prompt_table.add_row(name, key, f"{s['baseline_prompt_tps']:.0f}", f"{s['dflash_prompt_tps']:.0f}",
+                                     f"{s['prompt_speedup']:.2f}x", f"{(s['baseline_ttft'] or 0) * 1000:.0f}",
+                                     f"{(s['dflash_ttft'] or 0) * 1000:.0f}")
     err.print(table)
+    if sizes != ["sweep"]:
+        err.print(prompt_table)
+    for key, s in result.get("overall", {}).items():
+        if "overhead_seconds_per_cycle" in s:
+            ms = {k: s[k] * 1000 for k in ("seconds_per_cycle", "verify_seconds_per_cycle", "overhead_seconds_per_cycle")}
+            err.print(f"oracle, block {key}: {ms['seconds_per_cycle']:.2f} ms per cycle; the target's bare verify pass "
+                      f"{ms['verify_seconds_per_cycle']:.2f} ms; the loop's own work "
+                      f"{ms['overhead_seconds_per_cycle']:.2f} ms per cycle (the same cycles rerun with the "
+                      f"target's results in place of its passes)")
     if out:
         tmp = Path(out).with_name(Path(out).name + ".tmp")
         tmp.write_text(_json.dumps(result, indent=2) + "\n")

@@ -6,9 +6,23 @@ every requested block size after a warm-up; greedy outputs are compared token
 for token. Repeats interleave the settings in a random order each time.
 Speedups are ratios of medians taken in the same run, and ratios of geometric
 means over prompts (a paired comparison: the mean of per-prompt ratios,
-steadier on a noisy machine).
+steadier on a noisy machine). Prompt throughput is each loop's own figure for
+the same prompt: mlx-lm's `prompt_tps`, and ours (prefill to the first token).
+
+With `oracle`, each DFlash run drafts the target's own greedy continuation,
+and right after it the same cycles are split: the loop is run again with the
+target's passes replaced by their results (`ResultsTarget`; its time is the
+loop's own work per cycle: drafting, acceptance, the host synchronisation,
+cropping, detokenizing), and the target's bare verify passes of those cycles
+are timed alone at the same widths and context lengths. Part of the loop's
+work runs while the target's pass computes, so the two need not add up to a
+cycle; neither is a difference of separately taken timings, so neither can
+come out negative (a cost curve measured apart did: it differs from the
+loop's cycles by more than the loop's own work, on a machine whose speed
+wanders).
 """
 
+import copy
 import json
 import math
 import os
@@ -24,6 +38,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from . import decode
 from .adaptive import CostCurve, blas_name, measure_cost_curve
 from .baseline import generate as baseline_generate, plain_target
 from .decode import DraftSource, cycle_parts, peak_memory_gb, stream_generate
@@ -32,7 +47,7 @@ from .prompt import build_prompt
 from .sampling import SamplingParams
 
 SUITES = ("code", "math", "chat")
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def machine_info() -> Dict:
@@ -122,6 +137,85 @@ def _dflash_run(pair, ids, max_tokens, params, block_size, source=None):
             "decode_seconds": stats.generation_tokens / stats.generation_tps if stats.generation_tps else 0.0}
 
 
+class ResultsTarget:
+    """Stands in for the target after the prompt: each pass returns the
+    logits of a known greedy sequence (and zero taps) at once, so the loop
+    makes the cycles it made with the target, and timing it times everything
+    in a cycle but the target's pass. The prompt runs through the real target.
+    Records each cycle's (width, kept positions)."""
+
+    def __init__(self, target, seq: Sequence[int], prompt_tokens: int):
+        self._target, self._prompt_tokens = target, prompt_tokens
+        hot = mx.arange(target.vocab_size)[None] == mx.array(list(seq[1:]))[:, None]
+        self._logits = hot.astype(target.dtype) * 100
+        mx.eval(self._logits)
+        self.pos, self.cycles, self._taps = 0, [], None
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def make_cache(self):
+        self.pos, self.cycles = 0, []
+        return self._target.make_cache()
+
+    def __call__(self, tokens, cache, **kwargs):
+        n = tokens.shape[1]
+        if self.pos < self._prompt_tokens:
+            self.pos += n
+            logits, taps = self._target(tokens, cache, **kwargs)
+            self._taps = (taps.shape[-1], taps.dtype)
+            return logits, taps
+        logits = self._logits[self.pos : self.pos + n][None]
+        self.pos += n
+        self.cycles.append([n, n])
+        return logits, mx.zeros((1, n, self._taps[0]), self._taps[1])
+
+    def crop(self, cache, keep, width):
+        self.pos -= width - keep
+        self.cycles[-1][1] = keep
+
+
+def verify_seconds(pair, seq: Sequence[int], prompt_tokens: int, cycles) -> float:
+    """Seconds of the target's bare verify passes (each evaluated alone) over
+    `cycles` [(width, kept)], at the context lengths the loop ran them."""
+    target, greedy = pair.target, SamplingParams()
+    tcache = target.make_cache()
+    for s in range(0, prompt_tokens, 2048):
+        target(mx.array(seq[s : min(s + 2048, prompt_tokens)])[None], tcache, last_only=True)
+        mx.eval([c.state for c in tcache])
+    pos, total = prompt_tokens, 0.0
+    for width, kept in cycles:
+        block = mx.array(seq[pos : pos + width])
+        mx.eval(block)
+        tic = time.perf_counter()
+        if width == 1:
+            mx.eval(decode.step(target, tcache, block, greedy))
+        else:
+            mx.eval(decode.verify(target, tcache, block[:1], block[1:], None, greedy))
+        total += time.perf_counter() - tic
+        if width > 1:
+            target.crop(tcache, kept, width)
+        pos += kept
+    return total
+
+
+def _oracle_split(pair, ids, run, max_tokens, params, block_size, source) -> Dict:
+    """An oracle run's cycles, split right after it runs: the loop's own work
+    (the loop run again on `ResultsTarget`) and the target's bare verify
+    passes of the same cycles."""
+    eos = list(getattr(pair.tokenizer, "eos_token_ids", None) or [0])
+    seq = list(ids) + run["tokens"] + eos[:1] * (block_size + 1)
+    stand_in = copy.copy(pair)
+    stand_in.target = ResultsTarget(pair.target, seq, len(ids))
+    loop = _dflash_run(stand_in, ids, max_tokens, params, block_size, source)
+    cycles = stand_in.target.cycles
+    if loop["tokens"] != run["tokens"] or len(cycles) != len(run["acceptance_lengths"]):
+        raise DFlashError("The oracle run could not be replayed cycle for cycle; its overhead is not measured.")
+    return {"cycles": len(cycles), "seconds": run["decode_seconds"],
+            "verify_seconds": verify_seconds(pair, seq, len(ids), cycles),
+            "overhead_seconds": loop["decode_seconds"]}
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -140,7 +234,9 @@ def summarise(rows: List[Dict], key: str) -> Dict:
     base_g = _geomean([r["baseline"]["generation_tps"] for r in rows])
     ours_g = _geomean([r["dflash"][key]["generation_tps"] for r in rows])
     lengths = [a for r in rows for a in r["dflash"][key]["acceptance_lengths"]]
-    return {
+    base_p = _median([r["baseline"]["prompt_tps"] for r in rows])
+    ours_p = _median([r["dflash"][key]["prompt_tps"] for r in rows])
+    out = {
         "prompts": len(rows),
         "baseline_tps": base,
         "dflash_tps": ours,
@@ -150,13 +246,22 @@ def summarise(rows: List[Dict], key: str) -> Dict:
         "speedup_geomean": None if not base_g or ours_g is None else ours_g / base_g,
         "mean_acceptance": sum(lengths) / len(lengths) if lengths else None,
         "acceptance_histogram": {str(k): v for k, v in sorted(Counter(lengths).items())},
-        "baseline_prompt_tps": _median([r["baseline"]["prompt_tps"] for r in rows]),
-        "dflash_prompt_tps": _median([r["dflash"][key]["prompt_tps"] for r in rows]),
+        "baseline_prompt_tps": base_p,
+        "dflash_prompt_tps": ours_p,
+        "prompt_speedup": None if not base_p or ours_p is None else ours_p / base_p,
         "baseline_ttft": _median([r["baseline"]["ttft"] for r in rows]),
         "dflash_ttft": _median([r["dflash"][key]["ttft"] for r in rows]),
         "identical": sum(1 for r in rows if r["dflash"][key]["identical"] is True),
         "mismatched_prompts": [r["prompt"] for r in rows if r["dflash"][key]["identical"] is False],
     }
+    splits = [o for r in rows for o in r["dflash"][key].get("oracle_runs", [])]
+    if splits:
+        # Totals over every oracle run: each split was measured right after its run.
+        cycles = sum(o["cycles"] for o in splits)
+        out["seconds_per_cycle"] = sum(o["seconds"] for o in splits) / cycles
+        out["verify_seconds_per_cycle"] = sum(o["verify_seconds"] for o in splits) / cycles
+        out["overhead_seconds_per_cycle"] = sum(o["overhead_seconds"] for o in splits) / cycles
+    return out
 
 
 def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
@@ -167,8 +272,9 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
     tok, model = pair.tokenizer, plain_target(pair)
     total = sum(len(v) for v in prompts.values()) * (1 + len(block_sizes)) * repeats
     done, rng = 0, random.Random(0)
-    # Warm-up: compile kernels and fill allocator caches once for each path.
-    first = build_prompt(tok, next(iter(prompts.values()))[0])
+    # Warm-up: compile kernels and fill allocator caches once for each path,
+    # on the longest prompt, so neither path's prefill meets sizes first.
+    first = max((build_prompt(tok, t) for texts in prompts.values() for t in texts), key=len)
     baseline_generate(model, tok, first, 8, temp)
     for bs in block_sizes:
         _dflash_run(pair, first, 8, params, bs)
@@ -193,16 +299,24 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
                         what = "baseline"
                     else:
                         bs_run = bs if not (oracle and bs == "auto") else pair.draft_source.block_size
-                        dr[bs].append(_dflash_run(pair, ids, max_tokens, params, bs_run, source))
+                        run = _dflash_run(pair, ids, max_tokens, params, bs_run, source)
+                        if oracle:
+                            run["oracle"] = _oracle_split(pair, ids, run, max_tokens, params, bs_run, source)
+                        dr[bs].append(run)
                         what = f"block {bs}"
                     done += 1
                     progress(done, total, f"{suite}: {what}")
-            base = dict(runs[0], generation_tps=_median([r["generation_tps"] for r in runs]))
+            base = dict(runs[0], generation_tps=_median([r["generation_tps"] for r in runs]),
+                        prompt_tps=_median([r["prompt_tps"] for r in runs]))
             row = {"prompt": text, "prompt_tokens": len(ids), "baseline": {k: v for k, v in base.items() if k != "tokens"},
                    "dflash": {}}
             row["baseline"]["generated_tokens"] = len(base["tokens"])
             for bs in block_sizes:
-                d = dict(dr[bs][0], generation_tps=_median([x["generation_tps"] for x in dr[bs]]))
+                d = dict(dr[bs][0], generation_tps=_median([x["generation_tps"] for x in dr[bs]]),
+                         prompt_tps=_median([x["prompt_tps"] for x in dr[bs]]))
+                d.pop("oracle", None)
+                if oracle:
+                    d["oracle_runs"] = [x["oracle"] for x in dr[bs]]
                 d["identical"] = all(x["tokens"] == base["tokens"] for x in dr[bs]) if temp == 0 else None
                 d["generated_tokens"] = len(d.pop("tokens"))
                 row["dflash"][str(bs)] = d
@@ -226,18 +340,6 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
         for suite, rows in suites.items():
             result["suites"].setdefault(suite, {})[key] = summarise(rows, key)
     result["prompts"] = suites
-    if oracle:
-        curve = CostCurve.from_samples(
-            measure_cost_curve(partial(cycle_parts, pair), pair.draft_source.block_size, contexts=(64,),
-                               split_rounds=5))
-        for key, summary in result["overall"].items():
-            rows = [r["dflash"][key] for r in all_rows]
-            cycles = sum(len(r["acceptance_lengths"]) for r in rows)
-            seconds = sum(r["decode_seconds"] for r in rows)
-            verify = curve.verify[0][pair.draft_source.block_size - 1]
-            summary["seconds_per_cycle"] = seconds / max(cycles, 1)
-            summary["verify_seconds"] = verify
-            summary["overhead_seconds_per_cycle"] = seconds / max(cycles, 1) - verify
     return result
 
 
@@ -266,7 +368,7 @@ def validate(result: Dict) -> None:
             raise ValueError(f"benchmark machine info lacks '{field}'")
     for key, s in result["overall"].items():
         for field in ("baseline_tps", "dflash_tps", "speedup", "speedup_geomean", "mean_acceptance", "acceptance_histogram",
-                      "baseline_prompt_tps", "dflash_prompt_tps", "baseline_ttft", "dflash_ttft",
+                      "baseline_prompt_tps", "dflash_prompt_tps", "prompt_speedup", "baseline_ttft", "dflash_ttft",
                       "identical", "mismatched_prompts"):
             if field not in s:
                 raise ValueError(f"overall[{key}] lacks '{field}'")
