@@ -44,6 +44,20 @@ def parse_args():
     return ap.parse_args()
 
 
+def blas_name() -> str:
+    """Which BLAS this process loaded (Linux: from /proc/self/maps; numpy's private copy ignored)."""
+    try:
+        maps = open("/proc/self/maps").read().lower()
+    except OSError:
+        return "unknown"
+    libs = {l.split()[-1] for l in maps.splitlines() if "/" in l}
+    libs = [l for l in libs if "numpy" not in l and "scipy_openblas" not in l]
+    for name in ("openblas", "mkl", "blis", "accelerate"):
+        if any(name in l for l in libs):
+            return name
+    return "reference (stock mlx[cpu])"
+
+
 def float_dtypes(params) -> list:
     """The distinct float dtypes among a module's parameters (names as strings)."""
     import mlx.core as mx
@@ -69,6 +83,7 @@ def serve(load, generate, settings=("default", "block8")):
         traceback.print_exc()
         out.write(json.dumps({"ready": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}) + "\n")
         return
+    info["blas"] = blas_name()
     out.write(json.dumps({"ready": True, "info": info, "settings": list(settings)}) + "\n")
     for line in sys.stdin:
         if not line.strip():
