@@ -62,6 +62,10 @@ def generate(
     enable_thinking: Optional[bool] = typer.Option(
         None, "--enable-thinking/--disable-thinking", help="Turn the template's thinking mode on or off."
     ),
+    lookup: bool = typer.Option(
+        True, "--lookup/--no-lookup",
+        help="With --block-size auto, also draft from an n-gram lookup over the prompt and the text so far.",
+    ),
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
 ):
     """Generate text with DFlash speculative decoding, streaming it."""
@@ -92,7 +96,7 @@ def generate(
                 f"prompt {len(ids)} tokens, block size {block}, {params}"
             )
         for event in dflash_mlx.stream_generate(
-            pair, ids, max_tokens=max_tokens, sampling=params, block_size=block
+            pair, ids, max_tokens=max_tokens, sampling=params, block_size=block, lookup=lookup
         ):
             sys.stdout.write(event.text)
             sys.stdout.flush()

@@ -25,12 +25,12 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 CONTEXTS = (64, 1024)
-CURVE_VERSION = 4  # bump when what a curve measures changes
+CURVE_VERSION = 5  # bump when what a curve measures changes
 
 
 @dataclass
@@ -39,13 +39,14 @@ class CostCurve:
     verify: List[List[float]]  # [context][width - 1] seconds
     draft: List[List[float]]  # [context][width - 1] seconds (0 for width 1)
     cycle: Optional[List[List[float]]] = None  # [context][width - 1] whole cycle, seconds
+    copy: Optional[List[List[float]]] = None  # [context][width - 1] a cycle without a drafter pass (a lookup's)
 
     @property
     def max_width(self) -> int:
         return len((self.cycle or self.verify)[0])
 
-    def costs(self, context: int) -> List[float]:
-        """Seconds per cycle for widths 1..max_width, interpolated linearly in context length.
+    def _interpolate(self, rows: List[List[List[float]]], context: int) -> List[float]:
+        """Sum of `rows` at `context`, interpolated linearly in context length.
 
         Beyond the measured contexts the nearest measurement is used: a linear
         extrapolation can make a width look free and win every cycle.
@@ -54,13 +55,24 @@ class CostCurve:
         i = 0 if context <= cs[0] else min(len(cs) - 2, next((j for j in range(len(cs) - 1) if context <= cs[j + 1]), len(cs) - 2))
         j = min(i + 1, len(cs) - 1)
         t = 0.0 if cs[j] == cs[i] else min(1.0, max(0.0, (context - cs[i]) / (cs[j] - cs[i])))
-        rows = [self.cycle] if self.cycle is not None else [self.verify, self.draft]
         out = [0.0] * self.max_width
         for r in rows:
             a, b = r[i], r[j]
             for w in range(self.max_width):
                 out[w] += a[w] + t * (b[w] - a[w])
         return [max(1e-9, c) for c in out]
+
+    def costs(self, context: int) -> List[float]:
+        """Seconds per drafted cycle for widths 1..max_width at `context`."""
+        return self._interpolate([self.cycle] if self.cycle is not None else [self.verify, self.draft], context)
+
+    def copy_costs(self, context: int) -> List[float]:
+        """Seconds per cycle that verifies copied tokens (no drafter pass) for widths 1..max_width."""
+        if self.copy is not None:
+            return self._interpolate([self.copy], context)
+        if self.verify:
+            return self._interpolate([self.verify], context)
+        return self.costs(context)  # unknown: no cheaper than a drafted cycle
 
     def cost(self, width: int, context: int) -> float:
         return self.costs(context)[width - 1]
@@ -76,15 +88,19 @@ class CostCurve:
         `verify` and `draft` (reports only) hold the contexts whose halves were timed apart.
         """
         n = [i for i, rounds in enumerate(samples.cycle) if rounds and (i == 0 or len(rounds) >= min_rounds)]
-        verify, draft = [], []
+        verify, draft, cycle, copies = [], [], [], []
+        W = samples.max_width
         for i in n:
             parts = samples.parts[i]
             if parts:
                 means = [sum(c) / len(c) for c in samples.cycle[i][: len(parts)]]  # parts share their round's scale
                 verify.append(profile([p[0] for p in parts], means))
                 draft.append(profile([p[1] for p in parts], means))
-        cycle = [profile(samples.cycle[i]) for i in n]
-        return cls([samples.contexts[i] for i in n], verify, draft, cycle)
+            both = profile(samples.rounds(i))  # drafted and copied cycles share each round's scale
+            cycle.append(both[:W])
+            copies.append(both[:1] + both[W:] if len(both) > W else None)
+        copies = None if any(c is None for c in copies) else copies
+        return cls([samples.contexts[i] for i in n], verify, draft, cycle, copies)
 
 
 @dataclass
@@ -94,77 +110,143 @@ class CostSamples:
     contexts: List[int]
     max_width: int
     cycle: List[List[List[float]]] = field(default_factory=list)  # [context][round][width - 1] seconds
+    copy: List[List[List[float]]] = field(default_factory=list)  # [context][round][width - 2]: copied widths 2..
     parts: List[List[List[List[float]]]] = field(default_factory=list)  # [context][round][verify, draft][width - 1]
     setup_per_token: float = 0.0  # seconds to set a context up (its prefill), per token
 
     def __post_init__(self):
         self.cycle = self.cycle or [[] for _ in self.contexts]
+        self.copy = self.copy or [[] for _ in self.contexts]
         self.parts = self.parts or [[] for _ in self.contexts]
 
+    def rounds(self, i: int) -> List[List[float]]:
+        """Context i's rounds: drafted widths 1..W then copied widths 2..W (where timed) in each."""
+        copy = self.copy[i]
+        if len(copy) != len(self.cycle[i]):
+            return self.cycle[i]
+        return [c + k for c, k in zip(self.cycle[i], copy)]
+
     def done(self, min_rounds: int, max_rounds: int, tolerance: float) -> bool:
-        return all(finished(r, min_rounds, max_rounds, tolerance) for r in self.cycle)
+        return all(finished(self.rounds(i), min_rounds, max_rounds, tolerance) for i in range(len(self.contexts)))
+
+
+class Plan(NamedTuple):
+    """One cycle: its verify width, and how many of its draft positions are copied from a lookup offer
+    (the rest the drafter fills; with `copied == width - 1` no drafter pass runs)."""
+
+    width: int
+    copied: int = 0
+
+    @property
+    def drafts(self) -> bool:
+        return self.width > self.copied + 1
+
+
+PLAIN = Plan(1)
 
 
 class AcceptanceStats:
-    """Per-position acceptance counts, forgetting old outcomes as new ones arrive."""
+    """Per-position acceptance counts: a check forgets a little of what earlier
+    checks of that position said (`decay`), and everything ages slowly with
+    committed tokens (`half_life`).
 
-    def __init__(self, n: int, decay: float):
-        self.decay = decay
+    Ageing by tokens means a source that is not tried drifts back towards the
+    prior (depth k towards depth k - 1's rate, depth 1 towards the sizer's
+    prior), so a sizer that stopped drafting tries again once what it learnt
+    is old, where drafting at the prior would pay: a rare probe (about one
+    per few hundred tokens), which a changed text turns back into drafting.
+    """
+
+    def __init__(self, n: int, decay: float = 0.98, half_life: float = 1024.0):
+        self.decay, self.half_life = decay, half_life
         self.tried = [0.0] * n  # times draft position k (index k, 1-based) was checked
         self.accepted = [0.0] * n
 
-    def add(self, width: int, accepted: int) -> None:
-        # Only positions actually checked forget, so a run of narrow cycles
-        # does not erase what was known about deeper positions.
-        for k in range(1, min(accepted + 2, width)):
+    def add(self, checked: range, accepted: int) -> None:
+        """Positions in `checked` were checked; those up to `accepted` were accepted."""
+        for k in checked:
             self.tried[k] = self.tried[k] * self.decay + 1
             self.accepted[k] = self.accepted[k] * self.decay + (k <= accepted)
 
+    def age(self, tokens: int) -> None:
+        if tokens and self.half_life:
+            f = 0.5 ** (tokens / self.half_life)
+            self.tried = [t * f for t in self.tried]
+            self.accepted = [a * f for a in self.accepted]
+
     def capped(self, weight: float) -> "AcceptanceStats":
         """The same rates, each worth at most `weight` observations."""
-        out = AcceptanceStats(len(self.tried), self.decay)
+        out = AcceptanceStats(len(self.tried), self.decay, self.half_life)
         for k, t in enumerate(self.tried):
             if t > 0:
                 out.tried[k] = min(t, weight)
                 out.accepted[k] = out.tried[k] * self.accepted[k] / t
         return out
 
+    def rates(self, prior: float, weight: float) -> List[float]:
+        """alpha_k for k = 1..n-1; depths with little evidence borrow the previous depth's rate."""
+        out, prev = [], prior
+        for k in range(1, len(self.tried)):
+            prev = (self.accepted[k] + weight * prev) / (self.tried[k] + weight)
+            out.append(prev)
+        return out
+
 
 class FixedWidth:
-    """The block-size policy of a fixed --block-size."""
+    """The block-size policy of a fixed --block-size: the drafter at that width, every cycle."""
 
     def __init__(self, width: int):
-        self.width = width
+        self.plan = Plan(width)
 
     def start(self, seeded: bool = False) -> "FixedWidth":
         return self
 
-    def choose(self, context: int) -> int:
-        return self.width
+    def choose(self, context: int, offer: Sequence[int] = ()) -> Plan:
+        return self.plan
 
-    def update(self, width: int, accepted: int) -> None:
+    def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = ()) -> None:
         pass
+
+    def lookup_pays(self, context: int) -> bool:
+        return False
 
 
 class BlockSizer:
-    """Chooses each cycle's block size from acceptance statistics and the cost curve.
+    """Chooses each cycle's width and draft source for the most committed tokens per second.
+
+    Candidates: plain decoding, the drafter at width 2..max, and when the
+    source offers lookup tokens, the lookup alone (its first m tokens, no
+    drafter pass: it costs a bare verify) or the lookup's tokens followed by
+    the drafter's. Expected tokens come from per-position acceptance rates of
+    each source, costs from the measured curve at the current context.
+
+    The drafter's rates are learnt from the cycles that check its drafts. The
+    lookup's are learnt from every offer, used or not: an offer is compared
+    with the tokens then committed, which is what verifying it would have
+    accepted (greedy: exactly; sampling: with the same probability). Both age
+    with committed tokens (`AcceptanceStats`), so a sizer that stopped
+    drafting tries again once its evidence is old, where drafting at the prior
+    would pay; where it would not, it never spends a cycle to find out.
 
     Statistics are kept across requests (the drafter's usual form) and per
     request: a request starts from the shared rates, worth `carry`
-    observations per position, so that its own outcomes take over within a few
-    cycles (a drafter that copies well on one prompt may guess poorly on the
-    next).
+    observations per position, so that its own outcomes take over within a
+    few cycles.
     """
 
-    def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, weight: float = 2.0,
-                 decay: float = 0.98, carry: float = 8.0, stick: float = 1.03):
+    def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, lookup_prior: float = 0.5,
+                 weight: float = 2.0, decay: float = 0.98, half_life: float = 1024.0, carry: float = 8.0,
+                 stick: float = 1.03):
         self.curve = curve
         self.max_width = min(max_width, curve.max_width)
-        self.prior, self.weight, self.carry, self.stick = prior, weight, carry, stick
-        self.shared = AcceptanceStats(self.max_width, decay)
-        self.stats = self.shared  # a request's own, once start() made one
-        self.current = 0  # the width chosen last
-        self._context, self._costs = None, []
+        self.prior, self.lookup_prior, self.weight, self.carry, self.stick = prior, lookup_prior, weight, carry, stick
+        self.shared = AcceptanceStats(self.max_width, decay, half_life)
+        self.shared_lookup = AcceptanceStats(self.max_width, decay, half_life)
+        self.stats, self.lookup = self.shared, self.shared_lookup  # a request's own, once start() made them
+        self.current = 0  # the drafter width chosen last
+        self.pending: List[int] = []  # a lookup offer not yet compared with what was committed
+        self.matched = 0  # how many of its tokens were committed so far
+        self._context, self._costs, self._copy = None, [], []
 
     def start(self, seeded: bool = False) -> "BlockSizer":
         """A sizer for a new request: this curve, the shared statistics as its prior.
@@ -174,30 +256,33 @@ class BlockSizer:
         whatever earlier requests taught the shared statistics.
         """
         run = copy.copy(self)  # shares the curve and the shared statistics
-        run.stats = AcceptanceStats(self.max_width, self.shared.decay) if seeded else self.shared.capped(self.carry)
-        run.current = 0
+        if seeded:
+            run.stats = AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life)
+            run.lookup = AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life)
+        else:
+            run.stats, run.lookup = self.shared.capped(self.carry), self.shared_lookup.capped(self.carry)
+        run.current, run.pending, run.matched = 0, [], 0
         return run
 
     def explain(self, context: int) -> Optional[str]:
         """Why a request at `context` tokens would start with plain decoding; None if it drafts."""
-        if self.start().choose(context) > 1:
+        if self.start().choose(context) != PLAIN:
             return None
         w = self.max_width
         ratio = self.curve.cost(w, context) / self.curve.cost(1, context)
         return (
             f"drafting does not pay here: a {w}-token verify cycle costs {ratio:.1f}x one token "
             f"on this machine (BLAS: {blas_name()}), more than the {self.expected_tokens(w):.1f} tokens "
-            f"a cycle is expected to commit; decoding plainly. --block-size {w} shows the drafter."
+            f"a cycle is expected to commit; decoding plainly, with lookup drafts where the text repeats. "
+            f"--block-size {w} shows the drafter."
         )
 
     def alphas(self) -> List[float]:
-        """alpha_k for k = 1..max_width-1; untested depths borrow the previous estimate."""
-        st, out, prev = self.stats, [], self.prior
-        for k in range(1, self.max_width):
-            mean = (st.accepted[k] + self.weight * prev) / (st.tried[k] + self.weight)
-            out.append(mean)
-            prev = mean
-        return out
+        """The drafter's alpha_k for k = 1..max_width-1."""
+        return self.stats.rates(self.prior, self.weight)
+
+    def lookup_alphas(self) -> List[float]:
+        return self.lookup.rates(self.lookup_prior, self.weight)
 
     def expected_tokens(self, width: int, alphas: Optional[List[float]] = None) -> float:
         alphas = self.alphas() if alphas is None else alphas
@@ -208,35 +293,85 @@ class BlockSizer:
         return total
 
     def cost(self, width: int, context: int) -> float:
-        if self._context != context:
-            self._context, self._costs = context, self.curve.costs(context)
+        self._at(context)
         return self._costs[width - 1]
 
+    def _at(self, context: int) -> None:
+        if self._context != context:
+            self._context, self._costs, self._copy = context, self.curve.costs(context), self.curve.copy_costs(context)
+
     def rates(self, context: int) -> List[float]:
-        """Expected committed tokens per second for widths 1..max_width (one pass: runs every cycle)."""
-        alphas = self.alphas()
+        """Expected committed tokens per second of the drafter at widths 1..max_width."""
+        self._at(context)
         out, tokens, run = [], 1.0, 1.0
-        for w in range(1, self.max_width + 1):
+        for w, a in zip(range(1, self.max_width + 1), [1.0] + self.alphas()):
             if w > 1:
-                run *= alphas[w - 2]
+                run *= a
                 tokens += run
-            out.append(tokens / self.cost(w, context))
+            out.append(tokens / self._costs[w - 1])
         return out
 
-    def choose(self, context: int) -> int:
+    def best(self, context: int, offered: int = 0) -> Tuple[Plan, float]:
+        """The best plan and its rate, given a lookup offer of `offered` tokens (pure: changes nothing)."""
         rates = self.rates(context)
-        best = max(range(self.max_width), key=rates.__getitem__) + 1
-        # Keep the previous choice unless another is clearly better: the
-        # estimates are noisy and each change of width costs a little.
-        if not self.current or rates[best - 1] >= self.stick * rates[self.current - 1]:
-            self.current = best
-        return self.current
+        w = max(range(self.max_width), key=rates.__getitem__) + 1
+        if self.current and rates[self.current - 1] * self.stick >= rates[w - 1]:
+            w = self.current  # keep the previous width unless another is clearly better: estimates are noisy
+        plan, rate = Plan(w), rates[w - 1]
+        m = min(offered, self.max_width - 1)
+        if m == 0:
+            return plan, rate
+        look, head, run = self.lookup_alphas(), 1.0, 1.0
+        for k in range(1, m + 1):  # the lookup's first k tokens alone: a bare verify of k + 1 rows
+            run *= look[k - 1]
+            head += run
+            if head / self._copy[k] > rate:
+                plan, rate = Plan(k + 1, k), head / self._copy[k]
+        alphas, tail, drun = self.alphas(), 0.0, 1.0
+        for w in range(m + 2, self.max_width + 1):  # all of it, then the drafter's guesses
+            drun *= alphas[w - 2]
+            tail += drun
+            r = (head + run * tail) / self._costs[w - 1]
+            if r > rate:
+                plan, rate = Plan(w, m), r
+        return plan, rate
 
-    def update(self, width: int, accepted: int) -> None:
-        """Record a cycle: `accepted` of its `width - 1` draft tokens were kept."""
-        self.stats.add(width, accepted)
-        if self.stats is not self.shared:
-            self.shared.add(width, accepted)
+    def choose(self, context: int, offer: Sequence[int] = ()) -> Plan:
+        if offer and not self.pending:
+            self.pending = list(offer[: self.max_width - 1])
+        plan, _ = self.best(context, len(offer))
+        if plan.copied == 0:
+            self.current = plan.width
+        return plan
+
+    def lookup_pays(self, context: int) -> bool:
+        """Whether a full lookup offer would be used now (else plain steps may run ahead without asking)."""
+        return self.best(context, self.max_width - 1)[0].copied > 0
+
+    def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = ()) -> None:
+        """Record a cycle: `accepted` of its `width - 1` draft tokens were kept; `tokens` were committed."""
+        for st in {id(s): s for s in (self.stats, self.shared, self.lookup, self.shared_lookup)}.values():
+            st.age(len(tokens))
+        if plan.drafts and accepted >= plan.copied:  # the drafter's positions were reached
+            checked = range(plan.copied + 1, min(accepted + 2, plan.width))
+            self.stats.add(checked, accepted)
+            if self.stats is not self.shared:
+                self.shared.add(checked, accepted)
+        if self.pending and tokens:
+            self._compare(tokens)
+
+    def _compare(self, tokens: Sequence[int]) -> None:
+        """Score the pending lookup offer against committed tokens (it may take several cycles to settle)."""
+        offer, done = self.pending, self.matched
+        for t in tokens:
+            if offer[done] != t or done + 1 == len(offer):
+                hit = done + (offer[done] == t)
+                for st in {id(s): s for s in (self.lookup, self.shared_lookup)}.values():
+                    st.add(range(1, min(hit + 2, len(offer) + 1)), hit)
+                self.pending, self.matched = [], 0
+                return
+            done += 1
+        self.matched = done
 
 
 def blas_name() -> str:
@@ -331,8 +466,8 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
 
     def expected(i: int) -> float:
         """Seconds the next round at context i should take, its set-up (a prefill) included if new."""
-        own = [sum(r) for r in samples.cycle[i]]
-        before = [sum(r) for rounds in samples.cycle[:i] for r in rounds]
+        own = [sum(r) for r in samples.rounds(i)]
+        before = [sum(r) for j in range(i) for r in samples.rounds(j)]
         seconds = max(own) if own else 1.5 * max(before, default=0.0)  # longer contexts cost more
         seconds *= 1 + (len(samples.parts[i]) < split_rounds)
         return seconds + (i not in runners) * samples.setup_per_token * samples.contexts[i]
@@ -353,8 +488,14 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
         rounds, parts = samples.cycle[i], samples.parts[i]
         split = record and len(parts) < split_rounds
         times = [[0.0] * max_width for _ in range(3)]
+        copied = [0.0] * (max_width - 1)
         order = range(1, max_width + 1) if len(rounds) % 2 else range(max_width, 0, -1)
         for w in order:
+            if w > 1:  # a cycle of copied (lookup) tokens: the bare verify
+                tokens = mx.zeros((w - 1,), mx.int32)
+                tic = time.perf_counter()
+                run_verify(w, tokens)
+                copied[w - 2] = time.perf_counter() - tic
             if split:
                 tic = time.perf_counter()
                 tokens = run_draft(w)
@@ -368,11 +509,12 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
             times[2][w - 1] = time.perf_counter() - tic
         if record:
             rounds.append(times[2])
+            samples.copy[i].append(copied)
             if split:
                 parts.append(times[:2])
 
     def wanted(i: int) -> bool:
-        return not finished(samples.cycle[i], min_rounds, max_rounds, tolerance)
+        return not finished(samples.rounds(i), min_rounds, max_rounds, tolerance)
 
     def fits(i: int) -> bool:
         return spent() + expected(i) <= budget

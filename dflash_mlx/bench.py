@@ -134,6 +134,7 @@ def _dflash_run(pair, ids, max_tokens, params, block_size, source=None):
         stats = ev.stats
     return {"tokens": tokens, "generation_tps": stats.generation_tps, "prompt_tps": stats.prompt_tps,
             "ttft": ttft, "acceptance_lengths": stats.acceptance_lengths,
+            "draft_cycles": stats.draft_cycles, "lookup_cycles": stats.lookup_cycles,
             "decode_seconds": stats.generation_tokens / stats.generation_tps if stats.generation_tps else 0.0}
 
 
@@ -245,6 +246,9 @@ def summarise(rows: List[Dict], key: str) -> Dict:
         "dflash_tps_geomean": ours_g,
         "speedup_geomean": None if not base_g or ours_g is None else ours_g / base_g,
         "mean_acceptance": sum(lengths) / len(lengths) if lengths else None,
+        "cycles": len(lengths),
+        "draft_cycles": sum(r["dflash"][key].get("draft_cycles", 0) for r in rows),
+        "lookup_cycles": sum(r["dflash"][key].get("lookup_cycles", 0) for r in rows),
         "acceptance_histogram": {str(k): v for k, v in sorted(Counter(lengths).items())},
         "baseline_prompt_tps": base_p,
         "dflash_prompt_tps": ours_p,

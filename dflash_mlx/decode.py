@@ -12,9 +12,11 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .adaptive import BlockSizer, FixedWidth
+from .adaptive import PLAIN, BlockSizer, FixedWidth, Plan
+from .draft_source import DFlashDraftSource, DraftSource  # noqa: F401 (the loop's interface, re-exported)
 from .errors import DFlashError
 from .kernels import verify_accept
+from .lookup import point_masses
 from .sampling import SamplingParams, log_probs, pick
 
 
@@ -26,6 +28,7 @@ class GenerationStats:
     generation_tps: float = 0.0
     cycles: int = 0
     draft_cycles: int = 0  # cycles that verified a draft (width > 1)
+    lookup_cycles: int = 0  # draft cycles whose first tokens came from the n-gram lookup
     acceptance_lengths: List[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
     finish_reason: Optional[str] = None
@@ -40,6 +43,8 @@ class GenerationStats:
             f"acceptance {self.mean_acceptance:.2f} tok/cycle"
             if self.draft_cycles or not self.cycles else "plain decoding (no cycle drafted)"
         )
+        if self.lookup_cycles:
+            drafting += f" ({self.lookup_cycles} of {self.draft_cycles} draft cycles from lookup)"
         return (
             f"{self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s, {drafting}, "
             f"prompt {self.prompt_tokens} tokens at {self.prompt_tps:.1f} tok/s, "
@@ -67,81 +72,51 @@ def peak_memory_gb() -> float:
     return peak / 1e9
 
 
-class DraftSource:
-    """What the loop needs from a drafter. `DFlashDraftSource` is the real one."""
+def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, hold: int = 4096):
+    """Run the prompt through the target in chunks: the first token needs the target alone.
 
-    block_size: int = 16
-
-    def new_state(self):
-        raise NotImplementedError
-
-    def add_context(self, state, hidden: mx.array) -> None:
-        raise NotImplementedError
-
-    def arrays(self, state) -> list:
-        """Arrays of `state` to evaluate during prefill."""
-        return []
-
-    def propose(self, state, last: mx.array, hidden: Optional[mx.array], width: int) -> mx.array:
-        """Logits [width - 1, V] for the block after `last`, committing `hidden` first."""
-        raise NotImplementedError
-
-    def rewind(self, state, n: int) -> None:
-        """Forget the last n committed context rows (the cost measurement repeats a cycle)."""
-        raise NotImplementedError
-
-
-class DFlashDraftSource(DraftSource):
-    def __init__(self, drafter, target):
-        self.drafter = drafter
-        self.target = target
-        self.block_size = drafter.args.block_size
-        self.mask_token_id = drafter.args.mask_token_id
-        self.scale = drafter.args.input_embedding_scale
-
-    def new_state(self):
-        return self.drafter.make_cache()
-
-    def add_context(self, state, hidden):
-        self.drafter.add_context(hidden, state)
-
-    def arrays(self, state):
-        return [(c.keys, c.values) for c in state if c.keys is not None]
-
-    def rewind(self, state, n):
-        for c in state:
-            c.trim(n)
-
-    def propose(self, state, last, hidden, width):
-        block = mx.concatenate([last, mx.full((width - 1,), self.mask_token_id, last.dtype)])
-        emb = self.target.embed(block[None])
-        if self.scale != 1.0:
-            emb = emb * self.scale
-        h = self.drafter(emb, hidden, state)
-        return self.drafter.finish_logits(self.target.head(h[:, 1:]))[0]
-
-
-def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048):
-    """Run the prompt through the target in chunks; feed its taps to the drafter.
-
-    Returns the logits of the last prompt position only.
+    Returns the logits of the last prompt position and the taps of the last
+    prompt rows (up to `hold`) not yet given to the drafter, which the loop
+    hands over with the first drafted cycle, so the drafter's projection of
+    the prompt is not in the time to first token. Older rows are given to the
+    drafter chunk by chunk, so memory stays bounded for long prompts.
     """
-    logits = None
+    logits, held = None, []
     for s in range(0, prompt.shape[0], step):
         logits, hidden = target(prompt[None, s : s + step], tcache, last_only=True)
-        source.add_context(dstate, hidden)
+        held.append(hidden)
+        given = []
+        while sum(h.shape[1] for h in held) > hold:
+            source.add_context(dstate, held.pop(0))
+            given = source.arrays(dstate)
         # Evaluate per chunk so one chunk's graph is freed before the next.
-        mx.eval(logits, [c.state for c in tcache], source.arrays(dstate))
-    return logits[0, -1]
+        mx.eval(logits, [c.state for c in tcache], held, given)
+    return logits[0, -1], held
 
 
-def draft(source, dstate, last, hidden, width: int, params: SamplingParams):
-    """Draft tokens [width - 1] (and their log probabilities when sampling)."""
-    logits = source.propose(dstate, last, hidden, width)
+def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copied: Sequence[int] = ()):
+    """Draft tokens [width - 1] (and their log probabilities when sampling).
+
+    `copied` tokens (a lookup's) take the first positions, each a certain
+    draft (a point mass); the drafter fills the rest, and is not run when
+    nothing is left to fill.
+    """
+    tokens, qs, n = [], [], len(copied)
+    if n:
+        tokens.append(mx.array(copied, dtype=mx.uint32))
+        if not params.greedy:
+            qs.append(point_masses(tokens[0], source.vocab_size))
+    if n < width - 1:
+        logits = source.propose(dstate, last, hidden, width)[n:]
+        if params.greedy:
+            tokens.append(mx.argmax(logits, axis=-1))
+        else:
+            qs.append(log_probs(logits, params))
+            tokens.append(mx.random.categorical(qs[-1]))
+    tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
     if params.greedy:
-        return mx.argmax(logits, axis=-1), None
-    q_lp = log_probs(logits, params)
-    return mx.random.categorical(q_lp), q_lp
+        return tokens, None
+    return tokens, qs[0] if len(qs) == 1 else mx.concatenate(qs)
 
 
 def verify(target, tcache, last, tokens, q_lp, params: SamplingParams):
@@ -246,11 +221,13 @@ class _TextStream:
 
 
 def block_policy(pair, source, block_size):
-    """The policy that picks each cycle's width: a size, 'auto' (measured costs
-    and acceptance; needs `pair`) or a policy object (`start(seeded)` returning
-    a run with `choose(context)` and `update(width, accepted)`; `choose` is
-    asked once per cycle, after a plain cycle before its `update`, which
-    carries nothing to learn)."""
+    """The policy that picks each cycle's plan (`adaptive.Plan`: width, and
+    draft positions copied from the source's lookup offer): a size, 'auto'
+    (measured costs and acceptance; needs `pair`) or a policy object
+    (`start(seeded)` returning a run with `choose(context, offer)`,
+    `update(plan, accepted, tokens)` and `lookup_pays(context)`). `choose` is
+    asked once per cycle; after a plain cycle, before that cycle's `update`
+    (without an offer: the token it needs is not read yet)."""
     if hasattr(block_size, "start"):
         return block_size
     if block_size == "auto":
@@ -271,8 +248,14 @@ def stream_generate(
     stop: Sequence[str] = (),
     prefill_step: int = 2048,
     draft_source: Optional[DraftSource] = None,
+    lookup: bool = True,
 ) -> Iterator[GenerationEvent]:
-    """Generate with DFlash, yielding one event per verify cycle."""
+    """Generate with DFlash, yielding one event per verify cycle.
+
+    With `lookup`, the policy may draft from the source's free offers (an
+    n-gram lookup over the prompt and the text so far) as well as from the
+    drafter; a fixed block size always drafts with the drafter alone.
+    """
     params = sampling or SamplingParams()
     target, tokenizer = pair.target, pair.tokenizer
     source = draft_source or pair.draft_source
@@ -296,14 +279,16 @@ def stream_generate(
     dstate = source.new_state()
 
     tic = time.perf_counter()
-    first = pick(prefill(target, source, dstate, mx.array(prompt), tcache, prefill_step), params)
+    logits, taps = prefill(target, source, dstate, mx.array(prompt), tcache, prefill_step)
+    first = pick(logits, params)
     last = first.reshape(1)
     tokens = [first.item()]
     stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
+    source.commit(dstate, list(prompt) + tokens)
     tic = time.perf_counter()
 
-    taps = []  # target taps of committed tokens not yet given to the drafter
-    accepted, ahead, chosen = 0, None, None
+    # `taps`: target taps of committed tokens not yet given to the drafter (the prompt's first)
+    accepted, ahead, plan = 0, None, None
     while True:
         # Commit this cycle's tokens: stop on EOS or the budget.
         finish = None
@@ -311,24 +296,31 @@ def stream_generate(
             if t in eos:
                 tokens, finish = tokens[:i], "stop"
                 break
-        if finish is None and stats.generation_tokens + len(tokens) >= max_tokens:
+        left = max_tokens - stats.generation_tokens - len(tokens)
+        if finish is None and left <= 0:
             finish = "length"
 
         # Launch the next cycle before the host detokenizes and hands text over.
         pending = None
         if finish is None and ahead is not None:
-            pending, width, chosen = ahead, 1, None  # a plain step already under way
+            pending, plan = ahead, PLAIN  # a plain step already under way
         elif finish is None:
-            context = len(prompt) + stats.generation_tokens + len(tokens)
-            chosen = sizer.choose(context) if chosen is None else chosen
-            width = min(chosen, max_tokens - stats.generation_tokens - len(tokens))
-            if width > 1:
-                hidden = mx.concatenate(taps, axis=1) if len(taps) > 1 else (taps or [None])[0]
-                d_tokens, q_lp = draft(source, dstate, last, hidden, width, params)
-                taps = []
-                pending = verify(target, tcache, last, d_tokens, q_lp, params)
-            else:
+            offer = []
+            if plan is None:
+                offer = source.offer(dstate, source.block_size - 1) if lookup else []
+                plan = sizer.choose(len(prompt) + stats.generation_tokens + len(tokens), offer)
+            width = min(plan.width, left)
+            plan = Plan(width, min(plan.copied, width - 1))
+            if plan.width == 1:
                 pending = step(target, tcache, last, params)
+            else:
+                if plan.drafts:  # the drafter catches up on the context it has not seen
+                    hidden = mx.concatenate(taps, axis=1) if len(taps) > 1 else (taps or [None])[0]
+                    taps = []
+                else:
+                    hidden = None
+                d_tokens, q_lp = draft(source, dstate, last, hidden, plan.width, params, offer[: plan.copied])
+                pending = verify(target, tcache, last, d_tokens, q_lp, params)
             mx.async_eval(pending)
 
         segment, kept, stopped = text.add(tokens, final=finish is not None)
@@ -344,17 +336,19 @@ def stream_generate(
         if finish is not None:
             return
 
-        ahead = chosen = None
-        if width == 1:
+        done, ahead, nxt_plan = plan, None, None
+        if plan.width == 1:
             # Plain decoding runs one step ahead, as mlx-lm's generate_step
-            # does: the next step is launched before the host reads this token
-            # (the sizer learns nothing from a plain step, so it can choose now).
+            # does: the next step is launched before the host reads this token,
+            # unless a lookup draft might be worth waiting for it.
             nxt, hidden = pending
-            if max_tokens - stats.generation_tokens > 1:
-                chosen = sizer.choose(len(prompt) + stats.generation_tokens + 1)
-            if chosen == 1:
-                ahead = step(target, tcache, nxt.reshape(1), params)
-                mx.async_eval(ahead)
+            context = len(prompt) + stats.generation_tokens + 1
+            if max_tokens - stats.generation_tokens > 1 and not (
+                    lookup and source.may_offer(dstate) and sizer.lookup_pays(context)):
+                nxt_plan = sizer.choose(context)
+                if nxt_plan == PLAIN:
+                    ahead = step(target, tcache, nxt.reshape(1), params)
+                    mx.async_eval(ahead)
             accepted, tokens = 0, [nxt.item()]  # the cycle's one host synchronisation
         else:
             n_acc, nxt, hidden = pending
@@ -363,16 +357,19 @@ def stream_generate(
             values = out.tolist()  # the cycle's one host synchronisation
             accepted = values[0]
             tokens = values[1 : 1 + accepted] + [values[-1]]
-            target.crop(tcache, accepted + 1, width)
+            target.crop(tcache, accepted + 1, plan.width)
         taps.append(hidden[:, : accepted + 1])
-        if len(taps) == 256:  # a long plain run: bound what is held, in one batched projection
+        if len(taps) == 256:  # a long run without the drafter: bound what is held, in one batched projection
             source.add_context(dstate, mx.concatenate(taps, axis=1))
             taps = []
         last = nxt.reshape(1).astype(last.dtype)
+        source.commit(dstate, tokens)
+        sizer.update(done, accepted, tokens)
+        plan = nxt_plan
         stats.cycles += 1
-        stats.draft_cycles += width > 1
+        stats.draft_cycles += done.width > 1
+        stats.lookup_cycles += done.copied > 0
         stats.acceptance_lengths.append(accepted + 1)
-        sizer.update(width, accepted)
 
 
 def generate(pair, prompt, **kwargs):

@@ -15,7 +15,9 @@ from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import DrafterConfig, check_pair
 from .drafter import DFlashDrafter
 from .errors import DFlashError
-from .decode import DFlashDraftSource, cycle_parts
+from .decode import cycle_parts
+from .draft_source import DFlashDraftSource, DraftSource
+from .lookup import WithLookup
 from .hub import Resolved, cache_root, check_name, fetch, resolve
 
 
@@ -24,7 +26,7 @@ class DFlashPair:
     target: TargetAdapter
     drafter: DFlashDrafter
     tokenizer: Any
-    draft_source: DFlashDraftSource
+    draft_source: DraftSource  # the drafter, with an n-gram lookup beside it
     target_path: Path
     draft_path: Path
     resolved: Optional[Resolved] = None
@@ -125,7 +127,7 @@ def load(model: str, draft: Optional[str] = None) -> DFlashPair:
         target=adapter,
         drafter=drafter,
         tokenizer=tokenizer,
-        draft_source=DFlashDraftSource(drafter, adapter),
+        draft_source=WithLookup(DFlashDraftSource(drafter, adapter)),
         target_path=target_path,
         draft_path=draft_path,
         resolved=resolved,

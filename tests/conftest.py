@@ -6,6 +6,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from dflash_mlx.adaptive import Plan
+
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Drafter conversions cached by the runtime go to a throwaway directory.
@@ -129,3 +131,29 @@ def plain_greedy(model, prompt, max_tokens, eos=(0,)):
             break
         out.append(tok)
     return out
+
+
+class ScriptedWidths:
+    """A block-size policy (the object form `stream_generate(block_size=...)` takes):
+    each request's run plays `widths` in turn (a width, or a `Plan` copying from
+    the lookup offer), cycling, and records what the loop reports back."""
+
+    def __init__(self, widths):
+        self.widths = [w if isinstance(w, Plan) else Plan(w) for w in widths]
+
+    def start(self, seeded=False):
+        self.chosen, self.updates, self.offers, self.plans = [], [], [], []
+        return self
+
+    def choose(self, context, offer=()):
+        plan = self.widths[len(self.chosen) % len(self.widths)]
+        self.chosen.append((context, plan.width))
+        self.offers.append(list(offer))
+        return plan
+
+    def update(self, plan, accepted, tokens=()):
+        self.updates.append((plan.width, accepted))
+        self.plans.append(plan)
+
+    def lookup_pays(self, context):
+        return any(p.copied for p in self.widths)

@@ -9,7 +9,7 @@ import pytest
 
 import dflash_mlx
 from dflash_mlx import adaptive
-from dflash_mlx.adaptive import BlockSizer, CostCurve, FixedWidth
+from dflash_mlx.adaptive import PLAIN, BlockSizer, CostCurve, FixedWidth, Plan
 from dflash_mlx.sampling import SamplingParams
 
 from conftest import plain_greedy
@@ -35,7 +35,7 @@ def feed(sizer, accept_prob, cycles=300, width=16):
         a = 0
         while a < width - 1 and rnd.random() < accept_prob:
             a += 1
-        sizer.update(width, a)
+        sizer.update(Plan(width), a, [0] * (a + 1))
 
 
 def brute_force_best(sizer, context):
@@ -44,7 +44,7 @@ def brute_force_best(sizer, context):
 
 
 def test_expected_tokens_from_acceptance_rates():
-    s = BlockSizer(curve([1.0] * 16), 16, decay=0.995)
+    s = BlockSizer(curve([1.0] * 16), 16, decay=0.995, half_life=0)
     feed(s, 0.8, cycles=2000)
     assert all(abs(a - 0.8) < 0.08 for a in s.alphas()[:4])  # ~200 effective observations (decay)
     a = s.alphas()
@@ -61,7 +61,7 @@ def test_expected_tokens_from_acceptance_rates():
 def test_choice_maximises_tokens_per_second(accept, slope, lo, hi):
     s = BlockSizer(curve([1.0 + slope * (w - 1) for w in range(1, 17)]), 16)
     feed(s, accept)
-    b = s.choose(64)
+    b = s.choose(64).width
     assert b == brute_force_best(s, 64)
     assert lo <= b <= hi
 
@@ -71,7 +71,7 @@ def test_choice_adapts_as_context_grows():
     steep = [3.0 + 0.6 * (w - 1) for w in range(1, 17)]
     s = BlockSizer(curve([flat, steep], contexts=(64, 4096)), 16)
     feed(s, 0.7)
-    short, long = s.choose(64), s.choose(4096)
+    short, long = s.choose(64).width, s.choose(4096).width
     assert short > long
     assert long == brute_force_best(s, 4096)
     assert s.curve.cost(8, 2080) == pytest.approx((s.curve.cost(8, 64) + s.curve.cost(8, 4096)) / 2)
@@ -88,23 +88,23 @@ def test_a_request_starts_from_shared_statistics_and_then_follows_its_own():
     root = BlockSizer(curve([1.0 + 0.15 * (w - 1) for w in range(1, 17)]), 16)
     first = root.start()
     feed(first, 0.9)  # a drafter that copies well on this prompt
-    wide = first.choose(64)
+    wide = first.choose(64).width
     assert wide >= 8 and root.alphas()[0] == pytest.approx(first.alphas()[0], abs=0.05)  # shared learnt it too
     second = root.start()
-    assert second.choose(64) == wide  # the next request starts where the last one left off
+    assert second.choose(64).width == wide  # the next request starts where the last one left off
     for _ in range(40):  # ... but this prompt's drafts all miss
-        second.update(second.choose(64), 0)
-    assert second.choose(64) <= 2
-    assert root.start().choose(64) > 4  # the shared statistics move more slowly
-    assert first.choose(64) == wide  # and leave other requests alone
+        second.update(second.choose(64), 0, [0])
+    assert second.choose(64).width <= 2
+    assert root.start().choose(64).width > 4  # the shared statistics move more slowly
+    assert first.choose(64).width == wide  # and leave other requests alone
 
 
 def test_requests_record_into_the_shared_statistics_once():
-    root = BlockSizer(curve([1.0] * 8), 8, decay=1.0)
+    root = BlockSizer(curve([1.0] * 8), 8, decay=1.0, half_life=0)
     run = root.start()
-    run.update(8, 3)
+    run.update(Plan(8), 3, [0] * 4)
     assert root.shared.tried[1:5] == [1.0] * 4 and root.shared.accepted[1:5] == [1.0, 1.0, 1.0, 0.0]
-    root.update(8, 3)  # the root records into the shared statistics directly
+    root.update(Plan(8), 3, [0] * 4)  # the root records into the shared statistics directly
     assert root.shared.tried[1] == 2.0
 
 
@@ -132,22 +132,128 @@ def test_curve_measurement_stops_once_settled():
     assert not adaptive.settled(quiet[:2], 0.01)  # too few rounds to tell
 
 
-def test_narrow_cycles_do_not_erase_deeper_statistics():
-    s = BlockSizer(curve([1.0] * 16), 16)
-    feed(s, 0.95, cycles=300)
-    before = s.alphas()
-    for _ in range(2000):
-        s.update(1, 0)  # width 1 checks no draft position
-    assert s.alphas() == before
+def plain_run(sizer, tokens, accept_prob=0.0, rnd=None):
+    """Decode `tokens` tokens under `sizer`, drafts accepted i.i.d. with accept_prob;
+    returns how many cycles drafted."""
+    rnd, drafted, done = rnd or random.Random(0), 0, 0
+    while done < tokens:
+        plan = sizer.choose(64)
+        a = 0
+        while a < plan.width - 1 and rnd.random() < accept_prob:
+            a += 1
+        sizer.update(plan, a, [0] * (a + 1))
+        drafted += plan.width > 1
+        done += a + 1
+    return drafted
+
+
+def test_plain_decoding_keeps_learning_what_it_does_not_try():
+    """Once drafts stop paying the sizer decodes plainly, yet its evidence ages, so
+    it tries the drafter again now and then (at a small cost) and takes it up when
+    it has become good."""
+    s = BlockSizer(curve([1.0 + 0.15 * (w - 1) for w in range(1, 17)]), 16)
+    assert s.choose(64).width > 1  # at the prior, drafting pays on this curve
+    plain_run(s, 200, accept_prob=0.0)
+    assert s.choose(64) == PLAIN
+    probes = plain_run(s, 5000, accept_prob=0.0)
+    assert 5 <= probes <= 0.02 * 5000  # it keeps probing, rarely
+    plain_run(s, 3000, accept_prob=0.9)  # the text turns easy to draft
+    assert s.choose(64).width >= 6
+
+
+def test_where_drafting_cannot_pay_it_never_probes():
+    s = BlockSizer(cycle_curve([STEEP]), 16)
+    assert plain_run(s, 5000, accept_prob=1.0) == 0
+
+
+def lookup_curve(drafted, copied):
+    return CostCurve([64], [copied], [[0.0] * len(copied)], [drafted], [copied])
+
+
+def test_lookup_rates_are_learnt_from_offers_not_taken():
+    """Offers are scored against the committed tokens whether or not a cycle used
+    them: a plain run learns how good the lookup is."""
+    s = BlockSizer(cycle_curve([STEEP]), 16)  # no copy costs known: a lookup is no cheaper than the drafter
+    rnd = random.Random(0)
+    stream = [rnd.randrange(50) for _ in range(4000)]
+    i = 0
+    while i < 2000:
+        right = stream[i : i + 6]
+        offer = right if rnd.random() < 2 / 3 else [t + 1 for t in right]  # 2 in 3 offers right
+        assert s.choose(64, offer) == PLAIN
+        s.update(PLAIN, 0, stream[i : i + 1])
+        i += 1
+    rates = s.lookup_alphas()
+    assert rates[0] == pytest.approx(2 / 3, abs=0.12) and min(rates[1:5]) > 0.9
+
+
+def brute_best(s, context, offered):
+    """Every plan's expected tokens per second, by enumeration."""
+    d, lk = s.alphas(), s.lookup_alphas()
+    cyc, cpy = s.curve.costs(context), s.curve.copy_costs(context)
+    W = s.max_width
+
+    def expected(rates):
+        total, run = 1.0, 1.0
+        for a in rates:
+            run *= a
+            total += run
+        return total
+
+    plans = {Plan(w): expected(d[: w - 1]) / cyc[w - 1] for w in range(1, W + 1)}
+    m = min(offered, W - 1)
+    for k in range(1, m + 1):
+        plans[Plan(k + 1, k)] = expected(lk[:k]) / cpy[k]
+    for w in range(m + 2, W + 1):
+        plans[Plan(w, m)] = expected(lk[:m] + d[m : w - 1]) / cyc[w - 1]
+    return max(plans, key=plans.get)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_maximises_expected_tokens_per_second(seed):
+    rnd = random.Random(seed)
+    W = 16
+    drafted = [1.0 + rnd.uniform(0.02, 0.4) * (w - 1) for w in range(1, W + 1)]
+    copied = [drafted[0]] + [c * rnd.uniform(0.5, 0.95) for c in drafted[1:]]
+    s = BlockSizer(lookup_curve(drafted, copied), W, stick=1.0)
+    feed(s, rnd.uniform(0.2, 0.95), cycles=100)
+    for _ in range(60):
+        n = rnd.randrange(1, 8)
+        offer = list(range(n))
+        hit = rnd.randrange(n + 1) if rnd.random() < 0.5 else n
+        s.choose(64, offer)
+        s.update(PLAIN, 0, offer[:hit] + [999] * (n - hit + 1))
+    for offered in (0, 1, 3, 7, 15):
+        assert s.best(64, offered)[0] == brute_best(s, 64, offered)
+
+
+def test_good_lookups_are_taken_alone_or_ahead_of_the_drafter():
+    W = 16
+    s = BlockSizer(lookup_curve([1.0 + 0.1 * (w - 1) for w in range(1, W + 1)],
+                                [1.0] + [1.0 + 0.05 * (w - 1) for w in range(2, W + 1)]), W)
+    feed(s, 0.0, cycles=200)  # the drafter guesses nothing
+    for _ in range(100):  # the lookup is always right: each offer is borne out by the next three tokens
+        s.choose(64, [7, 8, 9])
+        for t in (7, 8, 9):
+            s.update(PLAIN, 0, [t])
+    assert s.choose(64, [1, 2, 3]) == Plan(4, 3)  # lookup alone: no drafter pass
+    assert s.choose(64) == PLAIN
+    good = BlockSizer(s.curve, W)
+    feed(good, 0.95, cycles=200)  # a drafter that is nearly always right ...
+    for i in range(300):
+        good.choose(64, [7])
+        good.update(PLAIN, 0, [7])
+    plan = good.choose(64, [5])
+    assert plan.copied == 1 and plan.width > 2  # ... fills the block after the lookup's token
 
 
 def test_choice_sticks_unless_clearly_better():
     s = BlockSizer(curve([1.0] * 16), 16, stick=1.5)
     feed(s, 0.5, cycles=400)
-    first = s.choose(64)
+    first = s.choose(64).width
     for _ in range(40):  # acceptance improves a little: not enough to move
-        s.update(16, 2)
-    assert s.choose(64) == first
+        s.update(Plan(16), 2, [0] * 3)
+    assert s.choose(64).width == first
 
 
 FLAT = [1.0 + 0.01 * (w - 1) for w in range(1, 17)]  # drafting always pays
@@ -180,7 +286,7 @@ def test_measurement_keeps_to_its_budget_and_later_runs_refine_it(monkeypatch):
     clock, made = FakeClock(monkeypatch), []
     samples = adaptive.measure_cost_curve(fake_cycle(clock, 0.002, made), 8, contexts=(64, 1024), budget=0.5,
                                           tolerance=1e-6, split_rounds=1)
-    round_s = 0.002 * sum(range(1, 9))
+    round_s = 0.002 * (sum(range(1, 9)) + sum(range(2, 9)))  # drafted widths 1-8 and copied ones 2-8
     assert clock.now <= 0.5 + round_s  # the cap holds, give or take the round under way
     assert len(samples.cycle[0]) >= 3 and len(samples.parts[0]) == 1  # the first context always gets its rounds
     assert made == [64] and samples.cycle[1] == []  # the second did not fit: it waits for a later run
@@ -188,8 +294,8 @@ def test_measurement_keeps_to_its_budget_and_later_runs_refine_it(monkeypatch):
     for run in range(2, 10):  # later runs, each within its own budget, carry on with the missing context
         before = sum(len(r) for r in samples.cycle)
         clock.now = 0.0
-        adaptive.measure_cost_curve(fake_cycle(clock, 0.002, made), 8, budget=0.2, samples=samples, tolerance=1e-6)
-        assert clock.now <= 0.2 + round_s and sum(len(r) for r in samples.cycle) > before
+        adaptive.measure_cost_curve(fake_cycle(clock, 0.002, made), 8, budget=0.4, samples=samples, tolerance=1e-6)
+        assert clock.now <= 0.4 + round_s and sum(len(r) for r in samples.cycle) > before
         if CostCurve.from_samples(samples).contexts == [64, 1024]:
             break
     assert made[:2] == [64, 1024] and len(samples.cycle[1]) >= 3 and run > 2
@@ -257,18 +363,18 @@ def test_explain_says_why_auto_decodes_plainly():
 
 def test_seeded_requests_do_not_depend_on_earlier_ones():
     root = BlockSizer(cycle_curve([[1.0 + 0.15 * (w - 1) for w in range(1, 17)]]), 16)
-    fresh = root.start(seeded=True).choose(64)
+    fresh = root.start(seeded=True).choose(64).width
     for _ in range(200):
-        root.update(16, 0)  # earlier requests' drafts all missed
-    assert root.start().choose(64) < fresh  # an unseeded request follows them
-    assert root.start(seeded=True).choose(64) == fresh  # a seeded one starts from the prior alone
+        root.update(Plan(16), 0, [0])  # earlier requests' drafts all missed
+    assert root.start().choose(64).width < fresh  # an unseeded request follows them
+    assert root.start(seeded=True).choose(64).width == fresh  # a seeded one starts from the prior alone
 
 
 def test_fixed_width_policy():
     p = FixedWidth(5)
     run = p.start(seeded=True)
-    run.update(5, 2)
-    assert run.choose(10) == 5 and run.choose(10**6) == 5
+    run.update(Plan(5), 2, [0] * 3)
+    assert run.choose(10) == Plan(5) and run.choose(10**6, [1, 2, 3]) == Plan(5)  # the drafter alone, always
 
 
 def install_curve(monkeypatch, pair, rows, contexts=(64,)):
@@ -305,7 +411,7 @@ def test_same_seed_same_text_whatever_came_before(pairs, monkeypatch):
     prompt = pair.tokenizer.encode("Once upon a time")
     first, _ = dflash_mlx.generate(pair, prompt, max_tokens=30, sampling=params, block_size="auto")
     for _ in range(300):
-        pair._sizer.update(pair.draft_source.block_size, 0)  # earlier requests taught the sizer to stay narrow
+        pair._sizer.update(Plan(pair.draft_source.block_size), 0, [0])  # earlier requests taught the sizer to stay narrow
     dflash_mlx.generate(pair, "an unrelated request", max_tokens=10, sampling=SamplingParams(temp=1.0),
                         block_size="auto")
     again, _ = dflash_mlx.generate(pair, prompt, max_tokens=30, sampling=params, block_size="auto")

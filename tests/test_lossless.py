@@ -3,7 +3,7 @@ bfloat16 and 4-bit targets (written by mlx-lm's own converter), every family."""
 
 import mlx.core as mx
 import pytest
-from conftest import FAMILIES, LOSSLESS_FAMILIES, plain_greedy
+from conftest import FAMILIES, LOSSLESS_FAMILIES, ScriptedWidths, plain_greedy
 
 import dflash_mlx
 from dflash_mlx.decode import DFlashDraftSource, DraftSource
@@ -259,27 +259,6 @@ def test_one_target_pass_and_one_drafter_pass_per_cycle(pairs, family):
     assert target.calls == chunks + stats.cycles
     # Every cycle drafts once, except a last one of width 1.
     assert drafter.calls in (stats.cycles, stats.cycles - 1)
-
-
-class ScriptedWidths:
-    """A block-size policy (the object form `stream_generate(block_size=...)` takes):
-    each request's run plays `widths` in turn, cycling, and records what the loop
-    reports back."""
-
-    def __init__(self, widths):
-        self.widths = list(widths)
-
-    def start(self, seeded=False):
-        self.chosen, self.updates = [], []
-        return self
-
-    def choose(self, context):
-        w = self.widths[len(self.chosen) % len(self.widths)]
-        self.chosen.append((context, w))
-        return w
-
-    def update(self, width, accepted):
-        self.updates.append((width, accepted))
 
 
 class ContextChecked(DFlashDraftSource):

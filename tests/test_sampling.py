@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 import dflash_mlx
+from conftest import ScriptedWidths
 from dflash_mlx import decode as gen
 from dflash_mlx.adapter import TargetAdapter
+from dflash_mlx.adaptive import Plan
 from dflash_mlx.config import DrafterConfig
 from dflash_mlx.drafter import DFlashDrafter
 from dflash_mlx.decode import DFlashDraftSource, DraftSource
@@ -88,13 +90,13 @@ def exact_distribution(model, params):
     return seqs, np.exp(np.array(picked))
 
 
-def sample_counts(pair, params, n, source=None):
+def sample_counts(pair, params, n, source=None, block_size=BLOCK):
     mx.random.seed(1234)
     counts, accepted_first, cycles = {}, 0, 0
     for _ in range(n):
         toks, events = [], []
         for ev in dflash_mlx.stream_generate(pair, PROMPT, max_tokens=N_TOKENS, sampling=params,
-                                             block_size=BLOCK, draft_source=source):
+                                             block_size=block_size, draft_source=source):
             toks += ev.tokens
             events.append(ev)
         counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
@@ -150,6 +152,39 @@ def test_good_drafter_is_exact_and_accepted_more_than_independent_matching(small
     sigma = math.sqrt(spec * (1 - spec) / SAMPLES)
     assert abs(accept_rate - spec) < 4 * sigma + 1e-3
     assert accept_rate > indep + 4 * sigma
+
+
+class FixedLookup(DFlashDraftSource):
+    """The drafter, plus a lookup that always offers the same tokens (a certain draft, right or wrong)."""
+
+    def __init__(self, pair, tokens):
+        super().__init__(pair.drafter, pair.target)
+        self.tokens = tokens
+
+    def offer(self, state, limit):
+        return self.tokens[:limit]
+
+    def may_offer(self, state):
+        return True
+
+
+@pytest.mark.parametrize("plan", [Plan(4, 3), Plan(4, 1)])
+def test_lookup_drafts_sample_the_target_distribution(small_pair, plan):
+    """A looked-up token is a point mass q: accepted with probability p(x), and a
+    rejection draws from p without x. Lookup-only and lookup-then-drafter blocks
+    both sample exactly, and the first looked-up token is accepted at rate p(x)."""
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0, top_k=4)
+    seqs, probs = exact_distribution(model, params)
+    source = FixedLookup(pair, [2, 3, 1])
+    counts, accept_rate = sample_counts(pair, params, SAMPLES, source, ScriptedWidths([plan]))
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+    # The offer follows the prompt's sampled token t1: P(accept) = sum_t1 p(t1) p(2 | t1).
+    p1 = mx.exp(log_probs(model(mx.array([PROMPT]))[0, -1], params))
+    p_first = sum(p1[t1].item() * mx.exp(log_probs(model(mx.array([PROMPT + [t1]]))[0, -1], params))[2].item()
+                  for t1 in range(V))
+    sigma = math.sqrt(p_first * (1 - p_first) / SAMPLES)
+    assert abs(accept_rate - p_first) < 4 * sigma + 1e-3
 
 
 def test_the_check_catches_a_wrong_acceptance_rule(small_pair, monkeypatch):

@@ -213,8 +213,6 @@ def table(result: dict) -> str:
     rows = []
     for key, s in result["summary"].items():
         label = LABELS.get(s["runtime"], s["runtime"])
-        setting = result["runtimes"][s["runtime"]]["info"]["settings"].get(s["setting"], s["setting"]) \
-            if s["runtime"] in result["runtimes"] and "info" in result["runtimes"][s["runtime"]] else s["setting"]
         if "error" in s:
             rows.append([label, s["setting"], "error", "", "", "", s["error"][:60]])
             continue

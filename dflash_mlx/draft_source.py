@@ -1,0 +1,79 @@
+"""What the loop drafts from: the `DraftSource` interface and the DFlash drafter behind it.
+
+A source keeps its own per-request state (`new_state`), is given the
+target's taps of committed tokens (`add_context`) and the committed token ids
+(`commit`, the prompt first), and proposes a block: logits from a model
+(`propose`), and optionally tokens it has for free (`offer`, e.g. a lookup),
+which the block-size policy may use instead of, or before, the model's.
+"""
+
+from typing import List, Optional
+
+import mlx.core as mx
+
+
+class DraftSource:
+    """What the loop needs from a drafter. `DFlashDraftSource` is the real one."""
+
+    block_size: int = 16
+    vocab_size: int = 0
+
+    def new_state(self):
+        raise NotImplementedError
+
+    def add_context(self, state, hidden: mx.array) -> None:
+        raise NotImplementedError
+
+    def arrays(self, state) -> list:
+        """Arrays of `state` to evaluate during prefill."""
+        return []
+
+    def propose(self, state, last: mx.array, hidden: Optional[mx.array], width: int) -> mx.array:
+        """Logits [width - 1, V] for the block after `last`, committing `hidden` first."""
+        raise NotImplementedError
+
+    def rewind(self, state, n: int) -> None:
+        """Forget the last n committed context rows (the cost measurement repeats a cycle)."""
+        raise NotImplementedError
+
+    def commit(self, state, tokens: List[int]) -> None:
+        """Token ids committed since the last call (the prompt's first)."""
+
+    def offer(self, state, limit: int) -> List[int]:
+        """Up to `limit` draft tokens available without a model pass (none here)."""
+        return []
+
+    def may_offer(self, state) -> bool:
+        """Whether `offer` could have tokens after one more committed token."""
+        return False
+
+
+class DFlashDraftSource(DraftSource):
+    def __init__(self, drafter, target):
+        self.drafter = drafter
+        self.target = target
+        self.block_size = drafter.args.block_size
+        self.vocab_size = target.vocab_size
+        self.mask_token_id = drafter.args.mask_token_id
+        self.scale = drafter.args.input_embedding_scale
+
+    def new_state(self):
+        return self.drafter.make_cache()
+
+    def add_context(self, state, hidden):
+        self.drafter.add_context(hidden, state)
+
+    def arrays(self, state):
+        return [(c.keys, c.values) for c in state if c.keys is not None]
+
+    def rewind(self, state, n):
+        for c in state:
+            c.trim(n)
+
+    def propose(self, state, last, hidden, width):
+        block = mx.concatenate([last, mx.full((width - 1,), self.mask_token_id, last.dtype)])
+        emb = self.target.embed(block[None])
+        if self.scale != 1.0:
+            emb = emb * self.scale
+        h = self.drafter(emb, hidden, state)
+        return self.drafter.finish_logits(self.target.head(h[:, 1:]))[0]

@@ -1,0 +1,117 @@
+"""Lookup drafts: an exact n-gram index over the prompt and the committed text.
+
+When the last few tokens occurred before, the tokens that followed them then
+are a free draft (no model pass): code, quotes and edits repeat. The index
+is extended token by token (a dict insert per n-gram order, whatever the
+context length) and never rescanned.
+"""
+
+from typing import Dict, List, Sequence, Tuple
+
+import mlx.core as mx
+
+from .draft_source import DraftSource
+
+ORDERS = (6, 5, 4, 3)
+
+
+class NgramIndex:
+    """Where each n-gram of the stream last occurred, for n in `orders`.
+
+    `propose(k)` continues the longest recurring suffix with what followed its
+    latest earlier occurrence; a copy that runs into the present repeats
+    itself (an overlapping copy), so a periodic text gives drafts of any length.
+    """
+
+    def __init__(self, tokens: Sequence[int] = (), orders: Sequence[int] = ORDERS):
+        if not orders or min(orders) < 1:
+            raise ValueError(f"n-gram orders must be positive (got {tuple(orders)}).")
+        self.orders = sorted(set(orders), reverse=True)
+        self.tokens: List[int] = []
+        self.follow: Dict[int, Dict[Tuple[int, ...], int]] = {n: {} for n in self.orders}
+        self.heads = set()  # (n - 1)-grams that start an indexed n-gram, n the smallest order
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        T, low = self.tokens, self.orders[-1]
+        for t in tokens:
+            j = len(T)
+            for n in self.orders:
+                if j >= n:
+                    self.follow[n][tuple(T[j - n : j])] = j  # this n-gram was followed by T[j]
+            if j >= low:
+                self.heads.add(tuple(T[j - low : j - 1]))
+            T.append(int(t))
+
+    def propose(self, k: int) -> List[int]:
+        """Up to k tokens that followed the longest recurring suffix last time; [] when none recurs."""
+        T = self.tokens
+        if k < 1:
+            return []
+        for n in self.orders:
+            if len(T) < n:
+                continue
+            j = self.follow[n].get(tuple(T[-n:]))
+            if j is not None:
+                out = T[j : j + k]
+                period = len(T) - j
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
+        return []
+
+    def may_propose_next(self) -> bool:
+        """Whether one more token, whatever it is, could make `propose` find a match."""
+        low = self.orders[-1]
+        return len(self.tokens) >= low - 1 and tuple(self.tokens[len(self.tokens) - low + 1 :]) in self.heads
+
+
+class WithLookup(DraftSource):
+    """A draft source plus an n-gram lookup over the prompt and committed tokens.
+
+    It offers lookup tokens (`offer`) beside the wrapped source's drafts; the
+    block-size policy decides per cycle whether to use them, alone or as the
+    first positions of a block the drafter fills. Everything else is the
+    wrapped source's.
+    """
+
+    def __init__(self, inner: DraftSource, orders: Sequence[int] = ORDERS):
+        self.inner = inner
+        self.orders = tuple(orders)
+        self.block_size = inner.block_size
+        self.vocab_size = inner.vocab_size
+
+    def new_state(self):
+        return {"inner": self.inner.new_state(), "index": NgramIndex(orders=self.orders)}
+
+    def add_context(self, state, hidden):
+        self.inner.add_context(state["inner"], hidden)
+
+    def arrays(self, state):
+        return self.inner.arrays(state["inner"])
+
+    def propose(self, state, last, hidden, width):
+        return self.inner.propose(state["inner"], last, hidden, width)
+
+    def rewind(self, state, n):
+        self.inner.rewind(state["inner"], n)
+
+    def commit(self, state, tokens):
+        state["index"].extend(tokens)
+        self.inner.commit(state["inner"], tokens)
+
+    def offer(self, state, limit):
+        return state["index"].propose(limit)
+
+    def may_offer(self, state):
+        return state["index"].may_propose_next()
+
+
+def point_masses(tokens: mx.array, vocab_size: int) -> mx.array:
+    """Log probabilities [n, V] of drafts that are certain (a lookup's): 0 at the token, -inf elsewhere.
+
+    Exact speculative sampling then accepts token x with probability p(x) and
+    at a rejection draws from p with x removed.
+    """
+    hit = mx.arange(vocab_size)[None] == tokens[:, None]
+    return mx.where(hit, 0.0, -mx.inf).astype(mx.float32)
