@@ -437,7 +437,7 @@ CycleParts = Tuple[Callable[[int], mx.array], Callable[[int, mx.array], None]]
 
 def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, contexts=CONTEXTS,
                        budget: float = 10.0, min_rounds: int = 3, max_rounds: int = 40, tolerance: float = 0.02,
-                       split_rounds: int = 0, samples: Optional[CostSamples] = None,
+                       split_rounds: int = 0, samples: Optional[CostSamples] = None, at_least: int = 0,
                        progress: Callable[[float, float], None] = lambda done, total: None) -> CostSamples:
     """Time whole cycles at each width and context, within about `budget` seconds.
 
@@ -455,8 +455,10 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
     on a slow machine a long context may never be measured: costs there are
     held at the longest measured context). Passing earlier
     `samples` adds to them: later runs refine what a time-capped first run
-    began. The first `split_rounds` rounds of a context also time the draft and
-    verify halves apart (for reports).
+    began, at least `at_least` rounds each time while some context is unsettled
+    (a large model's round can take longer than a refining run's budget). The
+    first `split_rounds` rounds of a context also time the draft and verify
+    halves apart (for reports).
     """
     samples = samples or CostSamples(list(contexts), max_width)
     start = time.perf_counter()
@@ -480,6 +482,9 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
                                           (time.perf_counter() - tic) / samples.contexts[i])
             if not runners.keys() - {i} and not samples.cycle[i]:
                 one_round_timed(i, record=False)  # a fresh measurement warms up once
+            elif len(runners) == 1:  # a refining run: warm up on the widest cycle only (it sets the allocations)
+                run_draft, run_verify = runners[i]
+                run_verify(max_width, run_draft(max_width))
         one_round_timed(i, record=True)
         progress(min(spent(), budget), budget)
 
@@ -523,13 +528,15 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
     for i in range(len(samples.contexts)):
         while len(samples.cycle[i]) < min_rounds and ((first_ever and i == 0) or fits(i)):
             one_round(i)
+    added = 0
     while True:
-        todo = [i for i in range(len(samples.contexts))
-                if len(samples.cycle[i]) >= min_rounds and wanted(i) and fits(i)]
+        unsettled = [i for i in range(len(samples.contexts)) if len(samples.cycle[i]) >= min_rounds and wanted(i)]
+        todo = [i for i in unsettled if fits(i)] or (unsettled[:1] if added < at_least else [])
         if not todo:
             break
         for i in todo:
             one_round(i)
+            added += 1
     progress(budget, budget)
     return samples
 
@@ -561,7 +568,8 @@ def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width
         first = samples is None  # refining takes a moment: no progress shown
         samples = measure_cost_curve(make_cycle, max_width, budget=budget if first else refine,
                                      min_rounds=min_rounds, max_rounds=max_rounds, tolerance=tolerance,
-                                     samples=samples, progress=progress if first else lambda d, t: None)
+                                     samples=samples, at_least=0 if first else 1,
+                                     progress=progress if first else lambda d, t: None)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(samples)))

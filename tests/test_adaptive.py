@@ -449,3 +449,20 @@ def test_timed_cycles_leave_the_context_as_they_found_it(pairs, family):
             assert mx.array_equal(tokens, first[w])  # same drafter context every time
         run_verify(w, tokens)
     assert all(mx.array_equal(run_draft(w), first[w]) for w in first)
+
+
+def test_refining_runs_measure_a_round_even_when_one_exceeds_their_budget(monkeypatch, tmp_path):
+    """A large model's round can take longer than a refining run's budget: the
+    curve must still improve run by run until settled, one round at a time."""
+    clock, made = FakeClock(monkeypatch), []
+    adaptive.load_or_measure("big", fake_cycle(clock, 0.1, made, noise=0.3), 4, tmp_path, budget=1.0,
+                             refine=0.05, tolerance=1e-9, max_rounds=6)
+    path = next((tmp_path / "costs").glob("big-*.json"))
+    counts = [len(json.loads(path.read_text())["cycle"][0])]
+    for _ in range(5):
+        clock.now = 0.0
+        adaptive.load_or_measure("big", fake_cycle(clock, 0.1, made, noise=0.3), 4, tmp_path, budget=1.0,
+                                 refine=0.05, tolerance=1e-9, max_rounds=6)
+        counts.append(len(json.loads(path.read_text())["cycle"][0]))
+        assert clock.now < 2 * 0.1 * (sum(range(1, 5)) + sum(range(2, 5)))  # one round (and a warm-up), no more
+    assert counts == [3, 4, 5, 6, 6, 6]
