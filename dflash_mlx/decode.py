@@ -73,24 +73,32 @@ def peak_memory_gb() -> float:
 
 
 def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, hold: int = 4096):
-    """Run the prompt through the target in chunks: the first token needs the target alone.
+    """Run the prompt through the target: the first token waits for nothing else.
 
-    Returns the logits of the last prompt position and the taps of the last
-    prompt rows (up to `hold`) not yet given to the drafter, which the loop
-    hands over with the first drafted cycle, so the drafter's projection of
-    the prompt is not in the time to first token. Older rows are given to the
-    drafter chunk by chunk, so memory stays bounded for long prompts.
+    As mlx-lm does, all but the last prompt token go through in chunks that
+    evaluate only the caches, and the last token is one plain step; the taps
+    of the prompt are left lazy and returned (the last `hold` rows of them)
+    for the loop to hand to the drafter with its first drafted cycle, so
+    neither the drafter's projection nor what only the drafter needs (e.g.
+    the last layer's output over the prompt) is in the time to first token.
+    Rows beyond `hold` are given to the drafter chunk by chunk, so memory
+    stays bounded for long prompts. Returns the last position's logits (lazy)
+    and those taps.
     """
-    logits, held = None, []
-    for s in range(0, prompt.shape[0], step):
-        logits, hidden = target(prompt[None, s : s + step], tcache, last_only=True)
+    held = []
+    body = prompt[:-1]
+    for s in range(0, body.shape[0], step):
+        _, hidden = target(body[None, s : s + step], tcache, last_only=True)
         held.append(hidden)
         given = []
         while sum(h.shape[1] for h in held) > hold:
             source.add_context(dstate, held.pop(0))
             given = source.arrays(dstate)
         # Evaluate per chunk so one chunk's graph is freed before the next.
-        mx.eval(logits, [c.state for c in tcache], held, given)
+        mx.eval([c.state for c in tcache], given)
+        mx.clear_cache()
+    logits, hidden = target(prompt[None, -1:], tcache)
+    held.append(hidden)
     return logits[0, -1], held
 
 

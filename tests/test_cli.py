@@ -236,3 +236,21 @@ def test_unsupported_drafter_is_refused_before_the_target_downloads(tmp_path, mo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     r = run_cli("--model", "some-org/a-target-not-downloaded", "--draft", str(d), "-p", "hi")
     assert r.exit_code == 1 and "DFlash2DraftModel" in r.stderr and "Cannot download" not in r.stderr
+
+
+def test_lookup_drafts_can_be_turned_off(monkeypatch):
+    """On a curve where only a bare verify pays, `auto` drafts from the lookup on the
+    demo pair's repetitive text; --no-lookup decodes plainly; the text is the same."""
+    from dflash_mlx.adaptive import CostCurve
+    from dflash_mlx.load import DFlashPair
+
+    W = 16
+    steep = [float(w) for w in range(1, W + 1)]
+    flat = [1.0 + 0.02 * (w - 1) for w in range(1, W + 1)]
+    monkeypatch.setattr(DFlashPair, "cost_curve",
+                        lambda self, **k: CostCurve([64], [flat], [[0.0] * W], [steep], [flat]))
+    args = ["--model", "demo", "-p", "class Stack:\n    def push(self, x):", "--no-chat-template", "-m", "60"]
+    on, off = run_cli(*args), run_cli(*args, "--no-lookup")
+    assert on.exit_code == 0 and off.exit_code == 0, on.output + off.output
+    assert "draft cycles from lookup" in on.stderr and "plain decoding" in off.stderr
+    assert on.stdout == off.stdout

@@ -254,7 +254,7 @@ def test_one_target_pass_and_one_drafter_pass_per_cycle(pairs, family):
     prompt = pair.tokenizer.encode(PROMPTS[2])
     events = list(dflash_mlx.stream_generate(counted, prompt, max_tokens=40, block_size=5, prefill_step=8))
     stats = events[-1].stats
-    chunks = -(-len(prompt) // 8)
+    chunks = -(-(len(prompt) - 1) // 8) + 1  # all but the last prompt token in chunks, then that token alone
     assert stats.cycles >= 8
     assert target.calls == chunks + stats.cycles
     # Every cycle drafts once, except a last one of width 1.
@@ -376,3 +376,34 @@ def test_long_plain_run_then_drafting(pairs, baselines, family):
     out, _ = dflash_tokens(pair, prompt, len(ref), block_size=policy, draft_source=source)
     assert out == ref
     assert source.widths[:2] == [4, 8] and source.given >= len(prompt) + 270
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_prefill_leaves_the_taps_of_the_last_rows_to_the_loop(pairs, family):
+    """Prefill hands the drafter the rows beyond `hold` chunk by chunk and returns
+    the rest (lazy) with the logits: together they are exactly the taps of one
+    pass over the prompt, and the logits are the last position's."""
+    from dflash_mlx.decode import prefill
+
+    pair = pairs[family]
+    target, source = pair.target, pair.draft_source
+    prompt = mx.array(pair.tokenizer.encode(" ".join(PROMPTS) * 2))
+    n = prompt.shape[0]
+    assert n > 40
+    given = []
+    base_add = source.add_context
+
+    def add(state, hidden):
+        given.append(hidden)
+        base_add(state, hidden)
+
+    source.add_context = add
+    try:
+        logits, held = prefill(target, source, source.new_state(), prompt, target.make_cache(), step=8, hold=16)
+    finally:
+        source.add_context = base_add
+    rows = [h.shape[1] for h in given + held]
+    assert sum(rows) == n and sum(h.shape[1] for h in held) <= 16 + 8 and given
+    want_logits, want_taps = target(prompt[None], target.make_cache())
+    assert mx.allclose(mx.concatenate(given + held, axis=1), want_taps, atol=1e-4).item()
+    assert mx.allclose(logits, want_logits[0, -1], atol=1e-4).item()

@@ -1,7 +1,9 @@
 """Runner: this repository's runtime (`dflash_mlx.load` + `dflash_mlx.stream_generate`), greedy.
 
 Settings: "default" = block_size "auto" (the adaptive sizer, its cost curve measured once
-and cached under ~/.cache/dflash-mlx/costs), "block8" = fixed block size 8.
+and cached under ~/.cache/dflash-mlx/costs, with lookup drafts), "no-lookup" = "auto"
+without lookup drafts (the drafter only), "block4" / "block8" = fixed block sizes (the
+drafter alone, every cycle).
 Acceptance: GenerationStats.cycles (target passes after the prefill, plain width-1 steps
 included) and GenerationStats.acceptance_lengths (tokens each cycle committed).
 """
@@ -10,7 +12,7 @@ import mlx.core as mx
 
 from _common import float_dtypes, serve
 
-BLOCKS = {"default": "auto", "block8": 8}
+BLOCKS = {"default": ("auto", True), "no-lookup": ("auto", False), "block4": (4, False), "block8": (8, False)}
 
 
 def load(args):
@@ -25,20 +27,22 @@ def load(args):
         raise RuntimeError(f"the pair loaded as {dtypes}, expected float32")
     return pair, {"runtime": "dflash-mlx (this repository)", "version": dflash_mlx.__version__,
                   "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "blas": blas_name(), "dtype": "float32",
-                  "settings": {"default": "block_size='auto'", "block8": "block_size=8"}}
+                  "settings": {"default": "block_size='auto'", "no-lookup": "block_size='auto', lookup=False",
+                               "block4": "block_size=4", "block8": "block_size=8"}}
 
 
 def generate(pair, prompt_ids, max_tokens, setting):
     from dflash_mlx import SamplingParams, stream_generate
 
     stats = None
+    block_size, lookup = BLOCKS[setting]
     for ev in stream_generate(pair, prompt_ids, max_tokens=max_tokens, sampling=SamplingParams(temp=0.0),
-                              block_size=BLOCKS[setting]):
+                              block_size=block_size, lookup=lookup):
         stats = ev.stats
         yield ev.tokens
     return {"cycles": stats.cycles, "cycle_tokens": sum(stats.acceptance_lengths),
             "reported": {"generation_tps": stats.generation_tps, "mean_acceptance": stats.mean_acceptance,
-                         "draft_cycles": stats.draft_cycles},
+                         "draft_cycles": stats.draft_cycles, "lookup_cycles": stats.lookup_cycles},
             "acceptance_source": "GenerationStats.cycles and sum(acceptance_lengths)"}
 
 
