@@ -266,15 +266,17 @@ class BlockSizer:
 
     def explain(self, context: int) -> Optional[str]:
         """Why a request at `context` tokens would start with plain decoding; None if it drafts."""
-        if self.start().choose(context) != PLAIN:
+        run = self.start()
+        if run.choose(context) != PLAIN:
             return None
         w = self.max_width
         ratio = self.curve.cost(w, context) / self.curve.cost(1, context)
+        plainly = "decoding plainly, with lookup drafts where the text repeats" if run.lookup_pays(context) \
+            else "decoding plainly"
         return (
             f"drafting does not pay here: a {w}-token verify cycle costs {ratio:.1f}x one token "
             f"on this machine (BLAS: {blas_name()}), more than the {self.expected_tokens(w):.1f} tokens "
-            f"a cycle is expected to commit; decoding plainly, with lookup drafts where the text repeats. "
-            f"--block-size {w} shows the drafter."
+            f"a cycle is expected to commit; {plainly}. --block-size {w} shows the drafter."
         )
 
     def alphas(self) -> List[float]:

@@ -318,7 +318,7 @@ def stream_generate(
                 offer = source.offer(dstate, source.block_size - 1) if lookup else []
                 plan = sizer.choose(len(prompt) + stats.generation_tokens + len(tokens), offer)
             width = min(plan.width, left)
-            plan = Plan(width, min(plan.copied, width - 1))
+            plan = Plan(width, min(plan.copied, width - 1, len(offer)))
             if plan.width == 1:
                 pending = step(target, tcache, last, params)
             else:

@@ -358,7 +358,10 @@ def test_explain_says_why_auto_decodes_plainly():
     steep = BlockSizer(cycle_curve([STEEP]), 16)
     why = steep.explain(64)
     assert "drafting does not pay here" in why and "16.0x one token" in why and "--block-size 16" in why
+    assert "lookup" not in why  # a bare verify costs as much: the lookup does not pay either
     assert BlockSizer(cycle_curve([FLAT]), 16).explain(64) is None
+    cheap_copies = BlockSizer(lookup_curve(STEEP, [1.0] + [1.0 + 0.02 * w for w in range(1, 16)]), 16)
+    assert "with lookup drafts where the text repeats" in cheap_copies.explain(64)
 
 
 def test_seeded_requests_do_not_depend_on_earlier_ones():

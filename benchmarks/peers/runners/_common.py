@@ -4,7 +4,7 @@ A runner is started once per pair: `python runners/<name>.py --target DIR --draf
 It loads the pair, then prints one JSON line `{"ready": true, "info": {...}}` and answers
 requests, one JSON line each way:
 
-    request:  {"prompt_ids": [...], "max_tokens": 64, "setting": "default" | "block8"}
+    request:  {"prompt_ids": [...], "max_tokens": 64, "setting": one of the runner's settings ("default", "block8", ...)}
     answer:   {"tokens": [...], "decode_seconds": s, "decode_tokens": n, "tps": n / s,
                "cycles": c, "cycle_tokens": t, "reported": {...}}
               or {"error": "one line"}

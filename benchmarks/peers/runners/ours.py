@@ -47,4 +47,4 @@ def generate(pair, prompt_ids, max_tokens, setting):
 
 
 if __name__ == "__main__":
-    serve(load, generate)
+    serve(load, generate, settings=tuple(BLOCKS))
