@@ -12,7 +12,10 @@ import mlx.core as mx
 
 from _common import float_dtypes, serve
 
-BLOCKS = {"default": ("auto", True), "no-lookup": ("auto", False), "block4": (4, False), "block8": (8, False)}
+BLOCKS = {"default": ("auto", True), "no-lookup": ("auto", False), "block4": (4, False), "block8": (8, False),
+          "t1-default": ("auto", True), "t1-block16": (16, False)}
+TEMPS = {"t1-default": 1.0, "t1-block16": 1.0}  # sampled settings (temperature 1, a fresh seed per request)
+_requests = [0]
 
 
 def load(args):
@@ -28,7 +31,8 @@ def load(args):
     return pair, {"runtime": "dflash-mlx (this repository)", "version": dflash_mlx.__version__,
                   "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "blas": blas_name(), "dtype": "float32",
                   "settings": {"default": "block_size='auto'", "no-lookup": "block_size='auto', lookup=False",
-                               "block4": "block_size=4", "block8": "block_size=8"}}
+                               "block4": "block_size=4", "block8": "block_size=8",
+                               "t1-default": "block_size='auto', temp=1.0", "t1-block16": "block_size=16, temp=1.0"}}
 
 
 def generate(pair, prompt_ids, max_tokens, setting):
@@ -36,7 +40,9 @@ def generate(pair, prompt_ids, max_tokens, setting):
 
     stats = None
     block_size, lookup = BLOCKS[setting]
-    for ev in stream_generate(pair, prompt_ids, max_tokens=max_tokens, sampling=SamplingParams(temp=0.0),
+    _requests[0] += 1
+    params = SamplingParams(temp=TEMPS.get(setting, 0.0), seed=_requests[0] if setting in TEMPS else None)
+    for ev in stream_generate(pair, prompt_ids, max_tokens=max_tokens, sampling=params,
                               block_size=block_size, lookup=lookup):
         stats = ev.stats
         yield ev.tokens

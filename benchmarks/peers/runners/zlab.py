@@ -17,7 +17,9 @@ import mlx.core as mx
 
 from _common import float_dtypes, serve
 
-BLOCKS = {"default": None, "block8": 8}
+BLOCKS = {"default": None, "block8": 8, "t1-default": None}
+TEMPS = {"t1-default": 1.0}  # sampled settings (temperature 1, a fresh seed per request)
+_requests = [0]
 
 
 def load(args):
@@ -35,7 +37,7 @@ def load(args):
         "runtime": "z-lab dflash (dflash.model_mlx)", "version": md.version("dflash"), "mlx": mx.__version__,
         "mlx_lm": md.version("mlx-lm"), "dtype": "float32",
         "settings": {"default": f"block_size=None (drafter config: {draft.config.block_size})",
-                     "block8": "block_size=8"}}
+                     "block8": "block_size=8", "t1-default": "block_size=None, temperature=1.0"}}
 
 
 def generate(state, prompt_ids, max_tokens, setting):
@@ -43,8 +45,10 @@ def generate(state, prompt_ids, max_tokens, setting):
 
     model, draft, tokenizer = state
     cycles = cycle_tokens = 0
+    _requests[0] += 1
+    mx.random.seed(_requests[0])
     for r in zl.stream_generate(model, draft, tokenizer, prompt_ids, block_size=BLOCKS[setting],
-                                max_tokens=max_tokens, temperature=0.0):
+                                max_tokens=max_tokens, temperature=TEMPS.get(setting, 0.0)):
         if r.accepted is not None:
             cycles += 1
             cycle_tokens += r.accepted
@@ -57,4 +61,4 @@ def generate(state, prompt_ids, max_tokens, setting):
 
 
 if __name__ == "__main__":
-    serve(load, generate)
+    serve(load, generate, settings=tuple(BLOCKS))
