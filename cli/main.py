@@ -1,5 +1,6 @@
 """The `dflash-mlx` command line."""
 
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -278,6 +279,9 @@ def _auto_sizer(pair, context: int) -> None:
 
         def update(done, total):
             if not bar:  # nothing is shown when the costs are already cached
+                busy = _busy()
+                if busy:
+                    err.print(busy, highlight=False)
                 bar.append(stack.enter_context(progress(
                     err, "measuring this machine's verify costs (about 10 s, first runs only)", counts=False)))
             bar[0](done, total)
@@ -286,6 +290,18 @@ def _auto_sizer(pair, context: int) -> None:
     why = sizer.explain(context)
     if why:
         err.print(why, highlight=False)
+
+
+def _busy() -> Optional[str]:
+    """A warning when other work loads the machine: costs measured now may be off."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):
+        return None
+    if load < 0.75 * cores:
+        return None
+    return (f"note: this machine is busy (load {load:.1f} on {cores} cores); the costs measured now may be "
+            f"off, and later runs refine them.")
 
 
 def _one_block_size(text: str):

@@ -154,6 +154,7 @@ def test_demo_pair_is_the_offline_default(tmp_path):
 def test_first_auto_run_shows_progress_off_a_terminal_and_says_what_it_chose(targets, drafters, tmp_path,
                                                                               monkeypatch):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
     args = ("--model", str(targets["qwen3"]), "--draft", str(drafters["old"]), "-p", "def add(a, b):", "-m", "8")
     r = run_cli(*args)  # CliRunner's stderr is not a terminal: plain lines, no animation
     assert r.exit_code == 0, r.output
@@ -163,6 +164,10 @@ def test_first_auto_run_shows_progress_off_a_terminal_and_says_what_it_chose(tar
     assert ("plain decoding" in lines[-1]) == any("drafting does not pay here" in l for l in lines)
     again = run_cli(*args)
     assert "measuring" not in again.stderr  # measured once; later runs refine quietly
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 8.0, 8.0))
+    busy = run_cli(*args)
+    assert busy.stderr.splitlines()[0].startswith("note: this machine is busy (load 8.0")
 
 
 @pytest.mark.parametrize("steep", [True, False])
