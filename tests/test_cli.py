@@ -1,6 +1,7 @@
 """The `dflash-mlx` command line, through typer's runner and as a real process."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,9 @@ def test_sampling_flags_are_accepted(targets, drafters):
                 "-m", "12", "--temp", "0.8", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05",
                 "--seed", "7")
     assert r.exit_code == 0, r.output
-    assert "12 tokens" in r.stderr
+    # A sample may end at EOS early (which plans `auto` picks depends on this machine's measured costs).
+    n = int(re.search(r"(\d+) tokens, [\d.]+ tok/s", r.stderr).group(1))
+    assert 1 <= n <= 12
 
 
 @pytest.mark.parametrize(
