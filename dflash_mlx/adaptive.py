@@ -352,15 +352,19 @@ class BlockSizer:
 
     def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = ()) -> None:
         """Record a cycle: `accepted` of its `width - 1` draft tokens were kept; `tokens` were committed."""
-        for st in {id(s): s for s in (self.stats, self.shared, self.lookup, self.shared_lookup)}.values():
+        for st in self._both(self.stats, self.shared) + self._both(self.lookup, self.shared_lookup):
             st.age(len(tokens))
         if plan.drafts and accepted >= plan.copied:  # the drafter's positions were reached
             checked = range(plan.copied + 1, min(accepted + 2, plan.width))
-            self.stats.add(checked, accepted)
-            if self.stats is not self.shared:
-                self.shared.add(checked, accepted)
+            for st in self._both(self.stats, self.shared):
+                st.add(checked, accepted)
         if self.pending and tokens:
             self._compare(tokens)
+
+    @staticmethod
+    def _both(own: AcceptanceStats, shared: AcceptanceStats) -> List[AcceptanceStats]:
+        """A request's statistics and the shared ones, once each (the root sizer records into the shared directly)."""
+        return [own] if own is shared else [own, shared]
 
     def _compare(self, tokens: Sequence[int]) -> None:
         """Score the pending lookup offer against committed tokens (it may take several cycles to settle)."""
@@ -368,7 +372,7 @@ class BlockSizer:
         for t in tokens:
             if offer[done] != t or done + 1 == len(offer):
                 hit = done + (offer[done] == t)
-                for st in {id(s): s for s in (self.lookup, self.shared_lookup)}.values():
+                for st in self._both(self.lookup, self.shared_lookup):
                     st.add(range(1, min(hit + 2, len(offer) + 1)), hit)
                 self.pending, self.matched = [], 0
                 return

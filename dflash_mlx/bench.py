@@ -217,26 +217,28 @@ def _oracle_split(pair, ids, run, max_tokens, params, block_size, source) -> Dic
             "overhead_seconds": loop["decode_seconds"]}
 
 
-def _median(xs):
+def median(xs):
+    """Median of the values that are not None (None if none are)."""
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
 
-def _geomean(xs):
+def geomean(xs):
+    """Geometric mean of the nonzero values (None if none are)."""
     xs = [x for x in xs if x]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def summarise(rows: List[Dict], key: str) -> Dict:
-    base = _median([r["baseline"]["generation_tps"] for r in rows])
-    ours = _median([r["dflash"][key]["generation_tps"] for r in rows])
+    base = median([r["baseline"]["generation_tps"] for r in rows])
+    ours = median([r["dflash"][key]["generation_tps"] for r in rows])
     # Geometric means over prompts: their ratio is the mean of per-prompt
     # ratios, a paired comparison steadier than a ratio of medians.
-    base_g = _geomean([r["baseline"]["generation_tps"] for r in rows])
-    ours_g = _geomean([r["dflash"][key]["generation_tps"] for r in rows])
+    base_g = geomean([r["baseline"]["generation_tps"] for r in rows])
+    ours_g = geomean([r["dflash"][key]["generation_tps"] for r in rows])
     lengths = [a for r in rows for a in r["dflash"][key]["acceptance_lengths"]]
-    base_p = _median([r["baseline"]["prompt_tps"] for r in rows])
-    ours_p = _median([r["dflash"][key]["prompt_tps"] for r in rows])
+    base_p = median([r["baseline"]["prompt_tps"] for r in rows])
+    ours_p = median([r["dflash"][key]["prompt_tps"] for r in rows])
     out = {
         "prompts": len(rows),
         "baseline_tps": base,
@@ -253,8 +255,8 @@ def summarise(rows: List[Dict], key: str) -> Dict:
         "baseline_prompt_tps": base_p,
         "dflash_prompt_tps": ours_p,
         "prompt_speedup": None if not base_p or ours_p is None else ours_p / base_p,
-        "baseline_ttft": _median([r["baseline"]["ttft"] for r in rows]),
-        "dflash_ttft": _median([r["dflash"][key]["ttft"] for r in rows]),
+        "baseline_ttft": median([r["baseline"]["ttft"] for r in rows]),
+        "dflash_ttft": median([r["dflash"][key]["ttft"] for r in rows]),
         "identical": sum(1 for r in rows if r["dflash"][key]["identical"] is True),
         "mismatched_prompts": [r["prompt"] for r in rows if r["dflash"][key]["identical"] is False],
     }
@@ -310,14 +312,14 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
                         what = f"block {bs}"
                     done += 1
                     progress(done, total, f"{suite}: {what}")
-            base = dict(runs[0], generation_tps=_median([r["generation_tps"] for r in runs]),
-                        prompt_tps=_median([r["prompt_tps"] for r in runs]))
+            base = dict(runs[0], generation_tps=median([r["generation_tps"] for r in runs]),
+                        prompt_tps=median([r["prompt_tps"] for r in runs]))
             row = {"prompt": text, "prompt_tokens": len(ids), "baseline": {k: v for k, v in base.items() if k != "tokens"},
                    "dflash": {}}
             row["baseline"]["generated_tokens"] = len(base["tokens"])
             for bs in block_sizes:
-                d = dict(dr[bs][0], generation_tps=_median([x["generation_tps"] for x in dr[bs]]),
-                         prompt_tps=_median([x["prompt_tps"] for x in dr[bs]]))
+                d = dict(dr[bs][0], generation_tps=median([x["generation_tps"] for x in dr[bs]]),
+                         prompt_tps=median([x["prompt_tps"] for x in dr[bs]]))
                 d.pop("oracle", None)
                 if oracle:
                     d["oracle_runs"] = [x["oracle"] for x in dr[bs]]

@@ -94,7 +94,7 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
         while sum(h.shape[1] for h in held) > hold:
             source.add_context(dstate, held.pop(0))
             given = source.arrays(dstate)
-        # Evaluate per chunk so one chunk's graph is freed before the next.
+        # Evaluate the caches per chunk; the held taps stay lazy (at most `hold` rows of them).
         mx.eval([c.state for c in tcache], given)
         mx.clear_cache()
     logits, hidden = target(prompt[None, -1:], tcache)

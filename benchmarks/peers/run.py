@@ -29,11 +29,9 @@ the prefill); and whether every greedy output equals mlx-lm's.
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -161,16 +159,6 @@ class Runner:
 # ---------------------------------------------------------------- statistics
 
 
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _geomean(xs):
-    xs = [x for x in xs if x]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
 def normalise(tokens, eos, max_tokens):
     out = []
     for t in tokens[:max_tokens]:
@@ -182,8 +170,9 @@ def normalise(tokens, eos, max_tokens):
 
 def summarise(runs: dict, keys, n_prompts: int) -> dict:
     """runs[(runtime, setting)][prompt] = list of answers (one per repeat)."""
+    from dflash_mlx.bench import geomean, median
     base = runs[("mlxlm", "default")]
-    base_tps = [_median([a["tps"] for a in base[p]]) for p in range(n_prompts)]
+    base_tps = [median([a["tps"] for a in base[p]]) for p in range(n_prompts)]
     out = {}
     for key in keys:
         per = runs[key]
@@ -191,13 +180,13 @@ def summarise(runs: dict, keys, n_prompts: int) -> dict:
             errs = sorted({a["error"] for p in range(n_prompts) for a in per[p] if a.get("error")})
             out[f"{key[0]}/{key[1]}"] = {"runtime": key[0], "setting": key[1], "error": errs[0]}
             continue
-        tps = [_median([a["tps"] for a in per[p]]) for p in range(n_prompts)]
+        tps = [median([a["tps"] for a in per[p]]) for p in range(n_prompts)]
         cycles = sum(a["cycles"] for p in range(n_prompts) for a in per[p])
         ctoks = sum(a["cycle_tokens"] for p in range(n_prompts) for a in per[p])
         sampled = key[1].startswith("t1-")  # temperature 1: ids are a sample, not comparable with greedy ones
         ident = [sampled or all(a["ids"] == base[p][0]["ids"] for a in per[p]) for p in range(n_prompts)]
-        med, bmed = _median(tps), _median(base_tps)
-        g, bg = _geomean(tps), _geomean(base_tps)
+        med, bmed = median(tps), median(base_tps)
+        g, bg = geomean(tps), geomean(base_tps)
         out[f"{key[0]}/{key[1]}"] = {
             "runtime": key[0], "setting": key[1], "tps_median": med, "tps_geomean": g,
             "ratio_medians": med / bmed if med and bmed else None,
