@@ -17,12 +17,14 @@ from .draft_source import DFlashDraftSource, DraftSource  # noqa: F401 (the loop
 from .errors import DFlashError
 from .kernels import verify_accept
 from .lookup import point_masses
+from .prompt_cache import PromptCache, can_trim_prompt_cache, snapshot
 from .sampling import SamplingParams, log_probs, pick
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prompt cache
     prompt_tps: float = 0.0
     generation_tokens: int = 0
     generation_tps: float = 0.0
@@ -72,7 +74,8 @@ def peak_memory_gb() -> float:
     return peak / 1e9
 
 
-def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, hold: int = 4096):
+def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, hold: int = 4096,
+            before_last=None):
     """Run the prompt through the target: the first token waits for nothing else.
 
     As mlx-lm does, all but the last prompt token go through in chunks that
@@ -83,7 +86,8 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
     the last layer's output over the prompt) is in the time to first token.
     Rows beyond `hold` are given to the drafter chunk by chunk, so memory
     stays bounded for long prompts. Returns the last position's logits (lazy)
-    and those taps.
+    and those taps. `before_last(tcache)` is called when only the last token
+    is left.
     """
     held = []
     body = prompt[:-1]
@@ -97,6 +101,8 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
         # Evaluate the caches per chunk; the held taps stay lazy (at most `hold` rows of them).
         mx.eval([c.state for c in tcache], given)
         mx.clear_cache()
+    if before_last is not None:
+        before_last(tcache)
     logits, hidden = target(prompt[None, -1:], tcache)
     held.append(hidden)
     return logits[0, -1], held
@@ -257,12 +263,15 @@ def stream_generate(
     prefill_step: int = 2048,
     draft_source: Optional[DraftSource] = None,
     lookup: bool = True,
+    prompt_cache: Optional[PromptCache] = None,
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash, yielding one event per verify cycle.
 
     With `lookup`, the policy may draft from the source's free offers (an
     n-gram lookup over the prompt and the text so far) as well as from the
-    drafter; a fixed block size always drafts with the drafter alone.
+    drafter; a fixed block size always drafts with the drafter alone. With a
+    `prompt_cache`, the longest prefix of the prompt it holds is not computed
+    again, and this request's caches are kept there when it ends.
     """
     params = sampling or SamplingParams()
     target, tokenizer = pair.target, pair.tokenizer
@@ -283,16 +292,28 @@ def stream_generate(
 
     stats = GenerationStats(prompt_tokens=len(prompt))
     text = _TextStream(tokenizer, stop)
-    tcache = target.make_cache()
-    dstate = source.new_state()
 
     tic = time.perf_counter()
-    logits, taps = prefill(target, source, dstate, mx.array(prompt), tcache, prefill_step)
+    if prompt_cache is None:
+        tcache, dstate, reused = target.make_cache(), source.new_state(), 0
+    else:
+        tcache, dstate, reused = prompt_cache.fetch(target, source, prompt)
+    at_prompt = None
+
+    def keep(cache):  # a recurrent state cannot be trimmed back to the prompt later: keep it now (no copy)
+        nonlocal at_prompt
+        at_prompt = (len(prompt) - 1, snapshot(cache))
+
+    trimmable = prompt_cache is None or can_trim_prompt_cache(tcache)
+    logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
+                           before_last=None if trimmable else keep)
     first = pick(logits, params)
     last = first.reshape(1)
     tokens = [first.item()]
+    stats.cached_tokens = reused
     stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
     source.commit(dstate, list(prompt) + tokens)
+    history = list(prompt) + tokens  # the target's cache holds all but the last of these
     tic = time.perf_counter()
 
     # `taps`: target taps of committed tokens not yet given to the drafter (the prompt's first)
@@ -342,6 +363,9 @@ def stream_generate(
         stats.finish_reason = finish
         yield GenerationEvent(segment, tokens, accepted, stats, finish)
         if finish is not None:
+            if prompt_cache is not None:
+                keep_caches(prompt_cache, target, source, dstate, tcache, history, taps,
+                            pending or ahead, plan, at_prompt)
             return
 
         done, ahead, nxt_plan = plan, None, None
@@ -358,6 +382,7 @@ def stream_generate(
                     ahead = step(target, tcache, nxt.reshape(1), params)
                     mx.async_eval(ahead)
             accepted, tokens = 0, [nxt.item()]  # the cycle's one host synchronisation
+            history += tokens
         else:
             n_acc, nxt, hidden = pending
             out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens,
@@ -365,6 +390,7 @@ def stream_generate(
             values = out.tolist()  # the cycle's one host synchronisation
             accepted = values[0]
             tokens = values[1 : 1 + accepted] + [values[-1]]
+            history += tokens
             target.crop(tcache, accepted + 1, plan.width)
         taps.append(hidden[:, : accepted + 1])
         if len(taps) == 256:  # a long run without the drafter: bound what is held, in one batched projection
@@ -378,6 +404,27 @@ def stream_generate(
         stats.draft_cycles += done.width > 1
         stats.lookup_cycles += done.copied > 0
         stats.acceptance_lengths.append(accepted + 1)
+
+
+def keep_caches(prompt_cache, target, source, dstate, tcache, history, taps, inflight, plan, at_prompt):
+    """Hand a finished request's caches to the prompt cache.
+
+    A cycle still in flight has fed the last committed token: its row is
+    kept (a verify is cropped to it) so the caches hold all of `history`
+    but nothing beyond it; the drafter is given the taps it has not seen.
+    """
+    rows = len(history) - 1
+    if inflight is not None:
+        hidden = inflight[-1]
+        if plan.width > 1:
+            target.crop(tcache, 1, plan.width)
+            hidden = hidden[:, :1]
+        taps.append(hidden)
+        rows += 1
+    if taps:
+        source.add_context(dstate, mx.concatenate(taps, axis=1))
+    mx.eval([c.state for c in tcache], source.arrays(dstate))
+    prompt_cache.store(target, source, dstate, history[:rows], tcache, at_prompt)
 
 
 def generate(pair, prompt, **kwargs):

@@ -7,6 +7,7 @@ target's taps of committed tokens (`add_context`) and the committed token ids
 which the block-size policy may use instead of, or before, the model's.
 """
 
+import copy
 from typing import List, Optional
 
 import mlx.core as mx
@@ -47,6 +48,42 @@ class DraftSource:
         """Whether `offer` could have tokens after one more committed token."""
         return False
 
+    def save(self, state) -> Optional[list]:
+        """The committed context of `state` as trimmable cache objects (`trim`,
+        `is_trimmable`, `nbytes`) for a prompt cache, or None if it cannot be kept."""
+        return None
+
+    def restore(self, saved: list):
+        """A new state whose committed context is `saved` (from `save`, copied)."""
+        raise NotImplementedError
+
+
+class ContextRows:
+    """One drafter layer's committed context as a prompt cache holds it: trimming
+    drops rows from the end without a copy."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __copy__(self):  # a view that trims apart from this one (same buffers)
+        return ContextRows(copy.copy(self.cache))
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        c = self.cache
+        if n > c.offset:  # rows a sliding window dropped: keep the position, lose the context
+            c.start, c.offset = c.length - n, 0
+        else:
+            c.trim(n)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        c = self.cache
+        return 0 if c.keys is None else c.keys.nbytes + c.values.nbytes
+
 
 class DFlashDraftSource(DraftSource):
     def __init__(self, drafter, target):
@@ -69,6 +106,12 @@ class DFlashDraftSource(DraftSource):
     def rewind(self, state, n):
         for c in state:
             c.trim(n)
+
+    def save(self, state):
+        return [ContextRows(c) for c in state]
+
+    def restore(self, saved):
+        return [r.cache for r in saved]
 
     def propose(self, state, last, hidden, width):
         block = mx.concatenate([last, mx.full((width - 1,), self.mask_token_id, last.dtype)])

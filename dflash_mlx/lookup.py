@@ -96,6 +96,13 @@ class WithLookup(DraftSource):
     def rewind(self, state, n):
         self.inner.rewind(state["inner"], n)
 
+    def save(self, state):
+        return self.inner.save(state["inner"])
+
+    def restore(self, saved):
+        # The index is rebuilt from the prompt (`commit`): one dict insert per order per token.
+        return {"inner": self.inner.restore(saved), "index": NgramIndex(orders=self.orders)}
+
     def commit(self, state, tokens):
         state["index"].extend(tokens)
         self.inner.commit(state["inner"], tokens)
