@@ -241,11 +241,16 @@ def serve(
     default_max_tokens: int = typer.Option(
         256, "--default-max-tokens", min=1, help="Tokens generated for a request that sets no max_tokens."
     ),
+    prompt_cache_bytes: str = typer.Option(
+        "4GB", "--prompt-cache-bytes",
+        help="Memory for caches of earlier requests, reused when a prompt extends one (e.g. 8GB, 512MB; 0: off).",
+    ),
 ):
     """Serve an OpenAI-compatible API (chat and completions) with DFlash."""
     import dflash_mlx
     from dflash_mlx.server import make_server
 
+    cache_bytes = _bytes(prompt_cache_bytes, "--prompt-cache-bytes")
     try:
         pair = dflash_mlx.load(model, draft)
         if block_size == "auto":
@@ -253,7 +258,8 @@ def serve(
         server = make_server(pair, model, host, port, api_key, _one_block_size(block_size),
                              pair.resolved.enable_thinking if pair.resolved else None,
                              max_prompt_tokens, temp, max_tokens_limit=max_tokens,
-                             default_max_tokens=default_max_tokens)
+                             default_max_tokens=default_max_tokens,
+                             prompt_cache_bytes=cache_bytes)
     except DFlashError as e:
         fail(str(e))
     except OSError as e:
@@ -265,6 +271,20 @@ def serve(
         pass
     finally:
         server.server_close()
+
+
+def _bytes(text: str, option: str) -> int:
+    """'8GB', '512MB', '1.5GiB', '1000000' -> bytes (powers of 1024, as memory is sized)."""
+    units = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number = t.rstrip("KMGT")
+    try:
+        value = float(number) * units[t[len(number):]]
+    except (ValueError, KeyError):
+        value = -1
+    if value < 0:
+        fail(f"{option} takes a size such as 8GB, 512MB or 0 (got '{text}').")
+    return int(value)
 
 
 def _auto_sizer(pair, context: int) -> None:

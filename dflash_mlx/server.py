@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
 from .decode import stream_generate
+from .prompt_cache import PromptCache
 from .errors import DFlashError
 from .prompt import build_chat_prompt
 from .sampling import SamplingParams
@@ -121,8 +122,11 @@ class Engine:
 
     def __init__(self, pair, model_id: str, block_size: Optional[int] = None,
                  enable_thinking: Optional[bool] = None, max_prompt_tokens: int = 32768,
-                 default_temp: float = 0.0, max_tokens_limit: int = 32768, default_max_tokens: int = 256):
+                 default_temp: float = 0.0, max_tokens_limit: int = 32768, default_max_tokens: int = 256,
+                 prompt_cache_bytes: int = 4 << 30):
         self.model_id, self.block_size = model_id, block_size
+        # Conversations grow turn by turn: each request starts where an earlier one left off.
+        self.prompt_cache = PromptCache(pair, max_bytes=prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.default_temp = default_temp
         self.enable_thinking = enable_thinking
         self.max_prompt_tokens = max_prompt_tokens
@@ -157,7 +161,8 @@ class Engine:
             self.stats["active"] = 1
             try:
                 for event in stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
-                                             sampling=job.params, block_size=self.block_size, stop=job.stop):
+                                             sampling=job.params, block_size=self.block_size, stop=job.stop,
+                                             prompt_cache=self.prompt_cache):
                     self.stats["generated_tokens"] += len(event.tokens)
                     job.events.put(event)
                     if job.cancelled.is_set():
@@ -330,7 +335,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/health":
-            return self._send_json(200, {"status": "ok", **self.engine.stats, "queued": self.engine.jobs.qsize()})
+            pc = self.engine.prompt_cache
+            cache = {} if pc is None else {"prompt_cache": {"entries": len(pc), "bytes": pc.nbytes, "hits": pc.hits,
+                                                            "misses": pc.misses, "cached_tokens": pc.cached_tokens}}
+            return self._send_json(200, {"status": "ok", **self.engine.stats, "queued": self.engine.jobs.qsize(),
+                                         **cache})
         if not self._authorised():
             return
         if self.path == "/v1/models":
@@ -486,6 +495,7 @@ def _usage(stats) -> Dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generation_tokens,
         "total_tokens": stats.prompt_tokens + stats.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "dflash": {"mean_acceptance_length": round(stats.mean_acceptance, 3), "cycles": stats.cycles,
                    "generation_tps": round(stats.generation_tps, 2)},
     }
@@ -499,11 +509,12 @@ class _HTTPServer(ThreadingHTTPServer):
 def make_server(pair, model_id: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
                 block_size: Optional[int] = None, enable_thinking: Optional[bool] = None,
                 max_prompt_tokens: int = 32768, default_temp: float = 0.0, max_tokens_limit: int = 32768,
-                default_max_tokens: int = 256) -> ThreadingHTTPServer:
+                default_max_tokens: int = 256, prompt_cache_bytes: int = 4 << 30) -> ThreadingHTTPServer:
     """`max_prompt_tokens` and `max_tokens_limit` bound every request (over them: a 400);
-    `default_max_tokens` is what a request that names no limit gets."""
+    `default_max_tokens` is what a request that names no limit gets; the prompt
+    cache holds at most `prompt_cache_bytes` (0: none)."""
     engine = Engine(pair, model_id, block_size, enable_thinking, max_prompt_tokens, default_temp,
-                    max_tokens_limit, default_max_tokens)
+                    max_tokens_limit, default_max_tokens, prompt_cache_bytes)
     handler = type("DFlashHandler", (Handler,), {"engine": engine, "api_key": api_key})
     server = _HTTPServer((host, port), handler)
     server.engine = engine

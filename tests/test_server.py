@@ -439,3 +439,38 @@ def test_serve_command_limits(targets, drafters, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_growing_conversation_starts_from_the_prompt_cache(targets, drafters):
+    """Each turn reuses the previous request's caches (usage says how many
+    prompt tokens) and answers exactly as a server without the cache."""
+    pair = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))
+    runs = []
+    for size in (4 << 30, 0):
+        server, url = start(pair, prompt_cache_bytes=size)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages, answers, cached = [], [], []
+        for turn in ["def add(a, b):", "import math", "for i in range(10):"]:
+            messages.append({"role": "user", "content": turn})
+            r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+            answers.append(r.choices[0].message.content)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            messages.append({"role": "assistant", "content": answers[-1]})
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+        conn.request("GET", "/health")
+        health = json.loads(conn.getresponse().read())
+        server.shutdown()
+        server.engine.close()
+        runs.append((answers, cached, health))
+    (warm, cached, health), (cold, none, plain_health) = runs
+    assert warm == cold
+    assert cached[0] == 0 and all(n > 10 for n in cached[1:]) and none == [0, 0, 0]
+    assert health["prompt_cache"]["hits"] == 2 and health["prompt_cache"]["bytes"] > 0
+    assert "prompt_cache" not in plain_health
+
+
+@pytest.mark.parametrize("size", ["lots", "-1GB", "4XB"])
+def test_a_bad_prompt_cache_size_is_one_clear_line(size):
+    r = CliRunner().invoke(app, ["serve", "--prompt-cache-bytes", size])
+    assert r.exit_code == 1
+    assert f"--prompt-cache-bytes takes a size such as 8GB, 512MB or 0 (got '{size}')" in r.output
