@@ -15,8 +15,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import compute_bits_per_weight, quantize_model, save_config
 
-from dflash_mlx.config import DrafterConfig, check_pair
-from dflash_mlx.drafter import DFlashDrafter
+from dflash_mlx.config import DFLASH2_FIELDS, DrafterConfig, check_pair
+from dflash_mlx.drafter2 import drafter_class, published_keys
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.hub import TORCH_SUFFIXES, fetch
 
@@ -127,6 +127,8 @@ def normalized_config(original: dict, cfg: DrafterConfig, dtype: str, source: st
     }
     if cfg.final_logit_softcapping:
         dflash["final_logit_softcapping"] = cfg.final_logit_softcapping
+    if cfg.is_dflash2:
+        dflash.update({k: getattr(cfg, k) for k in DFLASH2_FIELDS})
     # is_causal stays where it was: the reference reads only the top level.
     if "is_causal" in (original.get("dflash_config") or {}):
         dflash["is_causal"] = original["dflash_config"]["is_causal"]
@@ -134,7 +136,7 @@ def normalized_config(original: dict, cfg: DrafterConfig, dtype: str, source: st
     if cfg.rope_scaling:
         rope.update(cfg.rope_scaling)
     out = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [cfg.architecture],
         "model_type": original.get("model_type", "qwen3"),
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
@@ -234,9 +236,11 @@ def convert_drafter(
         hidden, vocab, layers = target_dims(target)
         check_pair(config, hidden, vocab, layers)
     weights = _strip_prefixes(read_checkpoint(src))
+    if config.is_dflash2:
+        weights = published_keys(weights)
 
     progress("checking weights")
-    model = DFlashDrafter(config)
+    model = drafter_class(config)(config)
     check_weights(weights, model, str(src))
     source_dtypes = {v.dtype for v in weights.values()}
     if dtype is None:

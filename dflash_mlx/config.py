@@ -1,4 +1,4 @@
-"""Drafter configuration: both published z-lab `config.json` layouts."""
+"""Drafter configuration: the published z-lab `config.json` layouts (DFlash 1 and 2)."""
 
 import json
 from dataclasses import dataclass, field
@@ -8,6 +8,9 @@ from typing import Any, Dict, List, Optional
 from .errors import DFlashError
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# DFlash 2's convolutions and candidate selector, read from dflash_config first.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
@@ -45,6 +48,15 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
     quantization: Optional[Dict[str, Any]] = None
+    architecture: str = "DFlashDraftModel"
+    conv_kernel_size: Optional[int] = None
+    conv_group_size: Optional[int] = None
+    selector_rank: Optional[int] = None
+    selector_top_k: Optional[int] = None
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == "DFlash2DraftModel"
 
     def layer_is_causal(self, i: int) -> bool:
         if self.is_causal is not None:
@@ -70,17 +82,13 @@ class DrafterConfig:
         architectures = cfg.get("architectures") or []
         if isinstance(architectures, str):
             architectures = [architectures]
-        if "DFlash2DraftModel" in architectures:
-            raise DFlashError(
-                f"{source} is a DFlash2DraftModel drafter; DFlash 2 drafters are not supported yet "
-                "(only DFlashDraftModel); pass a DFlash 1 drafter with --draft."
-            )
-        other = [a for a in architectures if a != "DFlashDraftModel"]
+        other = [a for a in architectures if a not in ARCHITECTURES]
         if other:
             raise DFlashError(
-                f"{source} is a {other[0]} model, not a DFlash drafter (DFlashDraftModel); "
-                "pass a z-lab DFlash drafter with --draft."
+                f"{source} is a {other[0]} model, not a DFlash drafter (DFlashDraftModel or "
+                "DFlash2DraftModel); pass a z-lab DFlash drafter with --draft."
             )
+        architecture = "DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"
         if "dflash_config" not in cfg and not architectures:
             raise DFlashError(
                 f"{source} is not a DFlash drafter config (no 'dflash_config' and no "
@@ -96,7 +104,8 @@ class DrafterConfig:
         )
         missing = [k for k in required if cfg.get(k) is None]
         if missing:
-            raise DFlashError(f"{source} lacks {', '.join(missing)}; it is not a complete drafter config.")
+            kind = f"{architecture} config" if architecture != "DFlashDraftModel" else "drafter config"
+            raise DFlashError(f"{source} lacks {', '.join(missing)}; it is not a complete {kind}.")
         mask_token_id = lookup("mask_token_id")
         if mask_token_id is None:
             raise DFlashError(f"{source} has no mask_token_id in dflash_config; the drafter cannot build blocks.")
@@ -144,6 +153,10 @@ class DrafterConfig:
         if "sliding_attention" in layer_types and not sliding_window:
             raise DFlashError(f"{source}: sliding_attention layers need a sliding_window size.")
 
+        dflash2 = {}
+        if architecture == "DFlash2DraftModel":
+            dflash2 = _dflash2_fields(lookup, int(cfg["hidden_size"]), int(cfg["vocab_size"]), source)
+
         softcap = lookup("final_logit_softcapping")
         return cls(
             hidden_size=int(cfg["hidden_size"]),
@@ -170,6 +183,8 @@ class DrafterConfig:
             output_multiplier=float(lookup("output_multiplier", 1.0)),
             final_logit_softcapping=None if not softcap else float(softcap),
             quantization=cfg.get("quantization"),
+            architecture=architecture,
+            **dflash2,
         )
 
     @classmethod
@@ -184,6 +199,31 @@ class DrafterConfig:
         if not isinstance(cfg, dict):
             raise DFlashError(f"{path} does not hold a JSON object; re-download the drafter.")
         return cls.from_dict(cfg, source=str(path))
+
+
+def _dflash2_fields(lookup, hidden_size: int, vocab_size: int, source: str) -> Dict[str, int]:
+    missing = [k for k in DFLASH2_FIELDS if lookup(k) is None]
+    if missing:
+        raise DFlashError(
+            f"{source} is a DFlash2DraftModel drafter without {', '.join(missing)} in dflash_config; "
+            "it is not a complete DFlash 2 config."
+        )
+    try:
+        out = {k: int(lookup(k)) for k in DFLASH2_FIELDS}
+    except (TypeError, ValueError):
+        raise DFlashError(f"{source}: {', '.join(DFLASH2_FIELDS)} must be integers.")
+    small = [k for k, v in out.items() if v < 1]
+    if small:
+        raise DFlashError(f"{source}: {', '.join(small)} must be at least 1.")
+    if hidden_size % out["conv_group_size"]:
+        raise DFlashError(
+            f"{source}: conv_group_size {out['conv_group_size']} does not divide hidden_size {hidden_size}."
+        )
+    if out["selector_top_k"] > vocab_size:
+        raise DFlashError(
+            f"{source}: selector_top_k {out['selector_top_k']} exceeds the vocabulary ({vocab_size})."
+        )
+    return out
 
 
 def check_pair(config: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:

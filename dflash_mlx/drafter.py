@@ -204,13 +204,15 @@ class DecoderLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Weights named as in the z-lab checkpoints (no embedding, no LM head)."""
 
+    layer_class = DecoderLayer
+
     def __init__(self, args: DrafterConfig):
         super().__init__()
         self.args = args
         n_taps = len(args.target_layer_ids)
         self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def make_cache(self) -> List[DraftCache]:

@@ -14,9 +14,10 @@ from .adaptive import BlockSizer, CostCurve, curve_key, load_or_measure
 from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import DrafterConfig, check_pair
 from .drafter import DFlashDrafter
+from .drafter2 import draft_source, drafter_class, published_keys
 from .errors import DFlashError
 from .decode import cycle_parts
-from .draft_source import DFlashDraftSource, DraftSource
+from .draft_source import DraftSource
 from .lookup import WithLookup
 from .hub import Resolved, cache_root, check_name, fetch, resolve
 
@@ -81,7 +82,9 @@ def load_drafter(path: Path) -> DFlashDrafter:
         except (RuntimeError, ValueError, SafetensorError) as e:
             raise DFlashError(f"Cannot read {f} ({str(e).splitlines()[0]}); the file is corrupt, download it again.")
     weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
-    model = DFlashDrafter(config)
+    model = drafter_class(config)(config)
+    if config.is_dflash2:
+        weights = published_keys(weights)
     if config.quantization:
         q = config.quantization
         nn.quantize(
@@ -127,7 +130,7 @@ def load(model: str, draft: Optional[str] = None) -> DFlashPair:
         target=adapter,
         drafter=drafter,
         tokenizer=tokenizer,
-        draft_source=WithLookup(DFlashDraftSource(drafter, adapter)),
+        draft_source=WithLookup(draft_source(drafter, adapter)),
         target_path=target_path,
         draft_path=draft_path,
         resolved=resolved,

@@ -131,13 +131,12 @@ def _dflash2_cfg():
 @pytest.mark.parametrize(
     "architectures, words",
     [
-        (["DFlash2DraftModel"], "is a DFlash2DraftModel drafter; DFlash 2 drafters are not supported yet"),
-        ("DFlash2DraftModel", "is a DFlash2DraftModel drafter; DFlash 2 drafters are not supported yet"),
         (["EagleDraftModel"], "is a EagleDraftModel model, not a DFlash drafter"),
         (["Qwen3ForCausalLM"], "is a Qwen3ForCausalLM model, not a DFlash drafter"),
+        (["DFlash2DraftModel", "Qwen3ForCausalLM"], "is a Qwen3ForCausalLM model, not a DFlash drafter"),
     ],
 )
-def test_dflash2_and_unknown_architectures_are_refused_up_front(tmp_path, architectures, words):
+def test_unknown_architectures_are_refused_up_front(tmp_path, architectures, words):
     cfg = _dflash2_cfg()
     cfg["architectures"] = architectures
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -145,6 +144,74 @@ def test_dflash2_and_unknown_architectures_are_refused_up_front(tmp_path, archit
         DrafterConfig.from_file(tmp_path / "config.json")
     assert words in str(e.value) and "\n" not in str(e.value)
     assert str(tmp_path / "config.json") in str(e.value)
+
+
+@pytest.mark.parametrize("architectures", [["DFlash2DraftModel"], "DFlash2DraftModel"])
+def test_dflash2_layout(architectures):
+    cfg = _dflash2_cfg()
+    cfg["architectures"] = architectures
+    c = DrafterConfig.from_dict(cfg)
+    assert c.is_dflash2 and c.architecture == "DFlash2DraftModel"
+    assert (c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k) == (2, 16, 256, 16)
+    assert c.block_size == 8 and c.mask_token_id == 248077
+    # All layers sliding and, with is_causal false at the top level, bidirectional.
+    assert [c.layer_is_causal(i) for i in range(6)] == [False] * 6
+    assert [c.layer_window(i) for i in range(6)] == [2048] * 6
+
+
+def test_dflash1_layouts_have_no_dflash2_fields():
+    for name in ("qwen3-4b-dflash-b16.config.json", "qwen3.5-4b-dflash-newer.config.json"):
+        c = DrafterConfig.from_file(DATA / name)
+        assert not c.is_dflash2 and c.architecture == "DFlashDraftModel"
+        assert (c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k) == (None,) * 4
+
+
+@pytest.mark.parametrize("where", ["dflash_config", "top", "both"])
+def test_dflash2_fields_are_read_as_the_reference_reads_them(where):
+    pytest.importorskip("torch")
+    reference = pytest.importorskip("dflash.model")
+    from transformers import Qwen3Config
+
+    cfg = tiny.drafter_config("new", 64, 8, mask_token_id=3, sliding=True)
+    cfg.update(architectures=["DFlash2DraftModel"], is_causal=False, layer_types=["sliding_attention"] * 2)
+    fields = dict(conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5)
+    if where in ("top", "both"):
+        cfg.update(fields)
+    if where in ("dflash_config", "both"):
+        inner = fields if where == "dflash_config" else dict(conv_kernel_size=2, conv_group_size=16,
+                                                             selector_rank=4, selector_top_k=7)
+        cfg["dflash_config"].update(inner)
+    ref = reference.DFlash2DraftModel(Qwen3Config(**cfg))
+    conv, selector = ref.layers[0].attention_conv, ref.candidate_selector
+    want = (conv.kernel_size, conv.group_size, selector.hidden_projection.out_features, selector.top_k)
+    c = DrafterConfig.from_dict(cfg)
+    assert (c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k) == want
+    assert [c.layer_is_causal(i) for i in range(2)] == [l.self_attn.is_causal for l in ref.layers]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda d: d.pop("conv_kernel_size"), "without conv_kernel_size in dflash_config"),
+        (lambda d: d.pop("selector_top_k") and d.pop("selector_rank"), "without selector_rank, selector_top_k"),
+        (lambda d: d.update(conv_group_size=48), "conv_group_size 48 does not divide hidden_size 2560"),
+        (lambda d: d.update(selector_top_k=300000), "selector_top_k 300000 exceeds the vocabulary"),
+        (lambda d: d.update(conv_kernel_size=0), "conv_kernel_size must be at least 1"),
+        (lambda d: d.update(selector_rank="wide"), "must be integers"),
+    ],
+)
+def test_bad_dflash2_configs_fail_with_one_line(change, words):
+    cfg = _dflash2_cfg()
+    change(cfg["dflash_config"])
+    with pytest.raises(DFlashError) as e:
+        DrafterConfig.from_dict(cfg, source="d/config.json")
+    assert words in str(e.value) and "\n" not in str(e.value) and "d/config.json" in str(e.value)
+
+
+def test_incomplete_dflash2_config_names_its_architecture():
+    with pytest.raises(DFlashError) as e:
+        DrafterConfig.from_dict({"architectures": ["DFlash2DraftModel"], "dflash_config": {}})
+    assert "DFlash2DraftModel" in str(e.value) and "hidden_size" in str(e.value)
 
 
 def test_bad_json_file(tmp_path):
