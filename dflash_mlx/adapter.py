@@ -1,9 +1,15 @@
-"""Everything that touches mlx-lm internals lives here.
+"""Everything that touches mlx-lm internals lives here (and in `target_caches`).
 
-The target is an unmodified mlx-lm model. We wrap *instances* (never classes):
-tapped decoder layers record their outputs, and Gated DeltaNet mixers record
-an update tape during verification so their recurrent state can be rolled
-back to any accepted length. Two adapters in one process share nothing.
+The target is an unmodified mlx-lm model run by its own forward pass (its
+embedding scale, MoE routing, tied or untied head and logit soft-capping stay
+mlx-lm's). We wrap *instances* (never classes): tapped decoder layers record
+their outputs, the final norm records its output where the last layer is
+tapped, the LM head is reached through the adapter (so a prefill pays it for
+the last row only), and Gated DeltaNet mixers record an update tape during
+verification so their recurrent state can be rolled back to any accepted
+length. Which cache types can be rolled back, and so which families are
+supported, is decided per cache in `target_caches`. Two adapters in one
+process share nothing.
 """
 
 from typing import Any, Dict, List, Optional, Sequence
@@ -18,8 +24,14 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from .errors import DFlashError
 from .kernels import backend, gdn_replay, gdn_verify, qmm_verify
+from .target_caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind, supported_families
 
-SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_5", "qwen3_5_moe")
+
+def __getattr__(name):
+    # The supported families follow from the rollback rule (target_caches), not a list kept here.
+    if name == "SUPPORTED_FAMILIES":
+        return tuple(supported_families())
+    raise AttributeError(name)
 
 
 def initialize_rope(dims, base, scaling_config, max_position_embeddings):
@@ -42,10 +54,10 @@ def load_target(path, tokenizer_config: Optional[dict] = None):
         model_type = json.loads(cfg_path.read_text()).get("model_type")
     except FileNotFoundError:
         raise DFlashError(f"No config.json in {path}; --model must be an mlx-lm model directory, repo id or alias.")
-    if model_type not in SUPPORTED_FAMILIES:
+    ok, why = family_verdict(str(model_type))
+    if not ok:
         raise DFlashError(
-            f"Target family '{model_type}' is not supported; supported families: "
-            f"{', '.join(SUPPORTED_FAMILIES)}."
+            f"Target family '{model_type}' is not supported: {why} (`dflash-mlx doctor` lists the supported families)."
         )
     try:
         model, config = load_model(Path(path))
@@ -79,6 +91,8 @@ class _Taps:
     def __init__(self):
         self.values: Dict[int, mx.array] = {}
         self.recording = False
+        self.last_only = False
+        self.head_calls = 0
         self.tape: Dict[int, tuple] = {}
 
 
@@ -94,6 +108,8 @@ class _Wrapper(nn.Module):
 
 
 class TappedLayer(_Wrapper):
+    """A decoder layer that records its output (the hidden state, where a layer returns more)."""
+
     def __init__(self, inner: nn.Module, index: int, taps: _Taps):
         super().__init__()
         self.inner = inner
@@ -102,8 +118,62 @@ class TappedLayer(_Wrapper):
 
     def __call__(self, *args, **kwargs):
         out = self.inner(*args, **kwargs)
+        self._taps.values[self._index] = out[0] if isinstance(out, tuple) else out
+        return out
+
+
+class _FinalNorm(_Wrapper):
+    """The model's final norm: records its output, HF's entry for the last layer."""
+
+    def __init__(self, inner: nn.Module, index: int, taps: _Taps):
+        super().__init__()
+        self.inner = inner
+        self._index = index
+        self._taps = taps
+
+    def __call__(self, x):
+        out = self.inner(x)
         self._taps.values[self._index] = out
         return out
+
+
+class _HeadHook(_Wrapper):
+    """Stands in the model for its LM head (an untied `lm_head`, or a tied
+    embedding's `as_linear`): the model's own forward calls it, it calls the
+    adapter's `head` (the raw head the drafter borrows), on the last row only
+    when the adapter asks for the last position's logits."""
+
+    def __init__(self, inner: nn.Module, adapter, taps: _Taps, tied: bool):
+        super().__init__()
+        self.inner = inner
+        self._adapter = adapter
+        self._taps = taps
+        self._tied = tied
+
+    def _head(self, x):
+        self._taps.head_calls += 1
+        if self._taps.last_only:
+            x = x[:, -1:]
+        return self._adapter.head(x)
+
+    def __call__(self, x):
+        # A tied head wraps the embedding: calling it embeds.
+        return self.inner(x) if self._tied else self._head(x)
+
+    def as_linear(self, x):
+        return self._head(x) if self._tied else self.inner.as_linear(x)
+
+
+def _gdn_inputs(g, inputs):
+    """A Gated DeltaNet mixer's projections: (mixed qkv, z, b, a), for either layout."""
+    B, S, _ = inputs.shape
+    if gdn_layout(g) == "qwen3_next":
+        q, k, v, z, b, a = g.fix_query_key_value_ordering(g.in_proj_qkvz(inputs), g.in_proj_ba(inputs))
+        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return qkv, z, b, a
+    qkv = g.in_proj_qkv(inputs)
+    z = g.in_proj_z(inputs).reshape(B, S, g.num_v_heads, g.head_v_dim)
+    return qkv, z, g.in_proj_b(inputs), g.in_proj_a(inputs)
 
 
 class TapedGatedDeltaNet(_Wrapper):
@@ -111,7 +181,9 @@ class TapedGatedDeltaNet(_Wrapper):
 
     The tape (the block's k, gates and per-step deltas, the conv input and the
     state before the block) lets `rollback` rebuild the exact state after any
-    prefix with the state updates alone: no projections, no reductions.
+    prefix with the state updates alone: no projections, no reductions. Both
+    mlx-lm layouts are handled: qwen3_5's (in_proj_qkv, _z, _b, _a) and
+    qwen3_next's (in_proj_qkvz, in_proj_ba, regrouped per key head).
     """
 
     def __init__(self, inner: nn.Module, index: int, taps: _Taps):
@@ -125,10 +197,7 @@ class TapedGatedDeltaNet(_Wrapper):
             return self.inner(inputs, mask, cache)
         g = self.inner
         B, S, _ = inputs.shape
-        qkv = g.in_proj_qkv(inputs)
-        z = g.in_proj_z(inputs).reshape(B, S, g.num_v_heads, g.head_v_dim)
-        b = g.in_proj_b(inputs)
-        a = g.in_proj_a(inputs)
+        qkv, z, b, a = _gdn_inputs(g, inputs)
         conv_state = cache[0]
         if conv_state is None:
             conv_state = mx.zeros((B, g.conv_kernel_size - 1, g.conv_dim), dtype=inputs.dtype)
@@ -164,6 +233,15 @@ class TapedGatedDeltaNet(_Wrapper):
         cache[0] = conv_input[:, keep : keep + g.conv_kernel_size - 1, :]
 
 
+def _mixer(layer: nn.Module) -> Optional[nn.Module]:
+    """The Gated DeltaNet mixer of a decoder layer, if it has one the tape knows."""
+    for name in ("linear_attn", "mixer", "linear_attention"):
+        m = getattr(layer, name, None) if name in layer else None
+        if isinstance(m, nn.Module) and gdn_layout(m) is not None:
+            return m
+    return None
+
+
 class VerifyQuantizedLinear(_Wrapper):
     """A 4/8-bit affine QuantizedLinear whose 2-16 row calls go through `qmm_verify`."""
 
@@ -197,19 +275,24 @@ class TargetAdapter:
     """Runs an mlx-lm model and returns logits plus the tapped hidden states."""
 
     def __init__(self, model: nn.Module, tap_ids: Sequence[int], model_type: str = "",
-                 quantization: Optional[dict] = None):
+                 quantization: Optional[dict] = None, slack: int = DEFAULT_SLACK):
         self.model = model
         self.quantization = quantization  # the checkpoint's, as mlx-lm's config.json gives it
         self.model_type = model_type or getattr(model, "model_type", "")
         lm = getattr(model, "language_model", model)
-        self.inner = lm.model
+        self.inner = inner = getattr(lm, "model", None)
+        if inner is None or not all(a in inner for a in ("embed_tokens", "layers", "norm")):
+            raise DFlashError(
+                f"Target family '{self.model_type}' is not supported: its model has no "
+                "embed_tokens/layers/norm (the layout the adapter taps)."
+            )
         self.args = lm.args
-        self.embed_tokens = self.inner.embed_tokens
-        if getattr(self.args, "tie_word_embeddings", False) or not hasattr(lm, "lm_head"):
-            self.head = self.embed_tokens.as_linear
-        else:
-            self.head = lm.lm_head
-        layers = self.inner.layers
+        layers = inner.layers
+        if any(isinstance(m, _Wrapper) for m in layers) or isinstance(inner.norm, _Wrapper):
+            raise DFlashError("This model instance is already wrapped by another adapter; load it again.")
+        self.embed_tokens = inner.embed_tokens
+        tied = bool(getattr(self.args, "tie_word_embeddings", False)) or "lm_head" not in lm
+        self.head = self.embed_tokens.as_linear if tied else lm.lm_head
         self.num_layers = len(layers)
         self.hidden_size = self.args.hidden_size
         self.vocab_size = self.args.vocab_size
@@ -221,18 +304,46 @@ class TargetAdapter:
                 "layers; use the drafter trained for this target."
             )
         self._taps = _Taps()
+        self.slack = slack
         self._gdn: Dict[int, TapedGatedDeltaNet] = {}
+        self._kinds = self._rollback_kinds(layers)
         for i, layer in enumerate(layers):
-            if isinstance(layer, TappedLayer):
-                raise DFlashError("This model instance is already wrapped by another adapter; load it again.")
-            if hasattr(layer, "linear_attn"):
-                wrapped = TapedGatedDeltaNet(layer.linear_attn, i, self._taps)
-                layer.linear_attn = wrapped
+            if self._kinds.get(i) == "tape":
+                mixer = _mixer(layer)
+                name = next(n for n in layer if layer[n] is mixer)
+                wrapped = TapedGatedDeltaNet(mixer, i, self._taps)
+                setattr(layer, name, wrapped)
                 self._gdn[i] = wrapped
             if i in self.tap_ids and i != self.num_layers - 1:
                 layers[i] = TappedLayer(layer, i, self._taps)
+        if self.num_layers - 1 in self.tap_ids:
+            # HF reports the last layer's entry after the final norm: match it.
+            inner.norm = _FinalNorm(inner.norm, self.num_layers - 1, self._taps)
+        if tied:
+            inner.embed_tokens = _HeadHook(self.embed_tokens, self, self._taps, tied=True)
+        else:
+            lm.lm_head = _HeadHook(lm.lm_head, self, self._taps, tied=False)
+        self._checked = False
         # Only where a kernel can run: elsewhere the stock op is all qmm_verify would call.
         self.verify_linears = wrap_quantized_linears(model) if backend() is not None else 0
+
+    def _rollback_kinds(self, layers) -> Dict[int, str]:
+        """Each cache's rollback rule (`target_caches.rollback_kind`); refuses what has none."""
+        kinds = {}
+        caches = cache_lib.make_prompt_cache(self.model)
+        if len(caches) > len(layers):
+            raise DFlashError(
+                f"Target family '{self.model_type}' is not supported: its caches do not map onto its layers."
+            )
+        for i, c in enumerate(caches):
+            kind = rollback_kind(c, _mixer(layers[i]))
+            if kind is None:
+                raise DFlashError(
+                    f"Target layer {i} ({type(layers[i]).__name__}) uses a {type(c).__name__}, which cannot "
+                    f"be rolled back exactly; target family '{self.model_type}' is not supported."
+                )
+            kinds[i] = kind
+        return kinds
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -240,37 +351,50 @@ class TargetAdapter:
         return getattr(self.embed_tokens, "scales", self.embed_tokens.weight).dtype
 
     def make_cache(self) -> List[Any]:
+        """mlx-lm's caches for the model, sliding-window ones replaced by `WindowCache`s
+        with `slack` rows beyond the window (so a crop after a wrap is exact)."""
         cache = cache_lib.make_prompt_cache(self.model)
-        for i, c in enumerate(cache):
-            if isinstance(c, cache_lib.KVCache) or (
-                isinstance(c, cache_lib.ArraysCache) and i in self._gdn
-            ):
-                continue
-            raise DFlashError(
-                f"Target layer {i} uses a {type(c).__name__}, which cannot be cropped exactly; "
-                "this target is not supported."
-            )
-        return cache
+        return [
+            WindowCache(c.max_size, self.slack) if self._kinds[i] == "window" else c
+            for i, c in enumerate(cache)
+        ]
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)
 
     def __call__(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False):
-        """Logits (all positions, or the last only) and the concatenated taps."""
-        self._taps.values.clear()
-        self._taps.recording = record
+        """Logits (all positions, or the last only) and the concatenated taps.
+
+        The logits are the model's own forward pass; with `last_only` its LM
+        head sees only the last row (a prefill chunk pays the head once)."""
+        taps = self._taps
+        taps.values.clear()
+        taps.recording, taps.last_only, taps.head_calls = record, last_only, 0
+        if record and tokens.shape[1] > self.slack:
+            # A recorded pass wider than the windows' slack: keep enough to crop it.
+            self.slack = tokens.shape[1]
+            for c in cache:
+                if isinstance(c, WindowCache):
+                    c.grow_slack(self.slack)
         try:
-            h = self.inner(tokens, cache=cache)
+            logits = self.model(tokens, cache=cache)
         finally:
-            self._taps.recording = False
-        # HF reports the last layer's entry after the final norm: match it.
-        feats = [
-            h if i == self.num_layers - 1 else self._taps.values[i] for i in self.tap_ids
-        ]
-        self._taps.values.clear()
-        if last_only:
-            h = h[:, -1:]
-        return self.head(h), mx.concatenate(feats, axis=-1)
+            taps.recording = taps.last_only = False
+        feats = [taps.values[i] for i in self.tap_ids]
+        taps.values.clear()
+        if not self._checked:
+            self._check(tokens, logits, feats)
+        return logits, mx.concatenate(feats, axis=-1)
+
+    def _check(self, tokens, logits, feats):
+        """Once: the model reached its head through the adapter and the taps are hidden states."""
+        want = (*tokens.shape[:2], self.hidden_size)
+        if self._taps.head_calls != 1 or any(tuple(f.shape) != want for f in feats) or logits.shape[-1] != self.vocab_size:
+            raise DFlashError(
+                f"Target family '{self.model_type}' is not supported: its forward pass does not have the "
+                "layout the adapter taps (decoder layer outputs, final norm, LM head)."
+            )
+        self._checked = True
 
     def crop(self, cache, keep: int, width: int):
         """Keep the first `keep` of the last `width` positions (after a recorded pass)."""

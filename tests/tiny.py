@@ -84,6 +84,43 @@ def target_config(family: str, vocab_size: int) -> dict:
         return dict(target_config("qwen3_5", vocab_size), model_type="qwen3_5_moe", num_experts=4,
                     num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
                     decoder_sparse_step=1, norm_topk_prob=True)
+    if family == "qwen3_moe":
+        # Qwen3-MoE (30B-A3B style): a routed SwitchGLU MoE block in every layer.
+        return dict(common, model_type="qwen3_moe", num_hidden_layers=6, intermediate_size=128, head_dim=16,
+                    rope_theta=10000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if family == "qwen3_next":
+        # Qwen3-Next: Gated DeltaNet (in_proj_qkvz / in_proj_ba layout) + gated attention
+        # every third layer, a sparse MoE with a shared expert, an untied head.
+        return dict(common, model_type="qwen3_next", num_hidden_layers=6, intermediate_size=128, head_dim=16,
+                    tie_word_embeddings=False, full_attention_interval=3, linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                    shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=64,
+                    norm_topk_prob=True, rope_theta=10000.0, partial_rotary_factor=0.25)
+    if family == "gemma4_text":
+        # Gemma 4 (E2B/E4B style): sliding-window layers (window 8, so it wraps in a
+        # test) with full-attention layers every third, the last two layers sharing
+        # KV with earlier ones, per-layer input embeddings, a wider global head,
+        # final logit soft-capping and a tied head.
+        return dict(common, model_type="gemma4_text", num_hidden_layers=6, intermediate_size=128, head_dim=16,
+                    global_head_dim=32, num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+                    vocab_size_per_layer_input=vocab_size, sliding_window=8, sliding_window_pattern=3,
+                    final_logit_softcapping=30.0, use_double_wide_mlp=True, tie_word_embeddings=True)
+    if family == "gemma4_text_moe":
+        # Gemma 4 26B-A4B / 31B style: K = V on full-attention layers with their own
+        # KV head count, a MoE block beside the dense MLP, no per-layer inputs or KV sharing.
+        return dict(target_config("gemma4_text", vocab_size), num_kv_shared_layers=0,
+                    hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
+                    enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64)
+    if family == "gpt_oss":
+        # gpt-oss: alternating sliding (window 8) and full attention with attention
+        # sinks, biased projections, a routed MoE (SwiGLU-OAI experts), YaRN RoPE, untied head.
+        return dict(common, model_type="gpt_oss", num_hidden_layers=6, intermediate_size=64, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
+                    layer_types=["sliding_attention", "full_attention"] * 3,
+                    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 4096})
     raise ValueError(family)
 
 
@@ -99,6 +136,12 @@ def build_target(out: Path, family: str, tokenizer_dir: Path, vocab_size: int, s
         k: v * 3.0 if k.endswith("weight") and "embed" not in k and (v.ndim == 2 or "switch_mlp" in k) else v
         for k, v in tree_flatten(model.parameters())
     }
+    if family.startswith("gemma4"):
+        # Gemma scales embeddings by sqrt(hidden) and soft-caps the tied head's logits:
+        # with the default init they saturate into ties and the model repeats itself.
+        params.update({k: v * 0.1 for k, v in params.items() if "embed" in k})
+    # Attention sinks (gpt-oss) start at zero: make them matter.
+    params.update({k: mx.random.normal(v.shape) for k, v in params.items() if k.endswith("sinks")})
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), {k: v.astype(mx.float32) for k, v in params.items()})
     (out / "config.json").write_text(json.dumps(cfg))
