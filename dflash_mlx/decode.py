@@ -283,6 +283,10 @@ def stream_generate(
         prompt = tokenizer.encode(prompt)
     if len(prompt) == 0:
         raise DFlashError("The prompt is empty; give some text with --prompt or on stdin.")
+    window = getattr(target.args, "max_position_embeddings", None)
+    if window and len(prompt) > window:
+        raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {window} "
+                          "(max_position_embeddings); shorten the prompt.")
     eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
     if params.seed is not None:
         mx.random.seed(params.seed)
