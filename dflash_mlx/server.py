@@ -141,7 +141,9 @@ class Engine:
             self.pair = copy.copy(pair)  # the worker's pair: the same models, the locked tokenizer
             object.__setattr__(self.pair, "tokenizer", self.tokenizer)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self.stats = {"completed": 0, "cancelled": 0, "active": 0, "generated_tokens": 0}
+        self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "active": 0, "generated_tokens": 0}
+        # Totals over finished requests, for /metrics.
+        self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "cycles": 0, "draft_cycles": 0, "committed": 0}
         self.thread = threading.Thread(target=self._run, daemon=True, name="dflash-engine")
         self.thread.start()
 
@@ -164,6 +166,8 @@ class Engine:
                                              sampling=job.params, block_size=self.block_size, stop=job.stop,
                                              prompt_cache=self.prompt_cache):
                     self.stats["generated_tokens"] += len(event.tokens)
+                    if event.finish_reason is not None:
+                        self._count(event.stats)
                     job.events.put(event)
                     if job.cancelled.is_set():
                         break
@@ -172,12 +176,56 @@ class Engine:
                 else:
                     self.stats["completed"] += 1
             except DFlashError as e:
+                self.stats["failed"] += 1
                 job.events.put(APIError(400, str(e)))
             except Exception as e:  # keep serving whatever one request did
+                self.stats["failed"] += 1
                 job.events.put(APIError(500, f"generation failed: {e}", "server_error"))
             finally:
                 self.stats["active"] = 0
                 job.events.put(None)
+
+    def _count(self, stats):
+        t = self.totals
+        t["prompt_tokens"] += stats.prompt_tokens
+        t["cached_tokens"] += stats.cached_tokens
+        t["cycles"] += stats.cycles
+        t["draft_cycles"] += stats.draft_cycles
+        t["committed"] += sum(stats.acceptance_lengths)
+
+    def metrics(self) -> str:
+        """Counters and gauges in Prometheus' text format."""
+        t, s, pc = self.totals, self.stats, self.prompt_cache
+        rows = [
+            ("requests_total", "counter", "Requests by outcome.",
+             [({"outcome": k}, s[k]) for k in ("completed", "cancelled", "failed")]),
+            ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [({}, t["prompt_tokens"])]),
+            ("prompt_cached_tokens_total", "counter", "Prompt tokens taken from the prompt cache.",
+             [({}, t["cached_tokens"])]),
+            ("generated_tokens_total", "counter", "Tokens generated.", [({}, s["generated_tokens"])]),
+            ("cycles_total", "counter", "Verify cycles of finished requests.", [({}, t["cycles"])]),
+            ("draft_cycles_total", "counter", "Cycles that verified a draft.", [({}, t["draft_cycles"])]),
+            ("committed_tokens_total", "counter", "Tokens committed by the cycles of finished requests.",
+             [({}, t["committed"])]),
+            ("tokens_per_cycle", "gauge", "Committed tokens per cycle, over all finished requests.",
+             [({}, t["committed"] / t["cycles"] if t["cycles"] else 0.0)]),
+            ("queue_length", "gauge", "Requests waiting for the engine.", [({}, self.jobs.qsize())]),
+            ("active_requests", "gauge", "Requests being generated.", [({}, s["active"])]),
+        ]
+        if pc is not None:
+            rows += [
+                ("prompt_cache_requests_total", "counter", "Requests that looked in the prompt cache, by result.",
+                 [({"result": "hit"}, pc.hits), ({"result": "miss"}, pc.misses)]),
+                ("prompt_cache_bytes", "gauge", "Bytes the prompt cache holds.", [({}, pc.nbytes)]),
+                ("prompt_cache_entries", "gauge", "Entries the prompt cache holds.", [({}, len(pc))]),
+            ]
+        lines = []
+        for name, kind, help_, samples in rows:
+            lines += [f"# HELP dflash_{name} {help_}", f"# TYPE dflash_{name} {kind}"]
+            for labels, value in samples:
+                tag = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                lines.append(f"dflash_{name}{{{tag}}} {value}" if tag else f"dflash_{name} {value}")
+        return "\n".join(lines) + "\n"
 
     def close(self):
         self.jobs.put(None)
@@ -340,6 +388,14 @@ class Handler(BaseHTTPRequestHandler):
                                                             "misses": pc.misses, "cached_tokens": pc.cached_tokens}}
             return self._send_json(200, {"status": "ok", **self.engine.stats, "queued": self.engine.jobs.qsize(),
                                          **cache})
+        if self.path == "/metrics":
+            body = self.engine.metrics().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         if not self._authorised():
             return
         if self.path == "/v1/models":

@@ -459,14 +459,41 @@ def test_a_growing_conversation_starts_from_the_prompt_cache(targets, drafters):
         conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
         conn.request("GET", "/health")
         health = json.loads(conn.getresponse().read())
+        conn.request("GET", "/metrics")
+        reply = conn.getresponse()
+        assert reply.getheader("Content-Type").startswith("text/plain; version=0.0.4")
+        metrics = parse_metrics(reply.read().decode())
         server.shutdown()
         server.engine.close()
-        runs.append((answers, cached, health))
-    (warm, cached, health), (cold, none, plain_health) = runs
+        runs.append((answers, cached, health, metrics))
+    (warm, cached, health, metrics), (cold, none, plain_health, plain_metrics) = runs
     assert warm == cold
     assert cached[0] == 0 and all(n > 10 for n in cached[1:]) and none == [0, 0, 0]
     assert health["prompt_cache"]["hits"] == 2 and health["prompt_cache"]["bytes"] > 0
     assert "prompt_cache" not in plain_health
+
+    assert metrics['dflash_requests_total{outcome="completed"}'] == 3
+    assert metrics['dflash_prompt_cache_requests_total{result="hit"}'] == 2
+    assert metrics['dflash_prompt_cache_requests_total{result="miss"}'] == 1
+    assert metrics["dflash_prompt_cached_tokens_total"] == sum(cached)
+    assert metrics["dflash_generated_tokens_total"] == 3 * 16
+    assert metrics["dflash_committed_tokens_total"] == 3 * 16 - 3  # the first token of each comes from prefill
+    assert metrics["dflash_tokens_per_cycle"] == pytest.approx(45 / metrics["dflash_cycles_total"])
+    assert metrics["dflash_queue_length"] == 0
+    assert "dflash_prompt_cache_bytes" not in plain_metrics and plain_metrics["dflash_cycles_total"] > 0
+
+
+def parse_metrics(text):
+    """Prometheus text format -> {'name{labels}': value}, each family with HELP and TYPE."""
+    out, typed = {}, set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            assert key.split("{")[0] in typed
+            out[key] = float(value)
+    return out
 
 
 @pytest.mark.parametrize("size", ["lots", "-1GB", "4XB"])
