@@ -8,7 +8,7 @@ block-size policy (`adaptive.py`). Each cycle makes one host synchronisation
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -18,7 +18,7 @@ from .errors import DFlashError
 from .kernels import verify_accept
 from .lookup import point_masses
 from .prompt_cache import PromptCache, can_trim_prompt_cache, snapshot
-from .sampling import SamplingParams, log_probs, pick
+from .sampling import SamplingParams, greedy_log_probs, log_probs, pick
 
 
 @dataclass
@@ -61,6 +61,8 @@ class GenerationEvent:
     accepted: int  # draft tokens the target accepted this cycle
     stats: GenerationStats
     finish_reason: Optional[str] = None
+    # With `logprobs=k`: per token, (its log probability, the k most likely (token, log probability))
+    logprobs: Optional[List[Tuple[float, List[Tuple[int, float]]]]] = None
 
 
 def peak_memory_gb() -> float:
@@ -133,21 +135,59 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
     return tokens, qs[0] if len(qs) == 1 else mx.concatenate(qs)
 
 
-def verify(target, tcache, last, tokens, q_lp, params: SamplingParams):
-    """One target pass over [last, tokens]: accepted count, next token, taps."""
+class Verified(NamedTuple):
+    accepted: mx.array
+    token: mx.array  # the target's token after the accepted drafts
+    hidden: mx.array  # taps of the block
+    logprobs: Optional[tuple]  # `token_logprobs` of the block's rows, when asked for
+
+
+class Stepped(NamedTuple):
+    token: mx.array
+    hidden: mx.array
+    logprobs: Optional[tuple]
+
+
+def token_logprobs(logits: mx.array, chosen: mx.array, k: int):
+    """mlx-lm's log probabilities (`logits - logsumexp`) of `chosen` [n] in each
+    row of `logits` [n, V], and each row's k most likely tokens (unordered)."""
+    lp = greedy_log_probs(logits)
+    mine = mx.take_along_axis(lp, chosen[:, None].astype(mx.uint32), axis=-1)[:, 0]
+    if k == 0:
+        return (mine.astype(mx.float32),)
+    top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    return mine.astype(mx.float32), top, mx.take_along_axis(lp, top, axis=-1).astype(mx.float32)
+
+
+def logprob_rows(values, n: int):
+    """`token_logprobs` results (evaluated) -> n rows of (log probability, [(token, log probability)] best first)."""
+    lists = [v.tolist() for v in values]
+    tops = [sorted(zip(*row), key=lambda t: -t[1]) for row in zip(*lists[1:])] if len(lists) > 1 else [[]] * n
+    return list(zip(lists[0][:n], tops[:n]))
+
+
+def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Optional[int] = None) -> Verified:
+    """One target pass over [last, tokens]: accepted count, next token, taps
+    (and with `top`, the log probabilities of the tokens it commits)."""
     block = mx.concatenate([last, tokens])
     logits, hidden = target(block[None], tcache, record=True)
     accepted, nxt = verify_accept(tokens, logits[0], params, q_lp)
-    return accepted, nxt, hidden
+    lps = None
+    if top is not None:
+        rows = mx.arange(block.shape[0])
+        ahead = mx.concatenate([tokens, nxt.reshape(1).astype(tokens.dtype)])
+        lps = token_logprobs(logits[0], mx.where(rows == accepted, nxt.astype(tokens.dtype), ahead), top)
+    return Verified(accepted, nxt, hidden, lps)
 
 
-def step(target, tcache, last, params: SamplingParams, record: bool = False):
+def step(target, tcache, last, params: SamplingParams, record: bool = False, top: Optional[int] = None) -> Stepped:
     """One plain decoding step, as mlx-lm's: the token after `last`, and the taps.
 
     The loop records nothing for a rollback: a plain step is never cropped.
     """
     logits, hidden = target(last[None], tcache, record=record)
-    return pick(logits[0, -1], params), hidden
+    token = pick(logits[0, -1], params)
+    return Stepped(token, hidden, None if top is None else token_logprobs(logits[0, -1:], token.reshape(1), top))
 
 
 def cycle_parts(pair, n: int):
@@ -181,7 +221,7 @@ def cycle_parts(pair, n: int):
             step(target, tcache, last, greedy, record=True)[0].item()
             target.crop(tcache, 0, 1)
             return
-        n_acc, nxt, _ = verify(target, tcache, last, tokens, None, greedy)
+        n_acc, nxt = verify(target, tcache, last, tokens, None, greedy)[:2]
         mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)]).tolist()
         target.crop(tcache, 0, w)
 
@@ -264,6 +304,7 @@ def stream_generate(
     draft_source: Optional[DraftSource] = None,
     lookup: bool = True,
     prompt_cache: Optional[PromptCache] = None,
+    logprobs: Optional[int] = None,
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash, yielding one event per verify cycle.
 
@@ -271,9 +312,13 @@ def stream_generate(
     n-gram lookup over the prompt and the text so far) as well as from the
     drafter; a fixed block size always drafts with the drafter alone. With a
     `prompt_cache`, the longest prefix of the prompt it holds is not computed
-    again, and this request's caches are kept there when it ends.
+    again, and this request's caches are kept there when it ends. With
+    `logprobs=k`, each event has the log probability of each token and the
+    k most likely tokens at its position (mlx-lm's: from the target's logits).
     """
     params = sampling or SamplingParams()
+    if logprobs is not None and logprobs < 0:
+        raise DFlashError(f"logprobs must be >= 0 (got {logprobs}).")
     target, tokenizer = pair.target, pair.tokenizer
     source = draft_source or pair.draft_source
     policy = block_policy(pair, source, block_size)
@@ -313,6 +358,10 @@ def stream_generate(
                            before_last=None if trimmable else keep)
     first = pick(logits, params)
     last = first.reshape(1)
+    lps = None if logprobs is None else token_logprobs(logits[None], last, logprobs)
+    if lps is not None:
+        mx.eval(first, lps)
+        lps = logprob_rows(lps, 1)
     tokens = [first.item()]
     stats.cached_tokens = reused
     stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
@@ -329,6 +378,7 @@ def stream_generate(
             if t in eos:
                 tokens, finish = tokens[:i], "stop"
                 break
+        lps = lps and lps[: len(tokens)]
         left = max_tokens - stats.generation_tokens - len(tokens)
         if finish is None and left <= 0:
             finish = "length"
@@ -345,7 +395,7 @@ def stream_generate(
             width = min(plan.width, left)
             plan = Plan(width, min(plan.copied, width - 1, len(offer)))
             if plan.width == 1:
-                pending = step(target, tcache, last, params)
+                pending = step(target, tcache, last, params, top=logprobs)
             else:
                 if plan.drafts:  # the drafter catches up on the context it has not seen
                     hidden = mx.concatenate(taps, axis=1) if len(taps) > 1 else (taps or [None])[0]
@@ -353,19 +403,20 @@ def stream_generate(
                 else:
                     hidden = None
                 d_tokens, q_lp = draft(source, dstate, last, hidden, plan.width, params, offer[: plan.copied])
-                pending = verify(target, tcache, last, d_tokens, q_lp, params)
+                pending = verify(target, tcache, last, d_tokens, q_lp, params, top=logprobs)
             mx.async_eval(pending)
 
         segment, kept, stopped = text.add(tokens, final=finish is not None)
         if stopped:  # later tokens, and the cycle in flight, are dropped
             tokens, finish = tokens[:kept], "stop"
+            lps = lps and lps[:kept]
         stats.generation_tokens += len(tokens)
 
         elapsed = time.perf_counter() - tic
         stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 else 0.0
         stats.peak_memory_gb = peak_memory_gb()
         stats.finish_reason = finish
-        yield GenerationEvent(segment, tokens, accepted, stats, finish)
+        yield GenerationEvent(segment, tokens, accepted, stats, finish, lps)
         if finish is not None:
             if prompt_cache is not None:
                 keep_caches(prompt_cache, target, source, dstate, tcache, history, taps,
@@ -377,22 +428,27 @@ def stream_generate(
             # Plain decoding runs one step ahead, as mlx-lm's generate_step
             # does: the next step is launched before the host reads this token,
             # unless a lookup draft might be worth waiting for it.
-            nxt, hidden = pending
+            nxt, hidden, lps = pending
             context = len(prompt) + stats.generation_tokens + 1
             if max_tokens - stats.generation_tokens > 1 and not (
                     lookup and source.may_offer(dstate) and sizer.lookup_pays(context)):
                 nxt_plan = sizer.choose(context)
                 if nxt_plan == PLAIN:
-                    ahead = step(target, tcache, nxt.reshape(1), params)
+                    ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs)
                     mx.async_eval(ahead)
+            if lps is not None:
+                mx.eval(nxt, lps)
+                lps = logprob_rows(lps, 1)
             accepted, tokens = 0, [nxt.item()]  # the cycle's one host synchronisation
             history += tokens
         else:
-            n_acc, nxt, hidden = pending
+            n_acc, nxt, hidden, lps = pending
             out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens,
                                   nxt.reshape(1).astype(d_tokens.dtype)])
-            values = out.tolist()  # the cycle's one host synchronisation
+            mx.eval(out, lps)  # the cycle's one host synchronisation
+            values = out.tolist()
             accepted = values[0]
+            lps = lps and logprob_rows(lps, accepted + 1)
             tokens = values[1 : 1 + accepted] + [values[-1]]
             history += tokens
             target.crop(tcache, accepted + 1, plan.width)
@@ -419,7 +475,7 @@ def keep_caches(prompt_cache, target, source, dstate, tcache, history, taps, inf
     """
     rows = len(history) - 1
     if inflight is not None:
-        hidden = inflight[-1]
+        hidden = inflight.hidden
         if plan.width > 1:
             target.crop(tcache, 1, plan.width)
             hidden = hidden[:, :1]

@@ -40,8 +40,6 @@ POLL_S = 0.05  # how often a waiting handler checks that its client is still the
 # off, and 1 is the multiplicative identity, so both count as unset.
 UNSUPPORTED = {
     "n": lambda v: v not in (None, 1),
-    "logprobs": lambda v: v not in (None, False),
-    "top_logprobs": lambda v: v is not None,
     "presence_penalty": lambda v: v not in (None, 0, 0.0),
     "frequency_penalty": lambda v: v not in (None, 0, 0.0),
     "repetition_penalty": lambda v: v not in (None, 0, 0.0, 1, 1.0),
@@ -112,6 +110,7 @@ class Job:
     max_tokens: int
     params: SamplingParams
     stop: List[str]
+    logprobs: Optional[int] = None  # how many top tokens to report per token (None: no log probabilities)
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # the handler has seen the engine's last event (None)
@@ -164,7 +163,7 @@ class Engine:
             try:
                 for event in stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
                                              sampling=job.params, block_size=self.block_size, stop=job.stop,
-                                             prompt_cache=self.prompt_cache):
+                                             prompt_cache=self.prompt_cache, logprobs=job.logprobs):
                     self.stats["generated_tokens"] += len(event.tokens)
                     if event.finish_reason is not None:
                         self._count(event.stats)
@@ -344,6 +343,16 @@ def parse_request(engine: Engine, body: Any, chat: bool):
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4):
         raise APIError(400, "'stop' must be a string or a list of up to 4 strings.", param="stop")
     stream = _get(body, "stream", bool, False, None, "a boolean")
+    if chat:
+        top = _get(body, "top_logprobs", int, None, lambda v: 0 <= v <= 20, "an integer from 0 to 20")
+        if not _get(body, "logprobs", bool, False, None, "a boolean"):
+            if top is not None:
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+            logprobs = None
+        else:
+            logprobs = top or 0
+    else:
+        logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= 20, "an integer from 0 to 20")
     params = SamplingParams(temp=float(temp), top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed)
 
     prompt = _tokenize(engine, body, chat)
@@ -353,7 +362,7 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         raise APIError(400, f"The prompt has {len(prompt)} tokens; this server accepts at most "
                             f"{engine.max_prompt_tokens}.", param="messages" if chat else "prompt",
                        code="context_length_exceeded")
-    return Job(prompt, max_tokens, params, stop), stream
+    return Job(prompt, max_tokens, params, stop, logprobs), stream
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -492,16 +501,20 @@ class Handler(BaseHTTPRequestHandler):
                 yield event
 
     def _complete(self, job: Job, chat: bool):
-        text, stats, finish = [], None, None
+        text, stats, finish, tokens, lps = [], None, None, [], []
         for event in self._events(job):
             if isinstance(event, APIError):
                 return self._send_json(event.status, event.body())
             text.append(event.text)
             stats, finish = event.stats, event.finish_reason
+            tokens += event.tokens
+            lps += event.logprobs or []
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         content = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+        logprobs = None if job.logprobs is None else self._logprobs(tokens, lps, chat)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+                   "finish_reason": finish}
+                  if chat else {"index": 0, "text": content, "finish_reason": finish, "logprobs": logprobs})
         self._send_json(200, {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": self.engine.model_id, "choices": [choice], "usage": _usage(stats),
@@ -517,15 +530,15 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
 
-        def chunk(delta_text, finish, first=False, usage=None):
+        def chunk(delta_text, finish, first=False, usage=None, logprobs=None):
             if chat:
                 delta = {"content": delta_text} if delta_text or not first else {"role": "assistant", "content": ""}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
                        "model": self.engine.model_id, "choices": [choice]}
             else:
                 obj = {"id": rid, "object": "text_completion", "created": created, "model": self.engine.model_id,
-                       "choices": [{"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": None}]}
+                       "choices": [{"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": logprobs}]}
             if usage is not None:
                 obj["usage"] = usage
             self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
@@ -533,15 +546,38 @@ class Handler(BaseHTTPRequestHandler):
 
         if chat:
             chunk("", None, first=True)
+        tokens, lps = [], []  # held until a chunk carries them (text may lag its tokens)
         for event in self._events(job):
             if isinstance(event, APIError):
                 self.wfile.write(f"data: {json.dumps(event.body())}\n\n".encode())
                 break
+            tokens += event.tokens
+            lps += event.logprobs or []
             if event.text or event.finish_reason:
+                logprobs = None if job.logprobs is None or not tokens else self._logprobs(tokens, lps, chat)
                 chunk(event.text, event.finish_reason,
-                      usage=_usage(event.stats) if event.finish_reason else None)
+                      usage=_usage(event.stats) if event.finish_reason else None, logprobs=logprobs)
+                tokens, lps = [], []
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
+
+
+    def _logprobs(self, tokens, lps, chat: bool):
+        """OpenAI's logprobs object: chat's `content` list, or the completions API's parallel lists."""
+        tok = self.engine.tokenizer
+        text = [tok.decode([t]) for t in tokens]
+        if chat:
+            def entry(s, lp):
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+            return {"content": [dict(entry(s, lp), top_logprobs=[entry(tok.decode([i]), v) for i, v in top])
+                                for s, (lp, top) in zip(text, lps)], "refusal": None}
+        offsets, at = [], 0
+        for s in text:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": text, "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{tok.decode([i]): v for i, v in top} for _, top in lps], "text_offset": offsets}
 
 
 def _usage(stats) -> Dict[str, Any]:

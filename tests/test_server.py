@@ -187,6 +187,10 @@ def raw_post(url, path, body, headers=None):
          "'logit_bias' is not supported yet"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "xtc_probability": 0.5}, 400,
          "'xtc_probability' is not supported yet"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+         "'top_logprobs' needs 'logprobs': true"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+         400, "'top_logprobs' must be an integer from 0 to 20"),
     ],
 )
 def test_bad_requests_get_openai_style_errors(served, body, status, words):
@@ -501,3 +505,33 @@ def test_a_bad_prompt_cache_size_is_one_clear_line(size):
     r = CliRunner().invoke(app, ["serve", "--prompt-cache-bytes", size])
     assert r.exit_code == 1
     assert f"--prompt-cache-bytes takes a size such as 8GB, 512MB or 0 (got '{size}')" in r.output
+
+
+def test_logprobs_chat_and_completions_streamed_or_not(client, served):
+    """The numbers are the loop's own (checked against mlx-lm in test_logprobs); here
+    every token gets its entry, in OpenAI's shapes, streamed or not."""
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 12
+    assert "".join(c.token for c in content).replace("\ufffd", "") == r.choices[0].message.content.replace("\ufffd", "")
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob
+        assert c.logprob <= 0 and c.top_logprobs[0].logprob >= c.logprob - 1e-6  # greedy takes the best
+        assert bytes(c.bytes).decode() == c.token
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, logprobs=True,
+                                            top_logprobs=3, stream=True)
+    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs
+                for c in choice.logprobs.content]
+    assert [(c.token, round(c.logprob, 5)) for c in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=10, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
+    bare = lambda t: t.replace("\ufffd", "")  # noqa: E731 (a character split over tokens shows in each)
+    assert bare("".join(lp.tokens)) == bare(r.choices[0].text) and lp.text_offset[0] == 0
+    assert all(len(t) <= 2 and max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
