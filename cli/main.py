@@ -442,7 +442,7 @@ def bench(
 
 @app.command()
 def doctor():
-    """List the custom kernels and whether each runs on this machine."""
+    """List the custom kernels and whether each runs on this machine, and the supported target families."""
     import os
     import platform
 
@@ -461,7 +461,20 @@ def doctor():
     colours = {"active": "green", "fallback": "yellow", "unavailable": "dim", "reference": "cyan"}
     for name, summary, state, reason in kernels.report():
         table.add_row(name, f"[{colours.get(state, 'white')}]{state}[/]", reason, summary)
-    Console(highlight=False).print(table)
+    out = Console(highlight=False, soft_wrap=True)
+    out.print(table)
+    # Target families: every mlx-lm family whose caches all have a rollback rule.
+    from dflash_mlx.target_caches import CI_TESTED, supported_families
+
+    families = supported_families()
+    groups = {}
+    for family, caches in families.items():
+        groups.setdefault(caches, []).append(family)
+    out.print(f"Target families ({len(families)} of mlx-lm's, by the cache rollback rule; "
+              "others are refused at load with the reason):")
+    for caches, names in sorted(groups.items(), key=lambda g: (len(g[0]), g[0])):
+        out.print(f"  {escape(caches)}: {', '.join(names)}")
+    out.print(f"  tested in CI against plain mlx-lm decoding: {', '.join(CI_TESTED)}")
 
 
 if __name__ == "__main__":

@@ -281,6 +281,8 @@ class TargetAdapter:
         self.model_type = model_type or getattr(model, "model_type", "")
         lm = getattr(model, "language_model", model)
         self.inner = inner = getattr(lm, "model", None)
+        # The cache rule first: a family is refused for the cache it cannot roll back.
+        self._kinds = self._rollback_kinds(getattr(lm, "layers", None) or getattr(inner, "layers", []))
         if inner is None or not all(a in inner for a in ("embed_tokens", "layers", "norm")):
             raise DFlashError(
                 f"Target family '{self.model_type}' is not supported: its model has no "
@@ -306,7 +308,6 @@ class TargetAdapter:
         self._taps = _Taps()
         self.slack = slack
         self._gdn: Dict[int, TapedGatedDeltaNet] = {}
-        self._kinds = self._rollback_kinds(layers)
         for i, layer in enumerate(layers):
             if self._kinds.get(i) == "tape":
                 mixer = _mixer(layer)

@@ -29,6 +29,10 @@ from mlx_lm.models.base import create_causal_mask
 # loop runs (a drafter block of 16); a wider recorded pass grows it.
 DEFAULT_SLACK = 16
 
+# Families whose tiny random models CI decodes against plain mlx-lm (tests/test_families.py
+# checks this list against what it runs); the rule admits more, untested.
+CI_TESTED = ("qwen3", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "gemma4_text", "gpt_oss")
+
 # Gated DeltaNet projection layouts the update tape knows, by the attributes
 # that identify them on a mixer instance.
 GDN_LAYOUTS = {
@@ -157,8 +161,11 @@ class WindowCache(cache_lib.RotatingKVCache):
                 mx.concatenate([self._read(self.values, E - old, old), values], axis=2),
             )
             M = self.capacity
-            self._write(self.keys, E + n - M, keys[..., -M:, :] if n > M else keys)
-            self._write(self.values, E + n - M, values[..., -M:, :] if n > M else values)
+            if n > M:  # only the last M positions fit
+                E, keys, values = E + n - M, keys[..., -M:, :], values[..., -M:, :]
+            self._write(self.keys, E, keys)
+            self._write(self.values, E, values)
+            E = self.offset
         self.offset = E + n
         self._floor = max(self._floor, self.offset - self.capacity)
         return out
