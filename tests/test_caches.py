@@ -89,3 +89,93 @@ def test_sliding_layer_is_causal_and_windowed(pairs):
     # query 12 sees keys 7..12 (window 6, causal); query 14 sees 9..14
     assert mask[0].tolist() == [False, False, True, True, True, True, True, True, False, False]
     assert mask[2].tolist() == [False] * 4 + [True] * 6
+
+
+# -- the sliding-window cache with slack (Gemma 4, gpt-oss) -------------------
+
+def _window_reference(history_k, history_v, queries, start, window):
+    """Attention of queries at positions start.. over exactly the last `window` positions of the history."""
+    outs = []
+    for j in range(queries.shape[2]):
+        p = start + j
+        lo = max(0, p - window + 1)
+        outs.append(mx.fast.scaled_dot_product_attention(
+            queries[:, :, j : j + 1], history_k[:, :, lo : p + 1], history_v[:, :, lo : p + 1], scale=0.5, mask=None))
+    return mx.concatenate(outs, axis=2)
+
+
+def _window_pass(cache, k, v, q, window):
+    mask = cache.make_mask(q.shape[2], window_size=window)
+    keys, values = cache.update_and_fetch(k, v)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.5, mask=mask)
+
+
+@pytest.mark.parametrize("window, slack", [(8, 16), (5, 3)])
+def test_window_cache_shows_each_query_exactly_its_window_through_crops(window, slack):
+    """Passes of every kind (a long prefill chunk, passes within the slack, single
+    steps) with crops of up to `slack` rows after each, long after the ring
+    wrapped: each query attends to exactly the last `window` committed positions."""
+    from dflash_mlx.target_caches import WindowCache
+
+    mx.random.seed(7)
+    B, H, D = 1, 2, 8
+    cache = WindowCache(window, slack)
+    hist_k = mx.zeros((B, H, 0, D))
+    hist_v = mx.zeros((B, H, 0, D))
+    # (pass width, rows cropped after it)
+    plan = [(30, 0), (1, 0), (slack, slack - 1), (3, 2), (1, 0), (slack + 1, 0), (2, 1)] + \
+           [(w, c) for w in range(1, slack + 1) for c in sorted({0, w // 2, min(w, slack) - 1})]
+    plan += [(40, 0), (4, 4), (slack, slack)] + [(1, 0)] * 5
+    for width, crop in plan:
+        k, v, q = (mx.random.normal((B, H, width, D)) for _ in range(3))
+        start = cache.offset
+        out = _window_pass(cache, k, v, q, window)
+        hist_k = mx.concatenate([hist_k[:, :, :start], k], axis=2)
+        hist_v = mx.concatenate([hist_v[:, :, :start], v], axis=2)
+        want = _window_reference(hist_k, hist_v, q, start, window)
+        assert mx.allclose(out, want, atol=1e-5).item(), (width, crop, start)
+        before = cache.keys
+        cache.trim(crop)
+        assert cache.keys is before  # a crop moves the offset: nothing is copied
+        assert cache.offset == start + width - crop
+    assert cache.offset > 4 * cache.capacity  # the ring wrapped many times
+    assert cache.keys.shape[2] == window + slack  # and never held more than window + slack rows
+
+
+def test_window_cache_refuses_a_crop_beyond_its_slack_and_grows_it():
+    from dflash_mlx.target_caches import WindowCache
+
+    cache = WindowCache(8, 4)
+    k = mx.random.normal((1, 1, 40, 4))
+    cache.update_and_fetch(k, k)
+    with pytest.raises(ValueError, match="slack"):
+        cache.trim(6)
+    cache.trim(5)  # slack + 1: the window before the new end is still whole
+    cache.update_and_fetch(k[:, :, :5], k[:, :, :5])
+    cache.grow_slack(12)  # a wider recorded pass is coming: one copy, then exact crops of up to 12
+    q = mx.random.normal((1, 1, 12, 4))
+    hist = mx.concatenate([k[:, :, :35], k[:, :, :5]], axis=2)
+    new = mx.random.normal((1, 1, 12, 4))
+    out = _window_pass(cache, new, new, q, 8)
+    hist = mx.concatenate([hist, new], axis=2)
+    assert mx.allclose(out, _window_reference(hist, hist, q, 40, 8), atol=1e-5).item()
+    cache.trim(12)
+    one = mx.random.normal((1, 1, 1, 4))
+    out = _window_pass(cache, one, one, one, 8)
+    hist = mx.concatenate([hist[:, :, :40], one], axis=2)
+    assert mx.allclose(out, _window_reference(hist, hist, one, 40, 8), atol=1e-5).item()
+
+
+def test_window_cache_equals_mlx_lm_rotating_cache_in_plain_decoding():
+    """Prefill then single steps, no crops: the same attention as mlx-lm's RotatingKVCache."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from dflash_mlx.target_caches import WindowCache
+
+    mx.random.seed(3)
+    ours, theirs = WindowCache(8, 16), RotatingKVCache(max_size=8)
+    for width in [13, 5] + [1] * 40:
+        k, v, q = (mx.random.normal((1, 2, width, 8)) for _ in range(3))
+        a = _window_pass(ours, k, v, q, 8)
+        b = _window_pass(theirs, k, v, q, 8)
+        assert mx.allclose(a, b, atol=1e-5).item(), width
