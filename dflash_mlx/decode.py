@@ -18,7 +18,7 @@ from .errors import DFlashError
 from .kernels import verify_accept
 from .lookup import point_masses
 from .prompt_cache import PromptCache, can_trim_prompt_cache, snapshot
-from .sampling import SamplingParams, greedy_log_probs, log_probs, pick
+from .sampling import Processed, SamplingParams, greedy_log_probs, log_probs, pick
 
 
 @dataclass
@@ -110,12 +110,14 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
     return logits[0, -1], held
 
 
-def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copied: Sequence[int] = ()):
+def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copied: Sequence[int] = (),
+          proc: Optional[Processed] = None):
     """Draft tokens [width - 1] (and their log probabilities when sampling).
 
     `copied` tokens (a lookup's) take the first positions, each a certain
     draft (a point mass); the drafter fills the rest, and is not run when
-    nothing is left to fill.
+    nothing is left to fill. With logits processors (`proc`), each drafter
+    position is processed after the drafts before it, so they go one by one.
     """
     tokens, qs, n = [], [], len(copied)
     if n:
@@ -124,11 +126,16 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
             qs.append(point_masses(tokens[0], source.vocab_size))
     if n < width - 1:
         logits = source.propose(dstate, last, hidden, width)[n:]
-        if params.greedy:
-            tokens.append(mx.argmax(logits, axis=-1))
-        else:
-            qs.append(log_probs(logits, params))
-            tokens.append(mx.random.categorical(qs[-1]))
+        rows = [logits] if not proc else [None] * logits.shape[0]
+        for i, row in enumerate(rows):
+            if proc:
+                before = mx.concatenate(tokens) if len(tokens) > 1 else (tokens or [None])[0]
+                row = proc.row(logits[i : i + 1], before)
+            if params.greedy:
+                tokens.append(mx.argmax(row, axis=-1).astype(mx.uint32))
+            else:
+                qs.append(log_probs(row, params))
+                tokens.append(mx.random.categorical(qs[-1]).astype(mx.uint32))
     tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
     if params.greedy:
         return tokens, None
@@ -166,11 +173,13 @@ def logprob_rows(values, n: int):
     return list(zip(lists[0][:n], tops[:n]))
 
 
-def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Optional[int] = None) -> Verified:
+def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Optional[int] = None,
+           proc: Optional[Processed] = None) -> Verified:
     """One target pass over [last, tokens]: accepted count, next token, taps
     (and with `top`, the log probabilities of the tokens it commits)."""
     block = mx.concatenate([last, tokens])
     logits, hidden = target(block[None], tcache, record=True)
+    logits = logits[None, 0] if not proc else proc(logits[0], tokens)[None]
     accepted, nxt = verify_accept(tokens, logits[0], params, q_lp)
     lps = None
     if top is not None:
@@ -180,14 +189,16 @@ def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Opti
     return Verified(accepted, nxt, hidden, lps)
 
 
-def step(target, tcache, last, params: SamplingParams, record: bool = False, top: Optional[int] = None) -> Stepped:
+def step(target, tcache, last, params: SamplingParams, record: bool = False, top: Optional[int] = None,
+         proc: Optional[Processed] = None) -> Stepped:
     """One plain decoding step, as mlx-lm's: the token after `last`, and the taps.
 
     The loop records nothing for a rollback: a plain step is never cropped.
     """
     logits, hidden = target(last[None], tcache, record=record)
-    token = pick(logits[0, -1], params)
-    return Stepped(token, hidden, None if top is None else token_logprobs(logits[0, -1:], token.reshape(1), top))
+    logits = logits[0, -1:] if not proc else proc.row(logits[0, -1:])
+    token = pick(logits[0], params)
+    return Stepped(token, hidden, None if top is None else token_logprobs(logits, token.reshape(1), top))
 
 
 def cycle_parts(pair, n: int):
@@ -305,6 +316,7 @@ def stream_generate(
     lookup: bool = True,
     prompt_cache: Optional[PromptCache] = None,
     logprobs: Optional[int] = None,
+    logits_processors: Sequence = (),
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash, yielding one event per verify cycle.
 
@@ -315,6 +327,8 @@ def stream_generate(
     again, and this request's caches are kept there when it ends. With
     `logprobs=k`, each event has the log probability of each token and the
     k most likely tokens at its position (mlx-lm's: from the target's logits).
+    `logits_processors` (mlx-lm's, e.g. `make_logits_processors` penalties and
+    logit bias) apply at every position, drafts included, as in mlx-lm.
     """
     params = sampling or SamplingParams()
     if logprobs is not None and logprobs < 0:
@@ -356,8 +370,11 @@ def stream_generate(
     trimmable = prompt_cache is None or can_trim_prompt_cache(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
                            before_last=None if trimmable else keep)
+    proc = Processed(logits_processors, prompt)
+    logits = proc.row(logits[None])[0] if proc else logits
     first = pick(logits, params)
     last = first.reshape(1)
+    proc.commit(last)
     lps = None if logprobs is None else token_logprobs(logits[None], last, logprobs)
     if lps is not None:
         mx.eval(first, lps)
@@ -395,15 +412,15 @@ def stream_generate(
             width = min(plan.width, left)
             plan = Plan(width, min(plan.copied, width - 1, len(offer)))
             if plan.width == 1:
-                pending = step(target, tcache, last, params, top=logprobs)
+                pending = step(target, tcache, last, params, top=logprobs, proc=proc)
             else:
                 if plan.drafts:  # the drafter catches up on the context it has not seen
                     hidden = mx.concatenate(taps, axis=1) if len(taps) > 1 else (taps or [None])[0]
                     taps = []
                 else:
                     hidden = None
-                d_tokens, q_lp = draft(source, dstate, last, hidden, plan.width, params, offer[: plan.copied])
-                pending = verify(target, tcache, last, d_tokens, q_lp, params, top=logprobs)
+                d_tokens, q_lp = draft(source, dstate, last, hidden, plan.width, params, offer[: plan.copied], proc)
+                pending = verify(target, tcache, last, d_tokens, q_lp, params, top=logprobs, proc=proc)
             mx.async_eval(pending)
 
         segment, kept, stopped = text.add(tokens, final=finish is not None)
@@ -429,12 +446,13 @@ def stream_generate(
             # does: the next step is launched before the host reads this token,
             # unless a lookup draft might be worth waiting for it.
             nxt, hidden, lps = pending
+            proc.commit(nxt.reshape(1))
             context = len(prompt) + stats.generation_tokens + 1
             if max_tokens - stats.generation_tokens > 1 and not (
                     lookup and source.may_offer(dstate) and sizer.lookup_pays(context)):
                 nxt_plan = sizer.choose(context)
                 if nxt_plan == PLAIN:
-                    ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs)
+                    ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs, proc=proc)
                     mx.async_eval(ahead)
             if lps is not None:
                 mx.eval(nxt, lps)
@@ -451,6 +469,7 @@ def stream_generate(
             lps = lps and logprob_rows(lps, accepted + 1)
             tokens = values[1 : 1 + accepted] + [values[-1]]
             history += tokens
+            proc.commit(mx.array(tokens))
             target.crop(tcache, accepted + 1, plan.width)
         taps.append(hidden[:, : accepted + 1])
         if len(taps) == 256:  # a long run without the drafter: bound what is held, in one batched projection

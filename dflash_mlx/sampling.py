@@ -70,3 +70,39 @@ def pick(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.greedy:
         return mx.argmax(greedy_log_probs(logits), axis=-1)
     return mx.random.categorical(log_probs(logits, params))
+
+
+class Processed:
+    """mlx-lm logits processors (penalties, logit bias: `make_logits_processors`)
+    applied at every block position with the tokens before that position.
+
+    mlx-lm calls each processor as `processor(tokens, logits [1, V])` with the
+    prompt and every token fed so far; a verify block row i (after the block's
+    first i drafts) sees the committed tokens and those drafts, so each row gets
+    exactly the logits plain decoding would have given its position.
+    """
+
+    def __init__(self, processors, prompt):
+        self.processors = list(processors)
+        self.seen = mx.array(list(prompt)) if self.processors else None  # the prompt and every committed token
+
+    def __bool__(self):
+        return bool(self.processors)
+
+    def commit(self, tokens: mx.array) -> None:
+        if self.processors:
+            self.seen = mx.concatenate([self.seen, tokens.astype(self.seen.dtype)])
+
+    def row(self, logits: mx.array, before: Optional[mx.array] = None) -> mx.array:
+        """One row [1, V] after the committed tokens and then `before`."""
+        tokens = self.seen if before is None or before.size == 0 else mx.concatenate(
+            [self.seen, before.astype(self.seen.dtype)])
+        for p in self.processors:
+            logits = p(tokens, logits)
+        return logits
+
+    def __call__(self, logits: mx.array, drafts: mx.array) -> mx.array:
+        """Rows [n, V] of a block [last, drafts]: row i after the first i drafts."""
+        if not self.processors:
+            return logits
+        return mx.concatenate([self.row(logits[i : i + 1], drafts[:i]) for i in range(logits.shape[0])])

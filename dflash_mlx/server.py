@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
+from mlx_lm.sample_utils import make_logits_processors
+
 from .decode import stream_generate
 from .prompt_cache import PromptCache
 from .errors import DFlashError
@@ -40,11 +42,7 @@ POLL_S = 0.05  # how often a waiting handler checks that its client is still the
 # off, and 1 is the multiplicative identity, so both count as unset.
 UNSUPPORTED = {
     "n": lambda v: v not in (None, 1),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "repetition_penalty": lambda v: v not in (None, 0, 0.0, 1, 1.0),
     "xtc_probability": lambda v: v not in (None, 0, 0.0),
-    "logit_bias": lambda v: v not in (None, {}),
     "tools": lambda v: v not in (None, []),
     "response_format": lambda v: v not in (None, {"type": "text"}),
     "echo": lambda v: v not in (None, False),
@@ -111,6 +109,7 @@ class Job:
     params: SamplingParams
     stop: List[str]
     logprobs: Optional[int] = None  # how many top tokens to report per token (None: no log probabilities)
+    processors: list = field(default_factory=list)  # mlx-lm logits processors (penalties, logit bias)
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # the handler has seen the engine's last event (None)
@@ -163,7 +162,8 @@ class Engine:
             try:
                 for event in stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
                                              sampling=job.params, block_size=self.block_size, stop=job.stop,
-                                             prompt_cache=self.prompt_cache, logprobs=job.logprobs):
+                                             prompt_cache=self.prompt_cache, logprobs=job.logprobs,
+                                             logits_processors=job.processors):
                     self.stats["generated_tokens"] += len(event.tokens)
                     if event.finish_reason is not None:
                         self._count(event.stats)
@@ -354,6 +354,7 @@ def parse_request(engine: Engine, body: Any, chat: bool):
     else:
         logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= 20, "an integer from 0 to 20")
     params = SamplingParams(temp=float(temp), top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed)
+    processors = _processors(body, engine)
 
     prompt = _tokenize(engine, body, chat)
     if not prompt:
@@ -362,7 +363,42 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         raise APIError(400, f"The prompt has {len(prompt)} tokens; this server accepts at most "
                             f"{engine.max_prompt_tokens}.", param="messages" if chat else "prompt",
                        code="context_length_exceeded")
-    return Job(prompt, max_tokens, params, stop, logprobs), stream
+    return Job(prompt, max_tokens, params, stop, logprobs, processors), stream
+
+
+def _processors(body, engine: Engine) -> list:
+    """mlx-lm's logits processors for the request's penalties and logit bias (as mlx-lm's server reads them)."""
+    number = (int, float)
+    penalties = {}
+    for name, check, what in (("repetition_penalty", lambda v: v > 0, "a positive number"),
+                              ("presence_penalty", lambda v: -2 <= v <= 2, "a number from -2 to 2"),
+                              ("frequency_penalty", lambda v: -2 <= v <= 2, "a number from -2 to 2")):
+        value = _get(body, name, number, None, check, what)
+        neutral = 1 if name == "repetition_penalty" else 0
+        if value is not None and value != neutral:
+            penalties[name] = float(value)
+            size = name.replace("penalty", "context_size")
+            penalties[size] = _get(body, size, int, 20, lambda v: v >= 1, "a positive integer")
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise APIError(400, "'logit_bias' must be an object mapping token ids to biases.", param="logit_bias")
+    vocab = engine.pair.target.vocab_size
+    parsed = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if not 0 <= token < vocab:
+            raise APIError(400, f"'logit_bias' key {key!r} is not a token id of this model (0 to {vocab - 1}).",
+                           param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, number) or not -100 <= value <= 100:
+            raise APIError(400, f"'logit_bias' values must be numbers from -100 to 100 (got {value!r}).",
+                           param="logit_bias")
+        parsed[token] = float(value)
+    if not penalties and not parsed:
+        return []
+    return make_logits_processors(logit_bias=parsed or None, **penalties)
 
 
 class Handler(BaseHTTPRequestHandler):

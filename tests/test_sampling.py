@@ -90,13 +90,13 @@ def exact_distribution(model, params):
     return seqs, np.exp(np.array(picked))
 
 
-def sample_counts(pair, params, n, source=None, block_size=BLOCK):
+def sample_counts(pair, params, n, source=None, block_size=BLOCK, **kw):
     mx.random.seed(1234)
     counts, accepted_first, cycles = {}, 0, 0
     for _ in range(n):
         toks, events = [], []
         for ev in dflash_mlx.stream_generate(pair, PROMPT, max_tokens=N_TOKENS, sampling=params,
-                                             block_size=block_size, draft_source=source):
+                                             block_size=block_size, draft_source=source, **kw):
             toks += ev.tokens
             events.append(ev)
         counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
@@ -231,3 +231,34 @@ def test_greedy_pick_uses_mlx_lm_log_probabilities_in_the_model_dtype():
     # Rows of a batch are picked the same way, each on its own.
     rows = mx.stack([logits, logits[::-1]])
     assert gen.pick(rows, SamplingParams()).tolist() == [want, mlx_lm_greedy(logits[::-1]).item()]
+
+
+def test_penalties_keep_sampling_exact(small_pair):
+    """With mlx-lm's repetition and presence penalties, each position's p (and
+    the drafter's q) is processed after the tokens before it, drafts included:
+    DFlash samples exactly the processed target's sequences."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0)
+    settings = dict(repetition_penalty=1.8, presence_penalty=0.8)
+    seqs = list(itertools.product(range(V), repeat=N_TOKENS))
+    logits = model(mx.array([PROMPT + list(s) for s in seqs]))
+    procs = make_logits_processors(**settings)
+    probs = []
+    for j, s in enumerate(seqs):
+        total = 0.0
+        for i in range(N_TOKENS):
+            row = logits[j : j + 1, len(PROMPT) - 1 + i]
+            for p in procs:
+                row = p(mx.array(PROMPT + list(s[:i])), row)
+            total += log_probs(row, params)[0, s[i]].item()
+        probs.append(math.exp(total))
+    probs = np.array(probs)
+    assert abs(probs.sum() - 1) < 1e-4
+    plain_seqs, plain = exact_distribution(model, params)
+    assert np.abs(plain - probs).max() > 0.01  # the penalties matter here
+    counts, accepted = sample_counts(pair, params, SAMPLES, TemperedTarget(model),
+                                     logits_processors=make_logits_processors(**settings))
+    assert accepted > 0.3  # drafts are accepted, so processed rows after drafts are exercised
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA

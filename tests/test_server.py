@@ -162,8 +162,8 @@ def raw_post(url, path, body, headers=None):
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
         ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n' is not supported"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 3}}, 400,
-         "logit_bias"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"abc": 3}}, 400,
+         "'logit_bias' key 'abc' is not a token id of this model"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}, 400, "at most 200"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20001}, 400,
          "'max_tokens' is too large: 20001. This server generates at most 20000"),
@@ -177,14 +177,18 @@ def raw_post(url, path, body, headers=None):
           "chat_template_kwargs": {"enable_thinking": "no"}}, 400, "'enable_thinking' must be a boolean"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
           "chat_template_kwargs": {"tokenize": True}}, 400, "may not set tokenize"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.1}, 400,
-         "'repetition_penalty' is not supported yet"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400,
-         "'presence_penalty' is not supported yet"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -0.5}, 400,
-         "'frequency_penalty' is not supported yet"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": -100}}, 400,
-         "'logit_bias' is not supported yet"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, 400,
+         "'repetition_penalty' must be a positive number"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, 400,
+         "'presence_penalty' must be a number from -2 to 2"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": "x"}, 400,
+         "'frequency_penalty' must be a number from -2 to 2"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": -101}}, 400,
+         "'logit_bias' values must be numbers from -100 to 100"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999": 1}}, 400,
+         "'logit_bias' key '99999' is not a token id"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.2,
+          "repetition_context_size": 0}, 400, "'repetition_context_size' must be a positive integer"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "xtc_probability": 0.5}, 400,
          "'xtc_probability' is not supported yet"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
@@ -535,3 +539,26 @@ def test_logprobs_chat_and_completions_streamed_or_not(client, served):
     bare = lambda t: t.replace("\ufffd", "")  # noqa: E731 (a character split over tokens shows in each)
     assert bare("".join(lp.tokens)) == bare(r.choices[0].text) and lp.text_offset[0] == 0
     assert all(len(t) <= 2 and max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_penalties_and_logit_bias_are_mlx_lm_processors(client, served):
+    """What the server generates with penalties is what the loop generates with
+    mlx-lm's own processors for them (the loop is checked against mlx-lm in test_penalties)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    pair = served[0]
+    prompt = "Once upon a time there was a tiny language model that could count"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  presence_penalty=1.5, frequency_penalty=0.5,
+                                  extra_body={"repetition_penalty": 1.3, "repetition_context_size": 8})
+    procs = make_logits_processors(repetition_penalty=1.3, repetition_context_size=8, presence_penalty=1.5,
+                                   frequency_penalty=0.5)
+    want, _ = dflash_mlx.generate(pair, prompt, max_tokens=16, logits_processors=procs)
+    plain, _ = dflash_mlx.generate(pair, prompt, max_tokens=16)
+    assert r.choices[0].text == want != plain
+
+    token = pair.tokenizer.encode(" fox")[-1]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  logit_bias={str(token): 100})
+    assert pair.tokenizer.encode(r.choices[0].text) == [token] * 6 or r.choices[0].text == \
+        pair.tokenizer.decode([token] * 6)
