@@ -33,6 +33,7 @@ from .prompt_cache import PromptCache
 from .errors import DFlashError
 from .prompt import build_chat_prompt
 from .sampling import SamplingParams
+from .tools import ToolError, check_tools, splitter, template_messages, tool_choice
 
 MAX_BODY = 4 * 1024 * 1024
 POLL_S = 0.05  # how often a waiting handler checks that its client is still there
@@ -43,7 +44,6 @@ POLL_S = 0.05  # how often a waiting handler checks that its client is still the
 UNSUPPORTED = {
     "n": lambda v: v not in (None, 1),
     "xtc_probability": lambda v: v not in (None, 0, 0.0),
-    "tools": lambda v: v not in (None, []),
     "response_format": lambda v: v not in (None, {"type": "text"}),
     "echo": lambda v: v not in (None, False),
     "best_of": lambda v: v not in (None, 1),
@@ -110,6 +110,7 @@ class Job:
     stop: List[str]
     logprobs: Optional[int] = None  # how many top tokens to report per token (None: no log probabilities)
     processors: list = field(default_factory=list)  # mlx-lm logits processors (penalties, logit bias)
+    tools: Optional[list] = None  # the request's tools: calls in the output are parsed
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # the handler has seen the engine's last event (None)
@@ -258,15 +259,17 @@ def _chat_prompt(tok, messages, thinking, extra) -> List[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def _tokenize(engine: Engine, body, chat: bool) -> List[int]:
+def _tokenize(engine: Engine, body, chat: bool, tools: Optional[list] = None) -> List[int]:
     tok = engine.tokenizer
     if chat:
         messages = _get(body, "messages", list, None, lambda v: len(v) > 0, "a non-empty list of messages")
         if messages is None:
             raise APIError(400, "'messages' is required.", param="messages")
-        for m in messages:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise APIError(400, "Each message needs a string 'role' and a string 'content'.", param="messages")
+        try:
+            messages = template_messages(messages)
+            shown = tool_choice(body.get("tool_choice"), tools)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param)
         extra = body.get("chat_template_kwargs")
         if extra is None:
             extra = {}
@@ -276,7 +279,7 @@ def _tokenize(engine: Engine, body, chat: bool) -> List[int]:
         if reserved:
             raise APIError(400, f"'chat_template_kwargs' may not set {', '.join(reserved)}.",
                            param="chat_template_kwargs")
-        extra = dict(extra)
+        extra = dict(extra, **shown)
         thinking, where = extra.pop("enable_thinking", None), "chat_template_kwargs"
         if body.get("enable_thinking") is not None:
             thinking, where = body["enable_thinking"], "enable_thinking"
@@ -356,14 +359,26 @@ def parse_request(engine: Engine, body: Any, chat: bool):
     params = SamplingParams(temp=float(temp), top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed)
     processors = _processors(body, engine)
 
-    prompt = _tokenize(engine, body, chat)
+    tools = None
+    if chat and body.get("tools"):
+        try:
+            tools = check_tools(body["tools"])
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param)
+        with engine.tokenizer_lock:
+            if not engine.tokenizer.has_tool_calling:
+                raise APIError(400, "This model's chat template has no tool calling (mlx-lm found no tool-call "
+                                    "format for it); send the request without 'tools'.", param="tools")
+        if body.get("tool_choice") == "none":
+            tools = None  # not shown to the model, and its text is not parsed for calls
+    prompt = _tokenize(engine, body, chat, tools)
     if not prompt:
         raise APIError(400, "The prompt is empty.", param="messages" if chat else "prompt")
     if len(prompt) > engine.max_prompt_tokens:
         raise APIError(400, f"The prompt has {len(prompt)} tokens; this server accepts at most "
                             f"{engine.max_prompt_tokens}.", param="messages" if chat else "prompt",
                        code="context_length_exceeded")
-    return Job(prompt, max_tokens, params, stop, logprobs, processors), stream
+    return Job(prompt, max_tokens, params, stop, logprobs, processors, tools), stream
 
 
 def _processors(body, engine: Engine) -> list:
@@ -548,8 +563,14 @@ class Handler(BaseHTTPRequestHandler):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         content = "".join(text)
         logprobs = None if job.logprobs is None else self._logprobs(tokens, lps, chat)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                   "finish_reason": finish}
+        message = {"role": "assistant", "content": content}
+        split = splitter(self.engine.tokenizer, job.tools)
+        if split is not None:
+            content, calls = split.feed(content, final=True)
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        choice = ({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
                   if chat else {"index": 0, "text": content, "finish_reason": finish, "logprobs": logprobs})
         self._send_json(200, {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -566,9 +587,11 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
 
-        def chunk(delta_text, finish, first=False, usage=None, logprobs=None):
+        def chunk(delta_text, finish, first=False, usage=None, logprobs=None, calls=()):
             if chat:
                 delta = {"content": delta_text} if delta_text or not first else {"role": "assistant", "content": ""}
+                if calls:
+                    delta = dict(delta if delta_text else {}, tool_calls=calls)
                 choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
                        "model": self.engine.model_id, "choices": [choice]}
@@ -583,16 +606,22 @@ class Handler(BaseHTTPRequestHandler):
         if chat:
             chunk("", None, first=True)
         tokens, lps = [], []  # held until a chunk carries them (text may lag its tokens)
+        split = splitter(self.engine.tokenizer, job.tools) if chat else None
         for event in self._events(job):
             if isinstance(event, APIError):
                 self.wfile.write(f"data: {json.dumps(event.body())}\n\n".encode())
                 break
             tokens += event.tokens
             lps += event.logprobs or []
-            if event.text or event.finish_reason:
+            text, calls, finish = event.text, [], event.finish_reason
+            if split is not None:
+                text, calls = split.feed(text, final=finish is not None)
+                calls = [dict(c, index=split.calls - len(calls) + i) for i, c in enumerate(calls)]
+                if finish == "stop" and split.calls:
+                    finish = "tool_calls"
+            if text or calls or finish:
                 logprobs = None if job.logprobs is None or not tokens else self._logprobs(tokens, lps, chat)
-                chunk(event.text, event.finish_reason,
-                      usage=_usage(event.stats) if event.finish_reason else None, logprobs=logprobs)
+                chunk(text, finish, usage=_usage(event.stats) if finish else None, logprobs=logprobs, calls=calls)
                 tokens, lps = [], []
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()

@@ -1,0 +1,189 @@
+"""Tool calls over real HTTP with the official openai client.
+
+The target is a tiny qwen3 built from mlx-lm's class whose weights make it a
+bigram chain (attention and MLP outputs zeroed, the head mapping each token to
+its successor), so after the chat template's assistant turn it writes one
+tool call in the json_tools format; its tokenizer's chat template renders tools
+as Qwen-style templates do, and mlx-lm infers the tool parser from it.
+"""
+
+import json
+import threading
+
+import mlx.core as mx
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+
+import dflash_mlx
+from dflash_mlx.server import make_server
+
+openai = pytest.importorskip("openai")
+MODEL = "tiny-tools"
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TEMPLATE = (
+    "{% if tools %}<|system|>{% for t in tools %}{{ t.function.name }};{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<|assistant|>{{ m.content }}"
+    "{% for c in m.tool_calls %}{% set tool_call = c.function %}"
+    "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}</tool_call>"
+    "{% endfor %}<|end|>"
+    "{% elif m.role == 'tool' %}<|tool|>{{ m.content }}<|end|>"
+    "{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tool_pair(tmp_path_factory):
+    from mlx_lm.utils import _get_classes
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("tools")
+    tiny.train_tokenizer(root / "tok")
+    tok = Tokenizer.from_file(str(root / "tok" / "tokenizer.json"))
+    tok.add_tokens(["<tool_call>", "</tool_call>", CALL, "<|tool|>"])
+    target = root / "target"
+    target.mkdir()
+    tok.save(str(target / "tokenizer.json"))
+    cfg = json.loads((root / "tok" / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=TEMPLATE)))
+    V = tok.get_vocab_size()
+    ids = tok.get_vocab()
+    chain = [ids[t] for t in ["<|assistant|>", "<tool_call>", CALL, "</tool_call>", "<|end|>"]]
+
+    config = dict(tiny.target_config("qwen3", V), tie_word_embeddings=False)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(3)
+    model = model_cls(args_cls.from_dict(config))
+    params = dict(tree_flatten(model.parameters()))
+    params = {k: mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v
+              for k, v in params.items()}
+    emb = mx.random.normal((V, config["hidden_size"]))
+    normed = emb * mx.rsqrt((emb * emb).mean(-1, keepdims=True) + 1e-6)
+    head = mx.zeros((V, config["hidden_size"]))
+    for a, b in zip(chain, chain[1:]):
+        head[b] = normed[a] * (20.0 / config["hidden_size"])
+    params.update({"model.embed_tokens.weight": emb, "lm_head.weight": head})
+    mx.save_safetensors(str(target / "model.safetensors"), params)
+    (target / "config.json").write_text(json.dumps(config))
+    drafter = tiny.build_drafter(root / "drafter",
+                                 tiny.drafter_config("old", V, 6, mask_token_id=ids["<|mask|>"]))
+    return dflash_mlx.load(str(target), str(drafter))
+
+
+@pytest.fixture(scope="module")
+def client(tool_pair):
+    server = make_server(tool_pair, MODEL, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x", max_retries=0,
+                        timeout=120)
+    server.shutdown()
+    server.engine.close()
+
+
+def ask(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                          max_tokens=16, temperature=0, **kw)
+
+
+def test_the_model_writes_a_call_and_the_server_returns_it_as_tool_calls(client):
+    r = ask(client, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+    # Without tools nothing is parsed: the text is the model's.
+    plain = ask(client)
+    assert plain.choices[0].message.content == f"<tool_call>{CALL}</tool_call>"
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
+    # tool_choice "none" does not show the tools, nor parse calls.
+    assert ask(client, tools=TOOLS, tool_choice="none").choices[0].message.tool_calls is None
+
+
+def test_streamed_tool_call_deltas(client):
+    chunks = list(ask(client, tools=TOOLS, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert text == ""  # the call's text is not streamed as content
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_conversation_with_a_tool_result(client, tool_pair):
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=16, temperature=0)
+    rendered = tool_pair.tokenizer.apply_chat_template(
+        [messages[0], dict(messages[1], content="", tool_calls=[{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris"}}}]), messages[2]],
+        tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert f"<tool_call>{CALL}</tool_call>" in rendered and "<|tool|>sunny, 21 C<|end|>" in rendered
+    assert r.usage.prompt_tokens == len(tool_pair.tokenizer.encode(rendered, add_special_tokens=False))
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"tool_choice": "required"}, "'tool_choice' may be \"auto\" or \"none\""),
+    ({"tools": [{"type": "function"}]}, "'tools' must be a list of"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "Tool call arguments of 'f' are not valid JSON"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "Only text content parts"),
+])
+def test_bad_tool_requests_are_clear_400s(client, extra, words):
+    body = dict({"tools": TOOLS}, **{k: v for k, v in extra.items() if k != "messages"})
+    messages = extra.get("messages", [{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **body)
+    assert words in e.value.message
+
+
+def test_a_model_without_tool_calling_refuses_tools(served_plain):
+    with pytest.raises(openai.BadRequestError, match="has no tool calling"):
+        served_plain.chat.completions.create(model="tiny-qwen3", messages=[{"role": "user", "content": "hi"}],
+                                             tools=TOOLS, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def served_plain(pairs):
+    server = make_server(pairs["qwen3"], "tiny-qwen3", "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x", max_retries=0)
+    server.shutdown()
+    server.engine.close()
+
+
+def test_the_splitter_holds_back_split_markers_and_keeps_bad_calls_as_text():
+    from mlx_lm.tool_parsers import json_tools
+
+    from dflash_mlx.tools import ToolCallSplitter
+
+    text = (f"Let me check.<tool_call>{CALL}</tool_call> and <tool_call>"
+            '{"name": "get_time", "arguments": {}}</tool_call><tool_call>not json</tool_call> done <tool_')
+    for size in (1, 3, 7, len(text)):
+        split = ToolCallSplitter(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call,
+                                 TOOLS)
+        content, calls = "", []
+        pieces = [text[i: i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            c, k = split.feed(piece, final=i == len(pieces) - 1)
+            assert "<tool_call>{" not in c
+            content += c
+            calls += k
+        assert content == "Let me check. and <tool_call>not json done <tool_"
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Paris"}), ("get_time", {})]
