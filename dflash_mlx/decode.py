@@ -34,6 +34,7 @@ class GenerationStats:
     acceptance_lengths: List[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
     finish_reason: Optional[str] = None
+    stop_sequence: Optional[str] = None  # the stop string that ended the text, if one did
 
     @property
     def mean_acceptance(self) -> float:
@@ -252,6 +253,7 @@ class _TextStream:
         self.ids: List[int] = []  # committed so far (kept only when there are stop strings)
         self.text = ""
         self.emitted = 0
+        self.matched: Optional[str] = None  # the stop string found
 
     def add(self, tokens: List[int], final: bool):
         """Returns (new text, how many of `tokens` to keep, whether a stop string ended the text)."""
@@ -266,7 +268,7 @@ class _TextStream:
             for s in self.stop:
                 i = self.text.find(s, max(0, self.emitted - len(s)))
                 if i >= 0:
-                    self.text = self.text[:i]
+                    self.text, self.matched = self.text[:i], s
                     return self._flush(i), self._needed(tokens, s), True
             self.ids += tokens
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
@@ -427,6 +429,7 @@ def stream_generate(
         if stopped:  # later tokens, and the cycle in flight, are dropped
             tokens, finish = tokens[:kept], "stop"
             lps = lps and lps[:kept]
+            stats.stop_sequence = text.matched
         stats.generation_tokens += len(tokens)
 
         elapsed = time.perf_counter() - tic

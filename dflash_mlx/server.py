@@ -33,6 +33,7 @@ from .prompt_cache import PromptCache
 from .errors import DFlashError
 from .prompt import build_chat_prompt
 from .sampling import SamplingParams
+from . import messages_api
 from .tools import ToolError, check_tools, splitter, template_messages, tool_choice
 
 MAX_BODY = 4 * 1024 * 1024
@@ -435,7 +436,8 @@ class Handler(BaseHTTPRequestHandler):
     def _authorised(self) -> bool:
         if not self.api_key:
             return True
-        if self.headers.get("Authorization", "") == f"Bearer {self.api_key}":
+        if (self.headers.get("Authorization", "") == f"Bearer {self.api_key}"
+                or self.headers.get("x-api-key", "") == self.api_key):  # Anthropic's clients send x-api-key
             return True
         self._send_json(401, APIError(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
                                       "authentication_error", code="invalid_api_key").body())
@@ -480,7 +482,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         if not self._authorised():
             return
-        chat = self.path == "/v1/chat/completions"
+        messages = self.path == "/v1/messages"  # Anthropic's Messages API
+        chat = self.path == "/v1/chat/completions" or messages
         if not chat and self.path != "/v1/completions":
             return self._send_json(404, APIError(404, f"No route {self.path}.", code="not_found").body())
         try:
@@ -489,20 +492,27 @@ class Handler(BaseHTTPRequestHandler):
                 body = json.loads(self.rfile.read(length) or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise APIError(400, f"The request body is not valid JSON: {e}.")
+            if messages:
+                try:
+                    body = messages_api.to_chat(body)
+                except messages_api.BadRequest as e:
+                    raise APIError(400, str(e), param=e.param)
             job, stream = parse_request(self.engine, body, chat)
         except APIError as e:
             self.close_connection = True
-            return self._send_json(e.status, e.body())
+            return self._send_error(e, messages)
         except DFlashError as e:
             self.close_connection = True
-            return self._send_json(400, APIError(400, str(e)).body())
+            return self._send_error(APIError(400, str(e)), messages)
         except Exception as e:  # a bug, not the client's fault: still an answer, not a dropped connection
             self.close_connection = True
-            return self._send_json(500, APIError(500, f"The request could not be handled: {e}",
-                                                 "server_error").body())
+            return self._send_error(APIError(500, f"The request could not be handled: {e}", "server_error"),
+                                    messages)
         self.engine.submit(job)
         try:
-            if stream:
+            if messages:
+                self._messages(job, stream)
+            elif stream:
                 self._stream(job, chat)
             else:
                 self._complete(job, chat)
@@ -626,6 +636,53 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
+
+    def _send_error(self, e: APIError, anthropic: bool):
+        if not anthropic:
+            return self._send_json(e.status, e.body())
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+        if e.status >= 500:
+            kind = "api_error"
+        self._send_json(e.status, {"type": "error", "error": {"type": kind, "message": e.message}})
+
+    def _messages(self, job: Job, stream: bool):
+        """Anthropic's Messages API: one message, or its stream of events."""
+        split = splitter(self.engine.tokenizer, job.tools)
+        model = self.engine.model_id
+        if not stream:
+            text, stats, finish = [], None, None
+            for event in self._events(job):
+                if isinstance(event, APIError):
+                    return self._send_error(event, True)
+                text.append(event.text)
+                stats, finish = event.stats, event.finish_reason
+            content, calls = split.feed("".join(text), final=True) if split else ("".join(text), [])
+            return self._send_json(200, messages_api.message(model, content, calls, finish,
+                                                             stats.stop_sequence if stats else None, stats))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+        def send(events):
+            for name, obj in events:
+                self.wfile.write(f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode())
+            self.wfile.flush()
+
+        out = messages_api.EventStream(model)
+        send(out.start())
+        for event in self._events(job):
+            if isinstance(event, APIError):
+                send([("error", {"type": "error", "error": {"type": "api_error", "message": event.message}})])
+                return
+            text, calls = split.feed(event.text, final=event.finish_reason is not None) if split else (event.text, [])
+            send(out.text(text))
+            for call in calls:
+                send(out.call(call))
+            if event.finish_reason is not None:
+                send(out.end(event.finish_reason, event.stats.stop_sequence, event.stats))
 
     def _logprobs(self, tokens, lps, chat: bool):
         """OpenAI's logprobs object: chat's `content` list, or the completions API's parallel lists."""

@@ -1,0 +1,173 @@
+"""The Anthropic Messages API (`POST /v1/messages`) on top of the OpenAI chat path.
+
+A request is translated into the equivalent chat completion request (system
+prompt, text and tool blocks, tools, stop sequences); the answer's text and
+tool calls become content blocks, as one message or as Anthropic's stream of
+events.
+"""
+
+import json
+import uuid
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+        return "".join(str(b.get("text", "")) for b in content)
+    raise BadRequest(f"{where} must be a string or a list of text blocks.", "messages")
+
+
+def _message(m) -> List[dict]:
+    """One Anthropic message -> chat messages (tool results become `tool` messages)."""
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise BadRequest("Each message needs 'role' \"user\" or \"assistant\" and 'content'.", "messages")
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": m["role"], "content": content}]
+    if not isinstance(content, list):
+        raise BadRequest("A message's 'content' must be a string or a list of content blocks.", "messages")
+    text, calls, results = [], [], []
+    for b in content:
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            text.append(str(b.get("text", "")))
+        elif kind == "tool_use" and m["role"] == "assistant":
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b.get("name"), "arguments": b.get("input", {})}})
+        elif kind == "tool_result" and m["role"] == "user":
+            results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                            "content": _text(b.get("content", ""), "A tool_result's content")})
+        else:
+            raise BadRequest(f"Content blocks of type {kind!r} are not supported in a {m['role']} message "
+                             "(text; tool_use from the assistant; tool_result from the user).", "messages")
+    out = results
+    if text or calls or not results:
+        msg = {"role": m["role"], "content": "".join(text)}
+        if calls:
+            msg["tool_calls"] = calls
+        out = out + [msg]
+    return out
+
+
+def to_chat(body: Any) -> Dict[str, Any]:
+    """The chat completion request equivalent to a Messages API request."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
+        raise BadRequest("'max_tokens' is required: a positive integer.", "max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list.", "messages")
+    chat = [m for msg in messages for m in _message(msg)]
+    if body.get("system") is not None:
+        chat.insert(0, {"role": "system", "content": _text(body["system"], "'system'")})
+    out = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream") if k in body}
+    out["messages"] = chat
+    if body.get("stop_sequences") is not None:
+        stops = body["stop_sequences"]
+        if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+            raise BadRequest("'stop_sequences' must be a list of strings.", "stop_sequences")
+        out["stop"] = stops
+    tools = body.get("tools")
+    if tools:
+        if not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                                for t in tools)):
+            raise BadRequest("'tools' must be a list of {\"name\", \"description\", \"input_schema\"} objects.",
+                             "tools")
+        out["tools"] = [{"type": "function", "function": {
+            "name": t["name"], "description": t.get("description", ""),
+            "parameters": t.get("input_schema", {"type": "object"})}} for t in tools]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind not in ("auto", "none", "any", "tool"):
+            raise BadRequest("'tool_choice' must be {\"type\": \"auto\"}, {\"type\": \"none\"}, ...", "tool_choice")
+        out["tool_choice"] = kind if kind in ("auto", "none") else "required"
+    return out
+
+
+def stop_reason(finish: Optional[str], stop_sequence: Optional[str], calls: bool) -> str:
+    if calls:
+        return "tool_use"
+    if finish == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def tool_use(call: dict) -> dict:
+    """An OpenAI tool call (from the splitter) as a tool_use block."""
+    args = call["function"]["arguments"]
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+            "input": json.loads(args) if isinstance(args, str) else args}
+
+
+def usage(stats, output_tokens: Optional[int] = None) -> Dict[str, int]:
+    cached = stats.cached_tokens if stats is not None else 0
+    prompt = stats.prompt_tokens if stats is not None else 0
+    return {"input_tokens": prompt - cached, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
+            "output_tokens": output_tokens if output_tokens is not None else
+            (stats.generation_tokens if stats is not None else 0)}
+
+
+def message(model: str, text: str, calls: List[dict], finish, stop_seq, stats) -> Dict[str, Any]:
+    content = ([{"type": "text", "text": text}] if text else []) + [tool_use(c) for c in calls]
+    return {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": stop_reason(finish, stop_seq, bool(calls)),
+            "stop_sequence": stop_seq, "usage": usage(stats)}
+
+
+class EventStream:
+    """Anthropic's streaming events for one message, from text deltas and tool calls."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.index = -1
+        self.open: Optional[str] = None  # the kind of the block being streamed
+        self.calls = 0
+
+    def start(self) -> Iterator[Tuple[str, dict]]:
+        yield "message_start", {"type": "message_start", "message": {
+            "id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(None, 0)}}
+
+    def _close(self):
+        if self.open is not None:
+            yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+            self.open = None
+
+    def text(self, text: str):
+        if not text:
+            return
+        if self.open != "text":
+            yield from self._close()
+            self.index, self.open = self.index + 1, "text"
+            yield "content_block_start", {"type": "content_block_start", "index": self.index,
+                                          "content_block": {"type": "text", "text": ""}}
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "text_delta", "text": text}}
+
+    def call(self, call: dict):
+        yield from self._close()
+        block = tool_use(call)
+        self.index, self.calls = self.index + 1, self.calls + 1
+        yield "content_block_start", {"type": "content_block_start", "index": self.index,
+                                      "content_block": dict(block, input={})}
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
+        yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+
+    def end(self, finish, stop_seq, stats):
+        yield from self._close()
+        yield "message_delta", {"type": "message_delta",
+                                "delta": {"stop_reason": stop_reason(finish, stop_seq, self.calls > 0),
+                                          "stop_sequence": stop_seq},
+                                "usage": usage(stats)}
+        yield "message_stop", {"type": "message_stop"}
