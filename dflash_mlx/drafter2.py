@@ -121,22 +121,23 @@ class CandidateSelector(nn.Module):
     def project(self, hidden: mx.array) -> mx.array:
         return self.hidden_projection(hidden).astype(mx.float32)
 
-    def walk(self, hidden: mx.array, logits: mx.array, anchor: mx.array,
-             pick: Callable[[mx.array], mx.array] = lambda s: mx.argmax(s, axis=-1),
-             transform: Callable[[mx.array], mx.array] = lambda s: s):
+    def walk(self, hidden: mx.array, logits: mx.array, anchor: mx.array, choose: Optional[Callable] = None):
         """The selector's path from `anchor` (the token before the first position).
 
         hidden [L, D] (the drafter's output), logits [L, V] (its draft logits).
-        Each position's candidate rows are `transform`ed and `pick` chooses one,
-        which is the next position's predecessor. Returns the path [L], the
-        candidates [L, k] and the transformed rows [L, k].
+        At each position `choose(cand [k], scores [k], path so far)` returns
+        the index of the chosen candidate and the row it chose from (default:
+        the argmax of the scores, and the scores); the choice is the next
+        position's predecessor. Returns the path [L], the candidates [L, k]
+        and the rows [L, k].
         """
+        choose = choose or (lambda cand, s, path: (mx.argmax(s, axis=-1), s))
         cand, unary = self.candidates(logits)
         h = self.project(hidden)
         prev, path, rows = anchor.reshape(()), [], []
         for i in range(cand.shape[0]):
-            row = transform(self.scores(h[i], cand[i], unary[i], prev))
-            prev = mx.take(cand[i], pick(row))
+            index, row = choose(cand[i], self.scores(h[i], cand[i], unary[i], prev), path)
+            prev = mx.take(cand[i], index)
             path.append(prev)
             rows.append(row)
         return mx.stack(path), cand, mx.stack(rows)
@@ -199,22 +200,33 @@ class DFlash2DraftSource(DFlashDraftSource):
         return spread(cand, scores, logits.shape[-1])
 
     def propose_path(self, state, last, hidden, width: int, params: SamplingParams,
-                     prefix: Sequence[int] = ()):
+                     prefix: Sequence[int] = (), process: Optional[Callable] = None):
         """Draft tokens [width - 1 - len(prefix)] after `prefix` (tokens already
         drafted at the first positions, e.g. a lookup's) and, when sampling,
-        the log probabilities [same, V] each was drawn from."""
+        the log probabilities [same, V] each was drawn from.
+
+        `process(row [1, V], drafts before it)` (the loop's logits processors)
+        is applied to each position's row, -inf outside the candidates, before
+        the choice.
+        """
         h, logits = self.draft_logits(state, last, hidden, width)
-        n = len(prefix)
-        anchor = mx.array(prefix[-1], dtype=last.dtype) if n else last
-        selector = self.drafter.candidate_selector
-        if params.greedy:
-            return selector.walk(h[n:], logits[n:], anchor)[0], None
-        tokens, cand, lp = selector.walk(
-            h[n:], logits[n:], anchor,
-            pick=mx.random.categorical,
-            transform=lambda s: log_probs(s, params),
-        )
-        return tokens, spread(cand, lp, logits.shape[-1])
+        n, V = len(prefix), logits.shape[-1]
+        before = [mx.array(prefix, dtype=mx.uint32)] if n else []
+        anchor = before[0][-1] if n else last
+
+        def choose(cand, scores, path):
+            if process is not None:
+                drafted = before + [mx.stack(path).astype(mx.uint32)] if path else before
+                drafted = mx.concatenate(drafted) if drafted else None
+                scores = mx.take(process(spread(cand[None], scores[None], V), drafted)[0], cand)
+            if params.greedy:
+                return mx.argmax(scores, axis=-1), scores
+            row = log_probs(scores, params)
+            return mx.random.categorical(row), row
+
+        tokens, cand, rows = self.drafter.candidate_selector.walk(h[n:], logits[n:], anchor, choose)
+        tokens = tokens.astype(mx.uint32)
+        return (tokens, None) if params.greedy else (tokens, spread(cand, rows, V))
 
 
 def drafter_class(config: DrafterConfig):

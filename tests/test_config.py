@@ -245,9 +245,9 @@ def test_unsupported_family_is_refused(tmp_path, targets, drafters):
     d = tmp_path / "phi"
     d.mkdir()
     cfg = json.loads((targets["qwen3"] / "config.json").read_text())
-    cfg["model_type"] = "phi3"
+    cfg["model_type"] = "mamba"  # recurrent layers without a rollback rule
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(DFlashError, match="family 'phi3' is not supported"):
+    with pytest.raises(DFlashError, match="family 'mamba' is not supported"):
         dflash_mlx.load(str(d), str(drafters["old"]))
 
 

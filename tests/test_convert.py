@@ -468,3 +468,91 @@ def test_bad_option_values(tmp_path, good_src):
                         (["-q", "--q-group-size", "48"], "--q-group-size")]:
         r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(tmp_path / "o"), *args])
         assert r.exit_code == 1 and words in r.stderr
+
+
+# --- DFlash 2 -----------------------------------------------------------------
+
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def dflash2_drafter(seed=0):
+    from transformers import Qwen3Config
+
+    cfg = tiny.drafter_config("new", V, 8, mask_token_id=3, sliding=True, output_multiplier=0.8)
+    cfg.update(architectures=["DFlash2DraftModel"], is_causal=False, layer_types=["sliding_attention"] * 2)
+    cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=6)
+    torch.manual_seed(seed)
+    model = reference.DFlash2DraftModel(Qwen3Config(**cfg)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 1.0 if "codebook" in name else 0.2)
+    return model, cfg
+
+
+def _publish(src):
+    """Codebooks as published checkpoints store them: without `.weight`."""
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(src / "model.safetensors"))
+    w.update({k: w.pop(f"{k}.weight") for k in CODEBOOKS})
+    save_file(w, str(src / "model.safetensors"))
+
+
+@pytest.mark.parametrize("fmt, published, tol", [
+    ("safetensors", True, 2e-5),
+    ("safetensors", False, 2e-5),
+    ("bin-nested", False, 2e-5),
+    ("bf16-safetensors", True, 1e-1),
+])
+def test_dflash2_checkpoint_converts_with_its_codebooks(tmp_path, fmt, published, tol):
+    from safetensors import safe_open
+
+    from dflash_mlx.drafter2 import DFlash2Drafter
+
+    ref, cfg = dflash2_drafter()
+    src = save_checkpoint(ref, cfg, tmp_path / "src", fmt)
+    if published:
+        _publish(src)
+    result = convert_drafter(str(src), str(tmp_path / "mlx"), dtype="float32" if tol < 1e-3 else None)
+    out = json.loads((result.path / "config.json").read_text())
+    assert out["architectures"] == ["DFlash2DraftModel"]
+    assert {k: out["dflash_config"][k] for k in cfg["dflash_config"]} == cfg["dflash_config"]
+    assert out["is_causal"] is False
+    with safe_open(str(result.path / "model.safetensors"), framework="numpy") as f:
+        keys = set(f.keys())
+    assert set(CODEBOOKS) <= keys and not any(k.endswith("codebook.weight") for k in keys)
+    drafter = load_drafter(result.path)
+    assert isinstance(drafter, DFlash2Drafter)
+    want_cb = ref.candidate_selector.successor_codebook.weight.detach().numpy()
+    assert np.abs(np.array(drafter.candidate_selector.successor_codebook.astype(mx.float32)) - want_cb).max() < tol
+    torch.manual_seed(1)
+    ctx, emb = torch.randn(1, CTX, 2 * 64), torch.randn(V, 64)
+    want, noise = reference_logits(ref, cfg, ctx, emb)
+    got = mlx_logits(drafter, ctx, noise, emb)
+    assert np.abs(got - want).max() < tol * max(1.0, np.abs(want).max())
+
+
+def test_dflash2_checkpoint_without_codebooks_is_refused(tmp_path):
+    ref, cfg = dflash2_drafter()
+    src = save_checkpoint(ref, cfg, tmp_path / "src", "safetensors")
+    _rewrite(src, lambda w: w.pop(f"{CODEBOOKS[0]}.weight"))
+    r = runner.invoke(app, ["convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "out")])
+    assert r.exit_code == 1 and f"missing weight(s) {CODEBOOKS[0]}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_quantized_dflash2_loads_and_keeps_its_codebooks_float(tmp_path):
+    ref, cfg = dflash2_drafter()
+    src = save_checkpoint(ref, cfg, tmp_path / "src", "safetensors")
+    _publish(src)
+    r = runner.invoke(app, ["convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "q"),
+                            "-q", "--q-bits", "8", "--q-group-size", "32", "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    drafter = load_drafter(tmp_path / "q")
+    assert type(drafter.layers[0].mlp_conv.kernel_projection).__name__ == "QuantizedLinear"
+    assert drafter.candidate_selector.predecessor_codebook.dtype == mx.float32
+    torch.manual_seed(1)
+    ctx, emb = torch.randn(1, CTX, 2 * 64), torch.randn(V, 64)
+    want, noise = reference_logits(ref, cfg, ctx, emb)
+    got = mlx_logits(drafter, ctx, noise, emb)
+    assert np.abs(got - want).mean() / np.abs(want).mean() < 0.05

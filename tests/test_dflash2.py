@@ -255,3 +255,277 @@ def test_config_fields():
     c = DrafterConfig.from_dict(dflash2_config())
     assert c.is_dflash2 and (c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k) == (3, 8, 12, 10)
     assert not any(c.layer_is_causal(i) for i in range(2)) and [c.layer_window(i) for i in range(2)] == [10, 10]
+
+
+# --- The whole loop -----------------------------------------------------------
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Once upon a time there was a tiny language model"]
+
+
+@pytest.fixture(scope="module")
+def dflash2_pair(targets, vocab, tmp_path_factory):
+    import dflash_mlx
+
+    n_vocab, mask = vocab
+    cfg = tiny.drafter_config("new", n_vocab, 6, mask_token_id=mask, block_size=8)
+    cfg.update(architectures=["DFlash2DraftModel"], is_causal=False, sliding_window=8,
+               layer_types=["sliding_attention"] * 2)
+    cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8)
+    src = save_published(reference_drafter(cfg), cfg, tmp_path_factory.mktemp("dflash2"))
+    return dflash_mlx.load(str(targets["qwen3"]), str(src))
+
+
+def generated(pair, prompt, **kw):
+    import dflash_mlx
+
+    out, events = [], []
+    for ev in dflash_mlx.stream_generate(pair, prompt, **kw):
+        out += ev.tokens
+        events.append(ev)
+    return out, events
+
+
+def draft_along_paths(source, dstate, last, hidden, width, params, copied=(), proc=None):
+    """decode.draft with the change a path-drafting source needs: it asks the
+    source for tokens and their q (`propose_path`) instead of logits to sample."""
+    from dflash_mlx.lookup import point_masses
+
+    tokens, qs, n = [], [], len(copied)
+    if n:
+        tokens.append(mx.array(copied, dtype=mx.uint32))
+        if not params.greedy:
+            qs.append(point_masses(tokens[0], source.vocab_size))
+    if n < width - 1:
+        drafted, q = source.propose_path(dstate, last, hidden, width, params, copied, proc.row if proc else None)
+        tokens.append(drafted)
+        if not params.greedy:
+            qs.append(q)
+    tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
+    if params.greedy:
+        return tokens, None
+    return tokens, qs[0] if len(qs) == 1 else mx.concatenate(qs)
+
+
+def path_drafting(monkeypatch, pair):
+    """The pair's source with `propose_path` reachable through the lookup wrapper, and the loop using it."""
+    from dflash_mlx import decode
+    from dflash_mlx.lookup import WithLookup
+
+    class PathLookup(WithLookup):
+        calls = 0
+
+        def propose_path(self, state, *args):
+            PathLookup.calls += 1
+            return self.inner.propose_path(state["inner"], *args)
+
+    monkeypatch.setattr(decode, "draft", draft_along_paths)
+    return PathLookup(DFlash2DraftSource(pair.drafter, pair.target))
+
+
+def widths(block_size):
+    from conftest import ScriptedWidths
+
+    from dflash_mlx.adaptive import Plan
+
+    # Lookup tokens first where the n-gram index has some, the drafter after them.
+    return block_size if block_size != "lookup" else ScriptedWidths([Plan(6, 2), 3, Plan(5, 1), 8])
+
+
+@pytest.mark.parametrize("drafting, block_size", [("propose", 2), ("propose", 5), ("propose", "lookup"),
+                                                 ("propose_path", 3), ("propose_path", "lookup")])
+def test_greedy_dflash2_is_lossless(dflash2_pair, baselines, monkeypatch, block_size, drafting):
+    from conftest import plain_greedy
+
+    pair = dflash2_pair
+    assert isinstance(pair.draft_source.inner, DFlash2DraftSource)
+    source = path_drafting(monkeypatch, pair) if drafting == "propose_path" else None
+    accepted = 0
+    for text in PROMPTS:
+        prompt = pair.tokenizer.encode(text)
+        out, events = generated(pair, prompt, max_tokens=40, block_size=widths(block_size), draft_source=source)
+        assert out == plain_greedy(baselines["qwen3"], prompt, 40), (text, block_size)
+        assert len(prompt) + len(out) > 8  # beyond the drafter's sliding window
+        accepted += sum(e.accepted for e in events)
+    if source is not None:
+        assert type(source).calls > 0
+    print(f"{drafting} block {block_size}: {accepted} drafts accepted")
+
+
+@pytest.mark.parametrize("drafting", ["propose", "propose_path"])
+def test_sampling_runs_through_the_loop(dflash2_pair, monkeypatch, drafting):
+    pair = dflash2_pair
+    source = path_drafting(monkeypatch, pair) if drafting == "propose_path" else None
+    params = SamplingParams(temp=0.8, top_p=0.95, seed=3)
+    prompt = pair.tokenizer.encode(PROMPTS[0])
+    out, events = generated(pair, prompt, max_tokens=30, block_size=6, sampling=params, draft_source=source)
+    again, _ = generated(pair, prompt, max_tokens=30, block_size=6, sampling=params, draft_source=source)
+    assert out == again and len(out) >= 1 and all(0 <= t < pair.target.vocab_size for t in out)
+    assert events[-1].stats.draft_cycles >= 1
+
+
+class Oracle(DFlash2DraftSource):
+    """The real drafter and selector, with the target's own greedy continuation
+    added to the draft logits: the selector's codebooks still overrule it at
+    some positions, so cycles accept all, some or none of their drafts."""
+
+    def __init__(self, pair, model, boost):
+        super().__init__(pair.drafter, pair.target)
+        self.model, self.boost, self.seq = model, boost, []
+
+    def new_state(self):
+        self.seq = []
+        return super().new_state()
+
+    def commit(self, state, tokens):
+        self.seq += tokens
+
+    def draft_logits(self, state, last, hidden, width):
+        assert self.seq[-1] == last.item()
+        h, logits = super().draft_logits(state, last, hidden, width)
+        seq = list(self.seq)
+        for _ in range(width - 1):
+            seq.append(mx.argmax(self.model(mx.array([seq]))[0, -1]).item())
+        hit = mx.arange(logits.shape[-1])[None] == mx.array(seq[len(self.seq):])[:, None]
+        return h, logits + self.boost * hit
+
+
+@pytest.mark.parametrize("drafting, block_size", [("propose", 3), ("propose", 8), ("propose_path", 5)])
+def test_greedy_dflash2_is_lossless_when_drafts_are_accepted(dflash2_pair, baselines, monkeypatch, block_size,
+                                                             drafting):
+    from conftest import plain_greedy
+
+    pair, model = dflash2_pair, baselines["qwen3"]
+    if drafting == "propose_path":
+        path_drafting(monkeypatch, pair)
+    source = Oracle(pair, model, boost=12.0)
+    lengths = []
+    for text in PROMPTS:
+        prompt = pair.tokenizer.encode(text)
+        out, events = generated(pair, prompt, max_tokens=40, block_size=block_size, draft_source=source)
+        assert out == plain_greedy(model, prompt, 40), (text, block_size)
+        lengths += [(e.accepted, len(e.tokens)) for e in events[1:-1]]
+    accepted = [a for a, _ in lengths]
+    # Rollbacks after every kind of cycle: all drafts kept, some, none.
+    assert block_size - 1 in accepted and 0 in accepted
+    if block_size > 3:
+        assert any(0 < a < block_size - 1 for a in accepted)
+    print(f"{drafting} block {block_size}: accepted per cycle {accepted}")
+
+
+# --- Exact sampling -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_dflash2_pair():
+    """A 5-token target (as test_sampling's) and a random DFlash 2 drafter choosing among 3 candidates."""
+    from mlx_lm.models import qwen3
+
+    from dflash_mlx.adapter import TargetAdapter
+    from dflash_mlx.load import DFlashPair
+    from test_sampling import BLOCK, V as SMALL_V
+
+    mx.random.seed(11)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                           vocab_size=SMALL_V, max_position_embeddings=512, tie_word_embeddings=True,
+                           rope_theta=10000.0)
+    target = qwen3.Model(args)
+    target.update({"model": {"embed_tokens": {"weight": mx.random.normal((SMALL_V, 32)) * 0.2}}})
+    adapter = TargetAdapter(target, [0, 1])
+    cfg = DrafterConfig.from_dict({
+        "architectures": ["DFlash2DraftModel"], "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
+        "vocab_size": SMALL_V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "is_causal": False,
+        "layer_types": ["sliding_attention"], "sliding_window": 3,
+        "dflash_config": {"block_size": BLOCK, "mask_token_id": 4, "target_layer_ids": [0, 1],
+                          "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 3},
+    })
+    drafter = DFlash2Drafter(cfg)
+    drafter.update(tree_unflatten_random(drafter, ("base_kernel", "codebook")))
+    source = DFlash2DraftSource(drafter, adapter)
+    return DFlashPair(adapter, drafter, None, source, None, None), target
+
+
+def tree_unflatten_random(model, names):
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    return tree_unflatten([(k, mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters())
+                           if any(n in k for n in names)])
+
+
+SAMPLES = 600
+
+
+@pytest.mark.parametrize("drafting", ["propose", "propose_path"])
+def test_dflash2_samples_follow_the_target_distribution(small_dflash2_pair, monkeypatch, drafting):
+    from test_sampling import ALPHA, exact_distribution, gof_pvalue, sample_counts
+
+    pair, model = small_dflash2_pair
+    if drafting == "propose_path":
+        path_drafting(monkeypatch, pair)
+    params = SamplingParams(temp=1.0)
+    seqs, probs = exact_distribution(model, params)
+    counts, accept_rate = sample_counts(pair, params, SAMPLES, pair.draft_source)
+    assert sum(counts.values()) == SAMPLES
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+    assert accept_rate > 0.1  # drafts were accepted: acceptance was tested, not only resampling
+    print(f"{drafting}: first draft accepted in {accept_rate:.2f} of cycles")
+
+
+def test_path_tokens_are_drawn_from_their_q(tmp_path):
+    """Sequential draws: the second token's q depends on the first token drawn,
+    and the pairs drawn follow q0(t0) q1(t1 | t0)."""
+    from test_sampling import ALPHA, chi2_sf
+
+    cfg = dflash2_config(top_k=3)
+    drafter = load_drafter(save_published(reference_drafter(cfg), cfg, tmp_path / "src"))
+    torch.manual_seed(2)
+    source = DFlash2DraftSource(drafter, Target(torch.randn(V, D) * 0.3))
+    state = source.new_state()
+    source.add_context(state, mx.random.normal((1, 5, TAPS * D), key=mx.random.key(0)))
+    params, last = SamplingParams(temp=1.5), mx.array([7], dtype=mx.uint32)
+    drafted = source.draft_logits(state, last, None, 3)
+    mx.eval(drafted)
+    source.draft_logits = lambda *args: drafted  # the same drafter pass each time: only the draws vary
+    mx.random.seed(0)
+    n, counts, rows = 2000, {}, {}
+    for _ in range(n):
+        tokens, q_lp = source.propose_path(state, last, None, 3, params)
+        t0, t1 = tokens.tolist()
+        counts[t0, t1] = counts.get((t0, t1), 0) + 1
+        q0, q1 = np.exp(np.array(q_lp))
+        rows[t0] = ({t: p for t, p in enumerate(q0) if p > 0}, {t: p for t, p in enumerate(q1) if p > 0})
+    assert len(rows) == 3 and all(len(q0) == len(q1) == 3 for q0, q1 in rows.values())
+    assert len({tuple(sorted(q1.items())) for _, q1 in rows.values()}) == 3  # q1 differs with t0
+    expected = {(t0, t1): n * q0[t0] * q1[t1] for t0, (q0, q1) in rows.items() for t1 in q1}
+    assert set(counts) <= set(expected)
+    stat = sum((counts.get(k, 0) - e) ** 2 / e for k, e in expected.items())
+    assert chi2_sf(stat, len(expected) - 1) > ALPHA
+
+
+def test_propose_path_applies_processors_after_the_drafts_before(tmp_path):
+    cfg = dflash2_config()
+    drafter = load_drafter(save_published(reference_drafter(cfg), cfg, tmp_path / "src"))
+    torch.manual_seed(2)
+    source = DFlash2DraftSource(drafter, Target(torch.randn(V, D)))
+    state = source.new_state()
+    source.add_context(state, mx.random.normal((1, 5, TAPS * D), key=mx.random.key(0)))
+    last = mx.array([7], dtype=mx.uint32)
+    greedy, _ = source.propose_path(state, last, None, 4, SamplingParams())
+    seen = []
+
+    def ban_greedy_first(row, before):
+        # As a logit bias would: the greedy path's first token is never drafted.
+        seen.append(None if before is None else before.tolist())
+        return mx.where(mx.arange(row.shape[-1]) == greedy[0], -mx.inf, row)
+
+    for prefix in ([], [9]):
+        seen.clear()
+        tokens, _ = source.propose_path(state, last, None, 4, SamplingParams(), prefix, ban_greedy_first)
+        drafts = prefix + tokens.tolist()
+        assert greedy[0].item() not in tokens.tolist()
+        assert seen == [drafts[:i] or None for i in range(len(prefix), 3)]
+        mx.random.seed(1)
+        tokens, q_lp = source.propose_path(state, last, None, 4, SamplingParams(temp=1.0), prefix,
+                                           ban_greedy_first)
+        assert q_lp[:, greedy[0].item()].tolist() == [-np.inf] * tokens.shape[0]
