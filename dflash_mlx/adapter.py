@@ -24,14 +24,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from .errors import DFlashError
 from .kernels import backend, gdn_replay, gdn_verify, qmm_verify
-from .target_caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind, supported_families
-
-
-def __getattr__(name):
-    # The supported families follow from the rollback rule (target_caches), not a list kept here.
-    if name == "SUPPORTED_FAMILIES":
-        return tuple(supported_families())
-    raise AttributeError(name)
+from .target_caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind
 
 
 def initialize_rope(dims, base, scaling_config, max_position_embeddings):

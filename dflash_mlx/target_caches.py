@@ -31,7 +31,8 @@ DEFAULT_SLACK = 16
 
 # Families whose tiny random models CI decodes against plain mlx-lm (tests/test_families.py
 # checks this list against what it runs); the rule admits more, untested.
-CI_TESTED = ("qwen3", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "gemma4_text", "gpt_oss")
+CI_TESTED = ("qwen3", "llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "gemma4", "gemma4_text",
+             "gpt_oss")
 
 # Gated DeltaNet projection layouts the update tape knows, by the attributes
 # that identify them on a mixer instance.

@@ -20,7 +20,9 @@ from dflash_mlx.prompt import build_prompt
 from dflash_mlx.target_caches import CI_TESTED, WindowCache, family_verdict, supported_families
 
 NEW = ["qwen3_moe", "qwen3_next", "gemma4_text", "gemma4_text_moe", "gpt_oss"]
-SLIDING = {"gemma4_text", "gemma4_text_moe", "gpt_oss"}
+SLIDING = {"gemma4", "gemma4_text", "gemma4_text_moe", "gpt_oss"}
+# Real Gemma 4 checkpoints: model_type "gemma4", the multimodal wrapper around gemma4_text.
+WRAPPED = ["gemma4"]
 
 # Gemma's turn format; gpt-oss's harmony format (system preamble, developer
 # instructions, `<|start|>role<|message|>...<|end|>`), as their tokenizers' templates write them.
@@ -93,7 +95,7 @@ def test_ci_tested_families_are_admitted_and_exercised():
     """The families the rule admits include every tested one; doctor's tested list is what CI runs."""
     families = supported_families()
     assert set(CI_TESTED) <= set(families)
-    assert set(CI_TESTED) - {"qwen3", "llama", "qwen3_5", "qwen3_5_moe"} == set(NEW) - {"gemma4_text_moe"}
+    assert set(CI_TESTED) - {"qwen3", "llama", "qwen3_5", "qwen3_5_moe"} == set(NEW + WRAPPED) - {"gemma4_text_moe"}
     assert "window cache" in families["gemma4_text"] and "window cache" in families["gpt_oss"]
     assert "update tape" in families["qwen3_next"] and families["qwen3_moe"] == "KV cache (offset)"
     # Real Gemma 4 checkpoints say model_type "gemma4" (the multimodal wrapper).
@@ -123,8 +125,10 @@ def test_lossless_at_every_block_size(fams, family):
             assert max(e.accepted + 1 for e in events[1:]) <= block_size
 
 
-@pytest.mark.parametrize("family", NEW)
-@pytest.mark.parametrize("block_size", [4, 8, 16])
+ROLLBACK_CASES = [(f, b) for f in NEW for b in (4, 8, 16)] + [(f, 8) for f in WRAPPED]
+
+
+@pytest.mark.parametrize("family, block_size", ROLLBACK_CASES, ids=[f"{f}-{b}" for f, b in ROLLBACK_CASES])
 def test_rollback_at_every_block_position(fams, family, block_size):
     """A drafter that is right up to a chosen position: every acceptance length
     is exercised, before and after the sliding windows wrap."""
@@ -186,7 +190,7 @@ def test_verify_rows_equal_mlx_lm_one_row_steps(fams, family):
         assert mx.array_equal(logits, steps).item()
 
 
-@pytest.mark.parametrize("family", NEW)
+@pytest.mark.parametrize("family", NEW + WRAPPED)
 def test_logits_are_the_models_own_and_prefill_pays_the_head_once(fams, family):
     """Logits come from the model's own forward pass (Gemma's soft-capping
     included); `last_only` runs the LM head on one row; the last tapped layer's
@@ -208,7 +212,8 @@ def test_logits_are_the_models_own_and_prefill_pays_the_head_once(fams, family):
     assert mx.allclose(last[:, -1], want[:, -1], atol=1e-4).item()
     H = target.hidden_size
     assert taps.shape == taps_last.shape == (1, L, 2 * H)
-    assert mx.allclose(taps[..., H:], base.model(tokens), atol=1e-4).item()
+    inner = getattr(base, "language_model", base).model
+    assert mx.allclose(taps[..., H:], inner(tokens), atol=1e-4).item()
     assert mx.allclose(taps_last, taps, atol=1e-5).item()
     if family.startswith("gemma4"):
         # final_logit_softcapping (30) is applied after the head, by the model: with a
@@ -218,7 +223,7 @@ def test_logits_are_the_models_own_and_prefill_pays_the_head_once(fams, family):
             capped = target(tokens, target.make_cache())[0]
         finally:
             target.head = head
-        raw = head(base.model(tokens)) * 1000.0
+        raw = head(inner(tokens)) * 1000.0
         assert mx.abs(raw).max().item() > 60.0 and mx.abs(capped).max().item() <= 30.0
         assert mx.allclose(capped, 30.0 * mx.tanh(raw / 30.0), atol=1e-3).item()
 

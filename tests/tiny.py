@@ -113,6 +113,10 @@ def target_config(family: str, vocab_size: int) -> dict:
         return dict(target_config("gemma4_text", vocab_size), num_kv_shared_layers=0,
                     hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
                     enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64)
+    if family == "gemma4":
+        # Real Gemma 4 checkpoints: the multimodal wrapper (model_type "gemma4") around the text model.
+        return dict(model_type="gemma4", vocab_size=vocab_size, eos_token_id=0,
+                    text_config=target_config("gemma4_text", vocab_size))
     if family == "gpt_oss":
         # gpt-oss: alternating sliding (window 8) and full attention with attention
         # sinks, biased projections, a routed MoE (SwiGLU-OAI experts), YaRN RoPE, untied head.
