@@ -4,7 +4,7 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -332,6 +332,18 @@ def _one_block_size(text: str):
     fail(f"--block-size takes a number from 1 to 64 or 'auto' (got '{text}').")
 
 
+def _contexts(text: str) -> List[int]:
+    """'1k,8k,32k' -> [1024, 8192, 32768] (a plain number is tokens)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        number = part[:-1] if part.endswith("k") else part
+        if not number.isdigit() or int(number) == 0:
+            fail(f"--context takes token counts such as 1k,8k,32k or 3000 (got '{text}').")
+        out.append(int(number) * (1024 if part.endswith("k") else 1))
+    return sorted(set(out))
+
+
 def _block_sizes(text: str):
     sizes = []
     for part in text.split(","):
@@ -360,6 +372,8 @@ def bench(
     out: Optional[str] = typer.Option(None, "--out", help="Write the results as JSON."),
     oracle: bool = typer.Option(False, "--oracle", help="Draft the target's own continuation (the ceiling)."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Draw a PNG (needs matplotlib)."),
+    context: Optional[str] = typer.Option(
+        None, "--context", help="Put each prompt after this many tokens of a long document: e.g. 1k,8k,32k."),
 ):
     """Benchmark DFlash against plain mlx-lm decoding on this machine."""
     import json as _json
@@ -372,6 +386,9 @@ def bench(
     from dflash_mlx.cli.progress import progress as show_progress
 
     sizes = _block_sizes(block_size)
+    contexts = _contexts(context) if context else [0]
+    if context and sizes == ["sweep"]:
+        fail("--context cannot be combined with --block-size sweep.")
     for path in (out, plot):
         if path and Path(path).is_dir():
             fail(f"Cannot write {path}: it is a folder; give a file name.")
@@ -387,8 +404,17 @@ def bench(
             if sizes == ["sweep"]:
                 result = B.sweep(pair, pair.draft_source.block_size, progress=progress)
             else:
-                result = B.run_bench(pair, B.load_prompts(suite, prompts), max_tokens, sizes, temp, repeats,
-                                     oracle, progress)
+                B.check_context(pair, contexts)
+                texts = B.load_prompts(suite, prompts)
+                by_context = {}
+                for c in contexts:
+                    def step(done, total, what="measuring", c=c):
+                        progress(done, total, f"context {c}: {what}" if c else what)
+
+                    by_context[c] = B.run_bench(pair, texts, max_tokens, sizes, temp, repeats, oracle, step, c)
+                result = by_context[contexts[0]]
+                if context:
+                    result = dict(result, contexts={str(c): r for c, r in by_context.items()})
     except DFlashError as e:
         fail(str(e))
     m = result["machine"]
@@ -417,6 +443,17 @@ def bench(
     err.print(table)
     if sizes != ["sweep"]:
         err.print(prompt_table)
+    if context:
+        ctx_table = Table("context", "prompt tokens", "block", "speedup", "acceptance", "DFlash TTFT ms",
+                          "peak memory GB", caption="each suite prompt after a long document (this package's "
+                                                    "source); peak memory is the process's so far")
+        for c, r in result["contexts"].items():
+            rows = [row for rows in r["prompts"].values() for row in rows]
+            for key, s in r["overall"].items():
+                ctx_table.add_row(c, str(int(B.median([row["prompt_tokens"] for row in rows]))), key,
+                                  f"{s['speedup']:.2f}x", f"{s['mean_acceptance']:.2f}",
+                                  f"{(s['dflash_ttft'] or 0) * 1000:.0f}", f"{r['peak_memory_gb']:.2f}")
+        err.print(ctx_table)
     for key, s in result.get("overall", {}).items():
         if "overhead_seconds_per_cycle" in s:
             ms = {k: s[k] * 1000 for k in ("seconds_per_cycle", "verify_seconds_per_cycle", "overhead_seconds_per_cycle")}

@@ -23,6 +23,7 @@ wanders).
 """
 
 import copy
+import functools
 import json
 import math
 import os
@@ -270,9 +271,40 @@ def summarise(rows: List[Dict], key: str) -> Dict:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def document() -> str:
+    """A long document to put before prompts: this package's own source files, in order."""
+    root = resources.files("dflash_mlx")
+    files = sorted((f for f in root.iterdir() if f.name.endswith(".py")), key=lambda f: f.name)
+    return "\n\n".join(f.read_text() for f in files)
+
+
+def context_prompt(tok, text: str, context: int = 0) -> List[int]:
+    """The prompt for `text`, after about `context` tokens of `document()` when `context` is set."""
+    ids = build_prompt(tok, text)
+    if not context or context <= len(ids):
+        return ids
+    text_doc = document()
+    doc = tok.encode(text_doc[: 6 * context])  # enough characters for `context` tokens in any tokenizer
+    if len(doc) < context:
+        doc = tok.encode(text_doc) * (context // len(doc) + 1)
+    return build_prompt(tok, tok.decode(doc[: context - len(ids)]) + "\n\n" + text)
+
+
+def check_context(pair, contexts: Sequence[int]) -> None:
+    window = getattr(pair.target.args, "max_position_embeddings", None)
+    over = [c for c in contexts if window and c + 64 > window]
+    if over:
+        raise DFlashError(f"--context {over[0]} does not fit the model's window of {window} tokens "
+                          "(max_position_embeddings, with room for the prompt and answer); "
+                          "use a shorter context or a long-context model.")
+
+
 def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
               block_sizes: Sequence[Union[int, str]] = ("auto",), temp: float = 0.0, repeats: int = 1,
-              oracle: bool = False, progress=lambda done, total, what: None) -> Dict:
+              oracle: bool = False, progress=lambda done, total, what: None, context: int = 0) -> Dict:
+    """Plain mlx-lm decoding and DFlash at each block size on each prompt, interleaved;
+    with `context`, each prompt comes after about that many tokens of a long document."""
     params = SamplingParams(temp=temp, seed=0 if temp > 0 else None)
     # mlx-lm on the model the adapter wrapped would time our wrappers too.
     tok, model = pair.tokenizer, plain_target(pair)
@@ -280,7 +312,7 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
     done, rng = 0, random.Random(0)
     # Warm-up: compile kernels and fill allocator caches once for each path,
     # on the longest prompt, so neither path's prefill meets sizes first.
-    first = max((build_prompt(tok, t) for texts in prompts.values() for t in texts), key=len)
+    first = max((context_prompt(tok, t, context) for texts in prompts.values() for t in texts), key=len)
     baseline_generate(model, tok, first, 8, temp)
     for bs in block_sizes:
         _dflash_run(pair, first, 8, params, bs)
@@ -288,7 +320,7 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
     for suite, texts in prompts.items():
         rows = []
         for text in texts:
-            ids = build_prompt(tok, text)
+            ids = context_prompt(tok, text, context)
             runs, dr, source = [], {bs: [] for bs in block_sizes}, None
             if oracle:  # the target's own greedy continuation, drafted back to it
                 source = OracleSource(ids, baseline_generate(model, tok, ids, max_tokens, temp)["tokens"],
@@ -334,7 +366,7 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
         "model": str(pair.target_path),
         "draft": str(pair.draft_path),
         "settings": {"max_tokens": max_tokens, "block_sizes": [str(b) for b in block_sizes], "temp": temp,
-                     "repeats": repeats, "oracle": oracle},
+                     "repeats": repeats, "oracle": oracle, "context": context},
         "peak_memory_gb": peak_memory_gb(),
         "suites": {},
         "overall": {},

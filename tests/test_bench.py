@@ -223,3 +223,35 @@ def test_shipped_suites():
 def test_machine_info_comes_from_mlx():
     m = bench.machine_info()
     assert m["chip"] == mx.device_info()["device_name"] and m["memory_gb"] > 0 and m["blas"]
+
+
+def test_bench_by_context_length(targets, drafters, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "import math"}) + "\n")
+    out = tmp_path / "r.json"
+    base = ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]), "--prompts", str(p),
+            "-m", "8", "--block-size", "4"]
+    r = CliRunner().invoke(app, base + ["--context", "300,1k", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    result = json.loads(out.read_text())
+    assert list(result["contexts"]) == ["300", "1024"]
+    for c, res in result["contexts"].items():
+        bench.validate(res)
+        (row,) = res["prompts"]["p"]
+        assert abs(row["prompt_tokens"] - int(c)) <= 16 and res["settings"]["context"] == int(c)
+        assert row["dflash"]["4"]["identical"]
+    assert "each suite prompt after a long document" in " ".join(r.stderr.split())
+    window = json.loads((targets["qwen3"] / "config.json").read_text())["max_position_embeddings"]
+    for arg, words in [("8k", f"does not fit the model's window of {window} tokens"),
+                       ("lots", "--context takes token counts")]:
+        r = CliRunner().invoke(app, base + ["--context", arg])
+        assert r.exit_code == 1 and words in r.stderr, r.stderr
+
+
+def test_the_context_document_is_long_and_prompts_end_with_the_task(pairs):
+    tok = pairs["qwen3"].tokenizer
+    ids = bench.context_prompt(tok, "import math", 2000)
+    assert abs(len(ids) - 2000) <= 16 and "\n\nimport math" in tok.decode(ids[-24:])
+    assert "from .errors import DFlashError" in tok.decode(ids[:200])  # the document: this package's code
+    assert bench.context_prompt(tok, "import math", 0) == tok.encode("import math")
