@@ -254,4 +254,4 @@ def test_the_context_document_is_long_and_prompts_end_with_the_task(pairs):
     ids = bench.context_prompt(tok, "import math", 2000)
     assert abs(len(ids) - 2000) <= 16 and "\n\nimport math" in tok.decode(ids[-24:])
     assert "from .errors import DFlashError" in tok.decode(ids[:200])  # the document: this package's code
-    assert bench.context_prompt(tok, "import math", 0) == tok.encode("import math")
+    assert bench.context_prompt(tok, "import math", 0) == bench.build_prompt(tok, "import math")
