@@ -17,7 +17,7 @@ from .draft_source import DFlashDraftSource, DraftSource  # noqa: F401 (the loop
 from .errors import DFlashError
 from .kernels import verify_accept
 from .lookup import point_masses
-from .prompt_cache import PromptCache, can_trim_prompt_cache, snapshot
+from .prompt_cache import PromptCache, can_trim, snapshot
 from .sampling import Processed, SamplingParams, greedy_log_probs, log_probs, pick
 
 
@@ -369,7 +369,7 @@ def stream_generate(
         nonlocal at_prompt
         at_prompt = (len(prompt) - 1, snapshot(cache))
 
-    trimmable = prompt_cache is None or can_trim_prompt_cache(tcache)
+    trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
                            before_last=None if trimmable else keep)
     proc = Processed(logits_processors, prompt)

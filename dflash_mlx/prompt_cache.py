@@ -18,9 +18,33 @@ import copy
 from typing import List, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, RotatingKVCache, trim_prompt_cache
 
 from .errors import DFlashError
+
+
+def can_trim(cache: List) -> bool:
+    """Whether every layer's cache can be trimmed back to any shorter prefix: a
+    sliding window keeps only a few rows beyond its window, a recurrent state none."""
+    return all(c.is_trimmable() and not isinstance(c, RotatingKVCache) for c in cache)
+
+
+class _Exact:
+    """A kept layer cache usable only for its whole prefix (never trimmed)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+
+def _keep(cache: List) -> List:
+    return [c if can_trim([c]) else _Exact(c) for c in cache]
 
 
 def snapshot(cache: List) -> List:
@@ -81,7 +105,7 @@ class PromptCache:
         query = list(prompt)
         entry, rest = self._lru.fetch_nearest_cache(key, query)
         if entry is not None and not rest:  # all of it is kept: its last token runs again
-            if can_trim_prompt_cache(entry):
+            if can_trim([c.cache if isinstance(c, _Exact) else c for c in entry]):
                 trim_prompt_cache(entry, 1)
                 rest = query[-1:]
             else:
@@ -93,7 +117,8 @@ class PromptCache:
         reused = len(query) - len(rest)
         self.hits += 1
         self.cached_tokens += reused
-        return entry[: self._n_target], source.restore(entry[self._n_target :]), reused
+        target_cache = [c.cache if isinstance(c, _Exact) else c for c in entry[: self._n_target]]
+        return target_cache, source.restore(entry[self._n_target :]), reused
 
     def store(self, target, source, state, tokens: Sequence[int], cache: List, at_prompt=None) -> bool:
         """Keep `cache` (the rows of `tokens`) with the source's context, and
@@ -108,6 +133,6 @@ class PromptCache:
             rows = [copy.copy(r) for r in saved]
             for r in rows:
                 r.trim(len(tokens) - n)
-            self._lru.insert_cache(key, list(tokens[:n]), list(early) + rows, cache_type="user")
-        self._lru.insert_cache(key, list(tokens), list(cache) + list(saved), cache_type="assistant")
+            self._lru.insert_cache(key, list(tokens[:n]), _keep(early) + rows, cache_type="user")
+        self._lru.insert_cache(key, list(tokens), _keep(cache) + list(saved), cache_type="assistant")
         return True

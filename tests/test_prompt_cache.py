@@ -3,6 +3,7 @@ tokens a cold run gives, and reuses what it should."""
 
 import mlx.core as mx
 import pytest
+import tiny
 from conftest import FAMILIES, ScriptedWidths, plain_greedy
 
 import dflash_mlx
@@ -147,3 +148,29 @@ def test_bounded_by_bytes_and_bound_to_one_pair(pairs):
     assert len(cache) == 2
     with pytest.raises(DFlashError, match="another model"):
         run(pairs["llama"], pair.tokenizer.encode("import math"), cache)
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss", "qwen3_next"])
+def test_sliding_window_and_other_families_reuse_exact_prefixes(root, tokenizer_dir, vocab, drafters, family):
+    """Sliding-window caches keep only a few rows beyond the window, so like
+    recurrent states they are reused for their whole prefix (snapshots at the
+    end of the prompt and of the answer); the windows wrap during the test."""
+    from mlx_lm import load
+
+    path = tiny.build_target(root / f"cache-{family}", family, tokenizer_dir, vocab[0])
+    pair, model = dflash_mlx.load(str(path), str(drafters["old"])), load(str(path))[0]
+    tok = pair.tokenizer
+    cache = PromptCache(pair)
+    prompt = tok.encode("Once upon a time there was a tiny language model that could count: one two")
+    prev = []
+    for turn in range(3):
+        warm, stats = run(pair, prompt, cache)
+        assert warm == plain_greedy(model, prompt, 24)
+        assert stats.cached_tokens == (0 if turn == 0 else len(prev) - 1) or stats.cached_tokens == len(prev)
+        prev = prompt + warm
+        prompt = prev + tok.encode(f" turn {turn} def add(a, b):")
+    branch = prompt[:20] + tok.encode(" import math")
+    warm, stats = run(pair, branch, cache)
+    assert warm == plain_greedy(model, branch, 24) and stats.cached_tokens == 0
+    again, stats = run(pair, branch, cache)
+    assert again == warm and stats.cached_tokens == len(branch) - 1
