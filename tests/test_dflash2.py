@@ -14,6 +14,7 @@ from dflash_mlx.config import DrafterConfig
 from dflash_mlx.drafter2 import DFlash2Drafter, DFlash2DraftSource, grouped_causal_conv
 from dflash_mlx.load import load_drafter
 from dflash_mlx.sampling import SamplingParams
+from test_reference_loop import HELDOUT, MAX_NEW, torch_weights
 
 torch = pytest.importorskip("torch")
 reference = pytest.importorskip("dflash.model")
@@ -529,3 +530,95 @@ def test_propose_path_applies_processors_after_the_drafts_before(tmp_path):
         tokens, q_lp = source.propose_path(state, last, None, 4, SamplingParams(temp=1.0), prefix,
                                            ban_greedy_first)
         assert q_lp[:, greedy[0].item()].tolist() == [-np.inf] * tokens.shape[0]
+
+
+# --- Against z-lab's decode loop ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_dflash2(tmp_path_factory):
+    """The demo drafter's layers as a DFlash 2 drafter: near-identity convolutions
+    (a unit first tap plus small random kernels) and a random selector that
+    overrules the draft head now and then; sliding windows of 24."""
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    from dflash_mlx.hub import builtin_path
+
+    src = Path(builtin_path("demo/drafter"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("dflash_mlx")
+    cfg.update(architectures=["DFlash2DraftModel"], is_causal=False, sliding_window=24, use_sliding_window=True,
+               dtype="float32",
+               layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
+    cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8)
+    H, n_vocab, groups = cfg["hidden_size"], cfg["vocab_size"], cfg["hidden_size"] // 16
+    w = {k: torch.tensor(v.astype(np.float32)) for k, v in load_file(str(src / "model.safetensors")).items()}
+    g = torch.Generator().manual_seed(0)
+    for i in range(cfg["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = 0.02 * torch.randn(2, 2, H, generator=g)
+            base[:, 0] += 1
+            w[f"layers.{i}.{conv}.base_kernel"] = base
+            w[f"layers.{i}.{conv}.kernel_projection.weight"] = 0.002 * torch.randn(2 * 2 * groups, H, generator=g)
+    w["candidate_selector.hidden_projection.weight"] = 0.1 * torch.randn(16, H, generator=g)
+    for name in CODEBOOKS:
+        w[f"candidate_selector.{name}"] = 0.5 * torch.randn(n_vocab, 16, generator=g)
+    out = tmp_path_factory.mktemp("demo-dflash2")
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file(w, str(out / "model.safetensors"))
+    ref = reference.DFlash2DraftModel(Qwen3Config(**cfg)).float().eval()
+    ref.load_state_dict({k + (".weight" if k.endswith("codebook") else ""): v for k, v in w.items()}, strict=True)
+    return out, ref
+
+
+@pytest.fixture(scope="module")
+def demo_target():
+    """The demo target in PyTorch (as test_reference_loop builds it)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_mlx.hub import builtin_path
+
+    src = Path(builtin_path("demo/target"))
+    target = Qwen3ForCausalLM(Qwen3Config(**json.loads((src / "config.json").read_text()))).float().eval()
+    missing, unexpected = target.load_state_dict(torch_weights(src / "model.safetensors"), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    target.tie_weights()
+    return target
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_acceptance_lengths_match_zlab_dflash_generate(demo_target, demo_dflash2, block_size, monkeypatch):
+    """Greedy whole loops on the demo target: tokens and per-cycle acceptance
+    lengths equal `dflash.model.dflash_generate` with z-lab's DFlash2DraftModel."""
+    import time
+
+    import dflash_mlx
+
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
+    target, (path, ref) = demo_target, demo_dflash2
+    pair = dflash_mlx.load("demo", str(path))
+    pair.target.model.set_dtype(mx.float32)
+    pair.drafter.set_dtype(mx.float32)
+    assert isinstance(pair.drafter, DFlash2Drafter)
+    prompts = [json.loads(l)["prompt"] for l in HELDOUT.read_text().splitlines()][:3]
+    eos = sorted(pair.tokenizer.eos_token_ids)
+    compared, lengths_seen = 0, set()
+    for text in prompts:
+        ids = pair.tokenizer.encode(text)
+        with torch.no_grad():
+            want = reference.dflash_generate(ref, target, torch.tensor([ids]), MAX_NEW, eos, temperature=0.0,
+                                             block_size=block_size, return_stats=True)
+        want_tokens = want.output_ids[0, len(ids):].tolist()
+        want_tokens = want_tokens[: next((i for i, t in enumerate(want_tokens) if t in eos), len(want_tokens))]
+        out, events = generated(pair, ids, max_tokens=MAX_NEW, block_size=block_size, lookup=False)
+        lengths = events[-1].stats.acceptance_lengths
+        assert out == want_tokens
+        # Cycles the budget narrows are cut differently (ours never overshoots it): compare full-width ones.
+        full = [i for i in range(len(lengths) - 1) if MAX_NEW - 1 - sum(lengths[:i]) >= block_size]
+        assert [lengths[i] for i in full] == [want.acceptance_lengths[i] for i in full]
+        assert len(ids) > 24  # past the sliding window
+        compared += len(full)
+        lengths_seen |= {lengths[i] for i in full}
+    assert compared >= 10 and len(lengths_seen) >= 3
