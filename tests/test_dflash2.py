@@ -622,3 +622,21 @@ def test_acceptance_lengths_match_zlab_dflash_generate(demo_target, demo_dflash2
         compared += len(full)
         lengths_seen |= {lengths[i] for i in full}
     assert compared >= 10 and len(lengths_seen) >= 3
+
+
+@pytest.mark.parametrize("over, words", [
+    (dict(vocab_size=999), "vocabulary"),
+    (dict(hidden_size=32, head_dim=8), "hidden size"),
+    ({"dflash_config": dict(target_layer_ids=[1, 6])}, "taps target layer"),
+])
+def test_a_dflash2_drafter_for_another_target_is_refused(tmp_path, targets, vocab, over, words):
+    import dflash_mlx
+    from dflash_mlx.errors import DFlashError
+
+    cfg = dflash2_config()
+    cfg.update({"vocab_size": vocab[0], **{k: v for k, v in over.items() if k != "dflash_config"}})
+    cfg["dflash_config"].update(mask_token_id=vocab[1], **over.get("dflash_config", {}))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError) as e:
+        dflash_mlx.load(str(targets["qwen3"]), str(tmp_path))
+    assert words in str(e.value) and "\n" not in str(e.value)
