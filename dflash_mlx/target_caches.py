@@ -220,7 +220,7 @@ class WindowCache(cache_lib.RotatingKVCache):
     def trim(self, n):
         """Drop the last n positions; exact while the window before the new end is intact."""
         n = min(self.offset, n)
-        if self.offset - n - self.window + 1 < self._floor:
+        if max(0, self.offset - n - self.window + 1) < self._floor:
             raise ValueError(
                 f"Cannot crop {n} rows of a sliding-window cache with {self.slack} rows of slack."
             )

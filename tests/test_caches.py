@@ -123,7 +123,7 @@ def test_window_cache_shows_each_query_exactly_its_window_through_crops(window, 
     hist_k = mx.zeros((B, H, 0, D))
     hist_v = mx.zeros((B, H, 0, D))
     # (pass width, rows cropped after it)
-    plan = [(30, 0), (1, 0), (slack, slack - 1), (3, 2), (1, 0), (slack + 1, 0), (2, 1)] + \
+    plan = [(3, 0), (1, 0), (slack, slack - 1), (2, 2), (30, 0), (1, 0), (slack, slack - 1), (3, 2), (1, 0), (slack + 1, 0), (2, 1)] + \
            [(w, c) for w in range(1, slack + 1) for c in sorted({0, w // 2, min(w, slack) - 1})]
     plan += [(40, 0), (4, 4), (slack, slack)] + [(1, 0)] * 5
     for width, crop in plan:
