@@ -297,3 +297,20 @@ def test_doctor_lists_the_families():
         assert family in r.output
     line = next(x for x in r.output.splitlines() if "sliding window" in x)
     assert "gemma4_text" in line and "gpt_oss" in line and "mamba" not in r.output
+
+
+def test_bfloat16_sliding_window_target_is_lossless(fams):
+    """A bfloat16 Gemma 4 (cast by mlx-lm's converter): greedy ids equal mlx-lm's
+    although its window rows are attended in ring order (the dense variant: MLX's
+    CPU gather_mm runs float32 MoE only)."""
+    from mlx_lm import load
+
+    path = tiny.convert_target(fams.path("gemma4_text"), fams.root / "family-gemma4_text-bf16", dtype="bfloat16")
+    pair, base = dflash_mlx.load(str(path), str(fams.drafter)), load(str(path))[0]
+    assert pair.target.dtype == mx.bfloat16
+    for text in (PROMPTS[0], PROMPTS[2], PROMPTS[3]):
+        prompt = pair.tokenizer.encode(text)
+        ref = plain_greedy(base, prompt, 32)
+        assert len(ref) > 16
+        for block_size in (1, 4, 16):
+            assert tokens_of(pair, prompt, 32, block_size=block_size)[0] == ref, (block_size, text)
