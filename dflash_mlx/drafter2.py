@@ -142,12 +142,6 @@ class CandidateSelector(nn.Module):
             rows.append(row)
         return mx.stack(path), cand, mx.stack(rows)
 
-    def along(self, hidden: mx.array, logits: mx.array, anchor: mx.array, path: mx.array):
-        """Candidates [L, k] and their scores [L, k] along a given path [L] from `anchor`."""
-        cand, unary = self.candidates(logits)
-        prev = mx.concatenate([anchor.reshape(1).astype(path.dtype), path[:-1]])
-        return cand, self.scores(self.project(hidden), cand, unary, prev)
-
 
 class DFlash2Drafter(DFlashDrafter):
     """Weights named as in z-lab's DFlash 2 checkpoints."""
