@@ -274,6 +274,9 @@ class TargetAdapter:
         self.model_type = model_type or getattr(model, "model_type", "")
         lm = getattr(model, "language_model", model)
         self.inner = inner = getattr(lm, "model", None)
+        if inner is not None and any(isinstance(m, _Wrapper) for m in [
+                *inner.get("layers", []), inner.get("norm"), inner.get("embed_tokens"), lm.get("lm_head")]):
+            raise DFlashError("This model instance is already wrapped by another adapter; load it again.")
         # The cache rule first: a family is refused for the cache it cannot roll back.
         self._kinds = self._rollback_kinds(getattr(lm, "layers", None) or getattr(inner, "layers", []))
         if inner is None or not all(a in inner for a in ("embed_tokens", "layers", "norm")):
@@ -283,8 +286,6 @@ class TargetAdapter:
             )
         self.args = lm.args
         layers = inner.layers
-        if any(isinstance(m, _Wrapper) for m in layers) or isinstance(inner.norm, _Wrapper):
-            raise DFlashError("This model instance is already wrapped by another adapter; load it again.")
         self.embed_tokens = inner.embed_tokens
         tied = bool(getattr(self.args, "tie_word_embeddings", False)) or "lm_head" not in lm
         self.head = self.embed_tokens.as_linear if tied else lm.lm_head

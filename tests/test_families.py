@@ -248,6 +248,12 @@ def test_chat_template_of_the_tokenizer(fams, family, marker):
         assert tokens_of(pair, ids, 24, block_size=block_size)[0] == ref, block_size
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "gpt_oss"])
+def test_a_wrapped_instance_is_not_wrapped_again(fams, family):
+    with pytest.raises(DFlashError, match="already wrapped"):
+        TargetAdapter(fams.pair(family).target.model, [1, 3])
+
+
 def test_gemma4_specifics_are_exercised(fams):
     """The tiny Gemma 4 has what the real small checkpoints have: KV-shared
     layers (no cache of their own), per-layer input embeddings, a wider global
