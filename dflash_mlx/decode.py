@@ -125,7 +125,14 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
         tokens.append(mx.array(copied, dtype=mx.uint32))
         if not params.greedy:
             qs.append(point_masses(tokens[0], source.vocab_size))
+    path = None
     if n < width - 1:
+        path = source.propose_path(dstate, last, hidden, width, params, copied, proc.row if proc else None)
+    if path is not None:  # the source drew each position after the ones before it
+        tokens.append(path[0])
+        if not params.greedy:
+            qs.append(path[1])
+    elif n < width - 1:
         logits = source.propose(dstate, last, hidden, width)[n:]
         rows = [logits] if not proc else [None] * logits.shape[0]
         for i, row in enumerate(rows):

@@ -93,6 +93,9 @@ class WithLookup(DraftSource):
     def propose(self, state, last, hidden, width):
         return self.inner.propose(state["inner"], last, hidden, width)
 
+    def propose_path(self, state, *args):
+        return self.inner.propose_path(state["inner"], *args)
+
     def rewind(self, state, n):
         self.inner.rewind(state["inner"], n)
 

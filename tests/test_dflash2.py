@@ -286,41 +286,29 @@ def generated(pair, prompt, **kw):
     return out, events
 
 
-def draft_along_paths(source, dstate, last, hidden, width, params, copied=(), proc=None):
-    """decode.draft with the change a path-drafting source needs: it asks the
-    source for tokens and their q (`propose_path`) instead of logits to sample."""
-    from dflash_mlx.lookup import point_masses
+class ProposeOnly(DFlash2DraftSource):
+    """The selector's greedy path through `propose` alone: the loop samples each
+    position from its rows independently (exact too, fewer acceptances)."""
 
-    tokens, qs, n = [], [], len(copied)
-    if n:
-        tokens.append(mx.array(copied, dtype=mx.uint32))
-        if not params.greedy:
-            qs.append(point_masses(tokens[0], source.vocab_size))
-    if n < width - 1:
-        drafted, q = source.propose_path(dstate, last, hidden, width, params, copied, proc.row if proc else None)
-        tokens.append(drafted)
-        if not params.greedy:
-            qs.append(q)
-    tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
-    if params.greedy:
-        return tokens, None
-    return tokens, qs[0] if len(qs) == 1 else mx.concatenate(qs)
+    def propose_path(self, *args, **kwargs):
+        return None
 
 
-def path_drafting(monkeypatch, pair):
-    """The pair's source with `propose_path` reachable through the lookup wrapper, and the loop using it."""
-    from dflash_mlx import decode
+def source_for(pair, drafting, cls=None):
+    """The pair's drafter behind the lookup wrapper, drafting through `propose_path`
+    (the loop's default for DFlash 2, calls counted) or through `propose` alone."""
     from dflash_mlx.lookup import WithLookup
 
-    class PathLookup(WithLookup):
+    class Counted(WithLookup):
         calls = 0
 
         def propose_path(self, state, *args):
-            PathLookup.calls += 1
-            return self.inner.propose_path(state["inner"], *args)
+            path = super().propose_path(state, *args)
+            Counted.calls += path is not None  # blocks drafted along a path
+            return path
 
-    monkeypatch.setattr(decode, "draft", draft_along_paths)
-    return PathLookup(DFlash2DraftSource(pair.drafter, pair.target))
+    inner = (cls or (ProposeOnly if drafting == "propose" else DFlash2DraftSource))(pair.drafter, pair.target)
+    return Counted(inner)
 
 
 def widths(block_size):
@@ -339,7 +327,7 @@ def test_greedy_dflash2_is_lossless(dflash2_pair, baselines, monkeypatch, block_
 
     pair = dflash2_pair
     assert isinstance(pair.draft_source.inner, DFlash2DraftSource)
-    source = path_drafting(monkeypatch, pair) if drafting == "propose_path" else None
+    source = source_for(pair, drafting)
     accepted = 0
     for text in PROMPTS:
         prompt = pair.tokenizer.encode(text)
@@ -347,15 +335,14 @@ def test_greedy_dflash2_is_lossless(dflash2_pair, baselines, monkeypatch, block_
         assert out == plain_greedy(baselines["qwen3"], prompt, 40), (text, block_size)
         assert len(prompt) + len(out) > 8  # beyond the drafter's sliding window
         accepted += sum(e.accepted for e in events)
-    if source is not None:
-        assert type(source).calls > 0
+    assert (type(source).calls > 0) == (drafting == "propose_path")
     print(f"{drafting} block {block_size}: {accepted} drafts accepted")
 
 
 @pytest.mark.parametrize("drafting", ["propose", "propose_path"])
 def test_sampling_runs_through_the_loop(dflash2_pair, monkeypatch, drafting):
     pair = dflash2_pair
-    source = path_drafting(monkeypatch, pair) if drafting == "propose_path" else None
+    source = source_for(pair, drafting)
     params = SamplingParams(temp=0.8, top_p=0.95, seed=3)
     prompt = pair.tokenizer.encode(PROMPTS[0])
     out, events = generated(pair, prompt, max_tokens=30, block_size=6, sampling=params, draft_source=source)
@@ -396,9 +383,9 @@ def test_greedy_dflash2_is_lossless_when_drafts_are_accepted(dflash2_pair, basel
     from conftest import plain_greedy
 
     pair, model = dflash2_pair, baselines["qwen3"]
-    if drafting == "propose_path":
-        path_drafting(monkeypatch, pair)
     source = Oracle(pair, model, boost=12.0)
+    if drafting == "propose":
+        source.propose_path = lambda *a, **k: None
     lengths = []
     for text in PROMPTS:
         prompt = pair.tokenizer.encode(text)
@@ -462,11 +449,10 @@ def test_dflash2_samples_follow_the_target_distribution(small_dflash2_pair, monk
     from test_sampling import ALPHA, exact_distribution, gof_pvalue, sample_counts
 
     pair, model = small_dflash2_pair
-    if drafting == "propose_path":
-        path_drafting(monkeypatch, pair)
     params = SamplingParams(temp=1.0)
     seqs, probs = exact_distribution(model, params)
-    counts, accept_rate = sample_counts(pair, params, SAMPLES, pair.draft_source)
+    source = pair.draft_source if drafting == "propose_path" else ProposeOnly(pair.drafter, pair.target)
+    counts, accept_rate = sample_counts(pair, params, SAMPLES, source)
     assert sum(counts.values()) == SAMPLES
     assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
     assert accept_rate > 0.1  # drafts were accepted: acceptance was tested, not only resampling
