@@ -6,7 +6,7 @@ when the context is committed, and kept in `DraftCache`; the block's own keys
 are scratch that the next cycle overwrites.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,8 +25,9 @@ class DraftCache:
 
     step = 256
 
-    def __init__(self, window: Optional[int] = None):
+    def __init__(self, window: Optional[int] = None, bound: Optional[Tuple[int, int]] = None):
         self.window = window
+        self.bound = bound  # (sinks, recent): a full-attention layer's block sees only these context rows
         self.keys = None
         self.values = None
         self.offset = 0  # committed rows in the buffer
@@ -68,6 +69,12 @@ class DraftCache:
             self.keys[..., self.offset : self.offset + L, :] = bk
             self.values[..., self.offset : self.offset + L, :] = bv
         end = self.offset + L
+        if self.bound is not None and self.offset > sum(self.bound):
+            # The first rows and the most recent ones: draft cost stays flat as the context grows.
+            sinks, recent = self.bound
+            cut = self.offset - recent
+            return (mx.concatenate([self.keys[..., :sinks, :], self.keys[..., cut:end, :]], axis=2),
+                    mx.concatenate([self.values[..., :sinks, :], self.values[..., cut:end, :]], axis=2))
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     @property
@@ -215,8 +222,23 @@ class DFlashDrafter(nn.Module):
         self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
+    def bound_context(self, recent: Optional[int], sinks: int = 4) -> bool:
+        """Let blocks see only the first `sinks` and the last `recent` context
+        rows (None: all of them). Only for drafters whose layers are all
+        unmasked full attention (a mask needs contiguous positions); returns
+        whether the bound applies. Output stays exact: only acceptance may change."""
+        full = all(not l.self_attn.is_causal and l.self_attn.window is None for l in self.layers)
+        # A plain attribute: a tuple set on an mlx Module would become one of its parameters.
+        object.__setattr__(self, "_bound", (sinks, recent) if recent is not None and full else None)
+        return self._bound is not None
+
+    @property
+    def context_bound(self) -> Optional[Tuple[int, int]]:
+        """(sinks, recent) context rows each block sees, or None for all of them."""
+        return self.__dict__.get("_bound")
+
     def make_cache(self) -> List[DraftCache]:
-        return [DraftCache(layer.self_attn.window) for layer in self.layers]
+        return [DraftCache(layer.self_attn.window, self.context_bound) for layer in self.layers]
 
     def _context_kv(self, target_hidden: Optional[mx.array], cache: List[DraftCache]):
         if target_hidden is None or target_hidden.shape[1] == 0:

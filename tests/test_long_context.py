@@ -13,3 +13,52 @@ def test_a_prompt_beyond_the_window_is_one_clear_error(pairs):
         dflash_mlx.generate(pair, [5] * (window + 1), max_tokens=4)
     text, stats = dflash_mlx.generate(pair, [5] * 8, max_tokens=4)  # within it: fine
     assert stats.generation_tokens == 4
+
+
+def drafter_outputs(drafter, ctx, block, bound=None, start=0):
+    """The drafter's block output after committing `ctx` rows (positions from `start`)."""
+    drafter.bound_context(*bound) if bound else drafter.bound_context(None)
+    cache = drafter.make_cache()
+    for c in cache:
+        c.start = start
+    drafter.add_context(ctx, cache)
+    out = drafter(block, None, cache)
+    drafter.bound_context(None)
+    return out
+
+
+def test_a_bounded_drafter_context_is_the_sinks_and_the_recent_rows(pairs):
+    import mlx.core as mx
+
+    drafter = pairs["qwen3"].drafter  # DFlash 1, all full attention
+    D = drafter.args.hidden_size
+    mx.random.seed(5)
+    ctx = mx.random.normal((1, 300, D * len(drafter.args.target_layer_ids)))
+    block = mx.random.normal((1, 8, D))
+    full = drafter_outputs(drafter, ctx, block)
+    # A bound wider than the context changes nothing.
+    assert mx.array_equal(drafter_outputs(drafter, ctx, block, (400, 4)), full).item()
+    # The last 64 rows alone, at their own positions, are what a (64, no sinks) bound sees.
+    recent = drafter_outputs(drafter, ctx, block, (64, 0))
+    alone = drafter_outputs(drafter, ctx[:, -64:], block, start=300 - 64)
+    assert mx.allclose(recent, alone, atol=1e-5).item()
+    assert not mx.allclose(recent, full, atol=1e-3).item()
+    sinks = drafter_outputs(drafter, ctx, block, (64, 4))
+    assert not mx.allclose(sinks, recent, atol=1e-3).item()  # the first rows are seen too
+
+
+def test_a_bounded_drafter_context_keeps_output_exact(pairs, baselines):
+    from conftest import plain_greedy
+
+    pair = pairs["qwen3"]
+    prompt = pair.tokenizer.encode("Once upon a time there was a tiny language model that could count " * 6)
+    assert pair.drafter.bound_context(16, 2)
+    try:
+        text, stats = dflash_mlx.generate(pair, prompt, max_tokens=24, block_size=4)
+        ids = [t for e in dflash_mlx.stream_generate(pair, prompt, max_tokens=24, block_size=4) for t in e.tokens]
+    finally:
+        pair.drafter.bound_context(None)
+    assert ids == plain_greedy(baselines["qwen3"], prompt, 24)
+    # Drafters with causal or sliding-window layers keep their own attention.
+    assert not pairs["qwen3_5"].drafter.bound_context(16) or all(
+        l.self_attn.window is None for l in pairs["qwen3_5"].drafter.layers)
