@@ -514,5 +514,45 @@ def doctor():
     out.print(f"  tested in CI against plain mlx-lm decoding: {', '.join(CI_TESTED)}")
 
 
+@app.command("list")
+def list_models():
+    """List the model aliases: target and its 4/8-bit MLX variants, drafter, and what is in the Hugging Face cache."""
+    from huggingface_hub import constants
+    from rich.markup import escape
+    from rich.table import Table
+
+    from dflash_mlx.hub import aliases, cached_repos
+    from dflash_mlx.target_caches import family_verdict
+
+    cached = cached_repos()
+    marks = {"cached": " [green](cached)[/]", "partial": " [yellow](partly cached)[/]"}
+
+    def repo(name: str) -> str:
+        return escape(name) + marks.get(cached.get(name.lower()), "")
+
+    table = Table("alias", "target (--model ALIAS) and variants (ALIAS:VARIANT)", "drafter", "DFlash",
+                  "target family", "ids confirmed by", "cached locally")
+    for alias, e in aliases().items():
+        if e.get("builtin"):
+            target, draft, have = f"{e['target']} (in the package)", f"{e['draft']} (in the package)", "built in"
+        else:
+            lines = [repo(e["target"])]
+            lines += [f":{v} {repo(r)}" for v, r in sorted((e.get("variants") or {}).items())]
+            target, draft = "\n".join(lines), repo(e["draft"])
+            named = [("target", e["target"]), *[(f":{v}", r) for v, r in sorted((e.get("variants") or {}).items())],
+                     ("drafter", e["draft"])]
+            have = ", ".join(k for k, r in named if cached.get(r.lower()) == "cached") or "-"
+        family = e.get("family", "?")
+        ok, _ = family_verdict(family)
+        family_cell = family + (f" ({e['model_type']})" if e.get("model_type") else "")
+        family_cell += "" if ok else " [red](not in this mlx-lm)[/]"
+        table.add_row(alias, target, draft, str(e.get("dflash", 1)), family_cell, escape(e.get("confirmed", "unconfirmed")),
+                      have)
+    out = Console(highlight=False)
+    out.print(table)
+    out.print(f"Hugging Face cache: {escape(str(constants.HF_HUB_CACHE))}. "
+              "Run `dflash-mlx generate --model ALIAS` (or ALIAS:4bit, ALIAS:8bit for a quantized MLX target).")
+
+
 if __name__ == "__main__":
     app()

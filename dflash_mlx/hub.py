@@ -29,6 +29,7 @@ class Resolved:
     draft: Optional[str]
     alias: Optional[str] = None
     enable_thinking: Optional[bool] = None
+    variant: Optional[str] = None  # the alias's quantized target variant ("4bit"), if one was named
 
 
 def aliases() -> Dict[str, dict]:
@@ -49,25 +50,61 @@ def builtin_path(relative: str) -> str:
     return str(Path(str(resources.files("dflash_mlx"))) / relative)
 
 
+def _split_variant(name: str, registry: Dict[str, dict]):
+    """`alias:variant` -> (alias, variant); anything else -> (name, None).
+
+    Only a name that is not an existing path and whose part before the last
+    colon is not a repo id is read this way (repo ids cannot hold a colon).
+    """
+    if ":" not in name or Path(name).exists():
+        return name, None
+    base, variant = name.rsplit(":", 1)
+    if base.lower() not in registry:
+        known = ", ".join(sorted(registry))
+        raise DFlashError(f"'{base}' in '{name}' is not a known alias ({known}); "
+                          f"a :variant follows an alias, as in qwen3.5-27b:4bit.")
+    return base, variant.lower()
+
+
+def variant_target(alias: str, variant: str, registry: Optional[Dict[str, dict]] = None) -> str:
+    """The target repo of `alias`'s quantized `variant`, or a one-line error naming those it has."""
+    entry = (registry or aliases())[alias]
+    variants = entry.get("variants") or {}
+    if variant not in variants:
+        have = ", ".join(f"{alias}:{v}" for v in sorted(variants)) or "none"
+        raise DFlashError(f"Alias '{alias}' has no variant '{variant}'; its variants: {have}.")
+    return variants[variant]
+
+
 def resolve(model: str, draft: Optional[str] = None) -> Resolved:
-    """Map --model/--draft to a target and drafter (repo ids or directories)."""
+    """Map --model/--draft to a target and drafter (repo ids or directories).
+
+    `--model` takes an alias (`qwen3.5-27b`), an alias with a quantized MLX
+    target variant (`qwen3.5-27b:4bit`; the drafter is the same for every
+    variant), a repo id (a known target's, or a variant's, finds its drafter
+    through the registry) or a directory.
+    """
     registry = aliases()
-    entry, alias = None, None
-    if model.lower() in registry:
-        alias = model.lower()
+    entry, alias, variant = None, None, None
+    name, variant = _split_variant(model, registry)
+    if name.lower() in registry:
+        alias = name.lower()
         entry = registry[alias]
         if entry.get("builtin"):
             entry = dict(entry, target=builtin_path(entry["target"]), draft=builtin_path(entry["draft"]))
-        target = entry["target"]
+        target = entry["target"] if variant is None else variant_target(alias, variant, registry)
     else:
         target = model
         if not Path(model).exists():
-            for name, e in registry.items():
-                if e["target"].lower() == model.lower():
-                    entry, alias = e, name
+            for n, e in registry.items():
+                repos = {e["target"].lower(): None}
+                repos.update({r.lower(): v for v, r in (e.get("variants") or {}).items()})
+                if model.lower() in repos:
+                    entry, alias, variant = e, n, repos[model.lower()]
                     break
     if draft is not None:
-        draft_entry = registry.get(draft.lower())
+        draft_name, _ = _split_variant(draft, registry)  # the variant does not change the drafter
+        draft_entry = registry.get(draft_name.lower())
         draft = draft_entry["draft"] if draft_entry else draft
     elif entry is not None:
         draft = entry["draft"]
@@ -76,7 +113,31 @@ def resolve(model: str, draft: Optional[str] = None) -> Resolved:
         draft=draft,
         alias=alias,
         enable_thinking=None if entry is None else entry.get("enable_thinking"),
+        variant=variant,
     )
+
+
+def cached_repos() -> Dict[str, str]:
+    """Repo ids in the Hugging Face cache, read by huggingface_hub's own scan: 'cached' where a
+    snapshot holds config.json and weights, 'partial' where it holds less."""
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir(constants.HF_HUB_CACHE)
+    except CacheNotFound:
+        return {}
+    out = {}
+    for repo in info.repos:
+        if repo.repo_type != "model":
+            continue
+        state = "partial"
+        for rev in repo.revisions:
+            names = {f.file_name for f in rev.files}
+            if "config.json" in names and any(n.endswith((".safetensors", *TORCH_SUFFIXES)) for n in names):
+                state = "cached"
+        out[repo.repo_id.lower()] = state
+    return out
 
 
 def check_name(name: str, kind: str) -> Optional[Path]:

@@ -126,12 +126,12 @@ def test_unknown_repo_is_one_line(hub):
     assert hub.patterns == [["config.json"]]
 
 
-def test_dflash2_drafter_is_refused_before_its_weights_download(hub, tmp_path):
+def test_incomplete_dflash2_drafter_is_refused_before_its_weights_download(hub, tmp_path):
     cfg = json.loads(CONFIG)
-    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["architectures"] = ["DFlash2DraftModel"]  # without the DFlash 2 fields of dflash_config
     (tmp_path / "snapshot" / "config.json").write_text(json.dumps(cfg))
     hub.files = ["config.json", "model.safetensors"]
-    with pytest.raises(DFlashError, match="DFlash 2 drafters are not supported yet"):
+    with pytest.raises(DFlashError, match="it is not a complete DFlash 2 config"):
         fetch(REPO, "draft")
     assert hub.patterns == [["config.json"]] and hub.listed == []
 
