@@ -102,8 +102,12 @@ def load_drafter(path: Path) -> DFlashDrafter:
     return model
 
 
-def load(model: str, draft: Optional[str] = None) -> DFlashPair:
-    """Load a target (alias, repo id or directory) and its DFlash drafter."""
+def load(model: str, draft: Optional[str] = None, target_loader=None) -> DFlashPair:
+    """Load a target (alias, repo id or directory) and its DFlash drafter.
+
+    `target_loader(path)` -> (model, tokenizer, config) loads the target from
+    its local directory (`adapter.load_target` unless given; e.g. a sharded
+    loader, `distributed.load_sharded`)."""
     resolved = resolve(model, draft)
     check_name(resolved.target, "model")
     if resolved.draft is None:
@@ -114,7 +118,7 @@ def load(model: str, draft: Optional[str] = None) -> DFlashPair:
     config = DrafterConfig.from_file(fetch(resolved.draft, "config") / "config.json")
     target_path = fetch(resolved.target, "model")
     draft_path = fetch(resolved.draft, "draft")
-    model_, tokenizer, target_config = load_target(target_path)
+    model_, tokenizer, target_config = (target_loader or load_target)(target_path)
     check_pair(config, *model_dims(model_))
     adapter = TargetAdapter(model_, config.target_layer_ids, quantization=target_config.get("quantization"))
     drafter = load_drafter(draft_path)
