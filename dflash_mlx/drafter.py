@@ -15,6 +15,13 @@ from .adapter import initialize_rope
 from .config import DrafterConfig
 
 
+# Blocks of an all-full-attention drafter see the first 4 and the last 2,048
+# context rows (z-lab's DFlash 2 drafters use 2,048-row windows). On the demo
+# pair at 1,800 tokens of context, acceptance did not drop with as few as 128
+# recent rows (benchmarks/README.md); shorter contexts are untouched.
+DEFAULT_CONTEXT_BOUND = (2048, 4)
+
+
 class DraftCache:
     """Committed context keys/values of one drafter layer.
 
@@ -221,6 +228,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.bound_context(*DEFAULT_CONTEXT_BOUND)
 
     def bound_context(self, recent: Optional[int], sinks: int = 4) -> bool:
         """Let blocks see only the first `sinks` and the last `recent` context
