@@ -101,6 +101,65 @@ def test_a_failing_rank_ends_the_run(targets, drafters):
     assert "Node with rank 1 exited with code 1" in output
 
 
+SCHEDULES = {  # test_lossless's: which draft index the oracle corrupts (None: a perfect draft)
+    "always full": "None",
+    "always first": "0",
+    "cycle through positions": "c % w if c % w < w - 1 else None",
+}
+
+
+def oracle_main(cfg_path):
+    """Under mlx.launch: each case's target sharded, drafts from test_lossless's
+    OracleSource (the plain greedy continuation, corrupted at chosen indices),
+    so verify accepts every prefix length and the sharded caches are cropped
+    at every block position; every rank writes what it generated."""
+    import dflash_mlx
+    from dflash_mlx.distributed import group, load_sharded
+    from test_lossless import OracleSource
+
+    cfg = json.loads(Path(cfg_path).read_text())
+    g = group()
+    results = []
+    for case in cfg["cases"]:
+        pair = load_sharded(case["model"], case["draft"], g)
+        feature_dim = len(pair.target.tap_ids) * pair.target.hidden_size
+        for name, rule in SCHEDULES.items():
+            source = OracleSource(case["prompt"] + case["ref"], pair.target.vocab_size, feature_dim,
+                                  eval(f"lambda c, w: {rule}"))
+            out, accepted = [], []
+            for ev in dflash_mlx.stream_generate(pair, case["prompt"], max_tokens=len(case["ref"]),
+                                                 block_size=case["block_size"], draft_source=source):
+                out += ev.tokens
+                accepted.append(ev.accepted)
+            results.append({"schedule": name, "tokens": out, "accepted": accepted[1:], "expected": source.expected})
+    Path(cfg["out"].format(rank=g.rank())).write_text(json.dumps(results))
+
+
+def test_sharded_caches_roll_back_at_every_block_position(targets, drafters, tmp_path):
+    from mlx_lm import load
+
+    cases = []
+    for family, block_size in [("qwen3", 8), ("llama", 4)]:
+        model, tokenizer = load(str(targets[family]))
+        prompt = tokenizer.encode(PROMPTS[0])
+        cases.append(dict(model=str(targets[family]), draft=str(drafters[DRAFTER_LAYOUT[family]]), prompt=prompt,
+                          ref=plain_greedy(model, prompt, 40), block_size=block_size))
+    cfg = tmp_path / "cases.json"
+    cfg.write_text(json.dumps({"cases": cases, "out": str(tmp_path / "out-{rank}.json")}))
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--",
+           sys.executable, __file__, str(cfg)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    ranks = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in (0, 1)] \
+        if (tmp_path / "out-1.json").exists() else out.stdout + out.stderr
+    assert isinstance(ranks, list), ranks
+    assert ranks[0] == ranks[1]
+    for case, results in zip(cases, [ranks[0][:3], ranks[0][3:]]):
+        for r in results:
+            assert r["tokens"] == case["ref"], r["schedule"]
+            assert r["accepted"][: len(r["expected"])] == r["expected"], r["schedule"]
+        assert max(results[0]["accepted"]) == case["block_size"] - 1  # whole blocks accepted
+
+
 class _Group:
     def __init__(self, size=2, rank=0):
         self._size, self._rank = size, rank
@@ -134,3 +193,7 @@ def test_one_process_is_not_distributed():
 
     assert mx.distributed.init().size() == 1
     assert group().size() == 1 and is_main()
+
+
+if __name__ == "__main__":  # one rank of test_sharded_caches_roll_back_at_every_block_position
+    oracle_main(sys.argv[1])
