@@ -28,6 +28,8 @@ import argparse
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -38,8 +40,9 @@ from .errors import DFlashError
 # Families whose tensor-parallel DFlash output is tested equal to plain
 # decoding of the unsharded model (tests/test_distributed.py).
 TENSOR_PARALLEL = ("qwen3", "llama")
-# For tests: the rank named here raises after loading (a failing rank must end the run).
+# For tests: the rank named here raises (or hangs) after loading (a failing rank must end the run).
 FAIL_RANK_ENV = "DFLASH_MLX_TEST_FAIL_RANK"
+HANG_RANK_ENV = "DFLASH_MLX_TEST_HANG_RANK"
 
 
 def group() -> mx.distributed.Group:
@@ -147,6 +150,36 @@ def shared_seed(seed: Optional[int], g: mx.distributed.Group) -> int:
     return seed
 
 
+class Watchdog:
+    """Ends this process when it makes no progress for `seconds`.
+
+    mlx's collectives do not time out: a rank whose peer hangs (rather than
+    exits, which closes its sockets) would wait forever. The thread runs
+    while the main thread is blocked in a collective (mlx releases the GIL
+    while it evaluates); once this rank exits, mlx.launch ends the others.
+    """
+
+    def __init__(self, seconds: float, who: str):
+        self.seconds, self.who = seconds, who
+        self.last = time.monotonic()
+        self._done = threading.Event()
+        if seconds > 0:
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(1.0, self.seconds / 4)):
+            if time.monotonic() - self.last > self.seconds:
+                print(f"{self.who}: no progress for {self.seconds:g} s, another rank is not answering "
+                      "(see --timeout); ending the run", file=sys.stderr, flush=True)
+                os._exit(1)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dflash_mlx.distributed",
@@ -165,6 +198,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="end the run when a rank makes no progress (loading, a cycle) for this many seconds "
+                        "(default 600; 0: wait forever)")
     p.add_argument("--json", action="store_true",
                    help="rank 0 prints one JSON line per generation (prompt, block size, token ids, text)")
     p.add_argument("--ids-out", help="every rank writes the token ids of every generation as JSON to this "
@@ -172,15 +208,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args, g: mx.distributed.Group) -> None:
+def run(args, g: mx.distributed.Group, watchdog: Watchdog) -> None:
     from .decode import stream_generate
     from .prompt import build_prompt
     from .sampling import SamplingParams
 
     rank0 = is_main(g)
     pair = load_sharded(args.model, args.draft, g)
+    watchdog.beat()
     if os.environ.get(FAIL_RANK_ENV) == str(g.rank()):
         raise RuntimeError(f"rank {g.rank()} was told to fail ({FAIL_RANK_ENV})")
+    if os.environ.get(HANG_RANK_ENV) == str(g.rank()):
+        watchdog.stop()  # a rank hung past helping itself
+        time.sleep(1e6)
     # Sampling draws the same numbers on every rank: one seed for all.
     params = SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=shared_seed(args.seed, g) if args.temp > 0 else args.seed)
@@ -191,6 +231,7 @@ def run(args, g: mx.distributed.Group) -> None:
             ids, stats = [], None
             for event in stream_generate(pair, prompt, max_tokens=args.max_tokens, sampling=params,
                                          block_size=block_size, lookup=False):
+                watchdog.beat()
                 ids += event.tokens
                 stats = event.stats
                 if rank0 and not args.json:
@@ -213,8 +254,9 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     g = group()
     who = f"dflash-mlx (rank {g.rank()} of {g.size()})"
+    watchdog = Watchdog(args.timeout if g.size() > 1 else 0, who)
     try:
-        run(args, g)
+        run(args, g, watchdog)
     except DFlashError as e:
         print(f"{who}: {e}", file=sys.stderr, flush=True)
         return 1
@@ -224,6 +266,8 @@ def main(argv=None) -> int:
             msg = f"another rank stopped ({msg}); its error is above"
         print(f"{who}: {msg}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        watchdog.stop()
     return 0
 
 

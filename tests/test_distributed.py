@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -56,11 +57,22 @@ def launch(*args, env=(), timeout=TIMEOUT):
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()),
            *[f"--env={e}" for e in env], "--", sys.executable, "-m", "dflash_mlx.distributed",
            "--no-chat-template", *map(str, args)]
-    # A hang (a collective waiting forever) fails the test here instead of blocking CI.
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-    return out.stdout + out.stderr, lines
+    stdout, stderr = run_launch(cmd, timeout)
+    lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+    return stdout + stderr, lines
+
+
+def run_launch(cmd, timeout):
+    """(stdout, stderr) of a launch; a hang (a collective waiting forever) fails the test after
+    `timeout` seconds, and the launcher and its ranks (one process group) are killed."""
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), start_new_session=True)
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"the launch hung for {timeout} s:\n{out}{err}")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -148,9 +160,9 @@ def test_sharded_caches_roll_back_at_every_block_position(targets, drafters, tmp
     cfg.write_text(json.dumps({"cases": cases, "out": str(tmp_path / "out-{rank}.json")}))
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--",
            sys.executable, __file__, str(cfg)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    output = "".join(run_launch(cmd, TIMEOUT))
     ranks = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in (0, 1)] \
-        if (tmp_path / "out-1.json").exists() else out.stdout + out.stderr
+        if (tmp_path / "out-1.json").exists() else output
     assert isinstance(ranks, list), ranks
     assert ranks[0] == ranks[1]
     for case, results in zip(cases, [ranks[0][:3], ranks[0][3:]]):
@@ -158,6 +170,14 @@ def test_sharded_caches_roll_back_at_every_block_position(targets, drafters, tmp
             assert r["tokens"] == case["ref"], r["schedule"]
             assert r["accepted"][: len(r["expected"])] == r["expected"], r["schedule"]
         assert max(results[0]["accepted"]) == case["block_size"] - 1  # whole blocks accepted
+
+
+def test_a_hanging_rank_ends_the_run_after_the_timeout(targets, drafters):
+    output, runs = launch("--model", targets["llama"], "--draft", drafters["new"], "--prompt", PROMPTS[0],
+                          "--max-tokens", 8, "--json", "--timeout", 5, env=["DFLASH_MLX_TEST_HANG_RANK=1"],
+                          timeout=120)
+    assert runs == []
+    assert "dflash-mlx (rank 0 of 2): no progress for 5 s, another rank is not answering" in output
 
 
 class _Group:
