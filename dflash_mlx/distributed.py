@@ -2,7 +2,7 @@
 
 With more than one process in the group, the target is sharded with
 mlx-lm's tensor parallelism (`model.shard(group)`, loaded shard by shard by
-`mlx_lm.utils.sharded_load`); the drafter is small and is loaded whole on
+`mlx_lm.utils.sharded_load`; tested for the families in `TENSOR_PARALLEL`); the drafter is small and is loaded whole on
 every rank. Every rank then runs the same loop (`decode.stream_generate`):
 the drafter identically everywhere (drafts need no communication), the
 verify pass is the sharded target's own forward pass (its all_sums are the
@@ -39,7 +39,7 @@ from .errors import DFlashError
 
 # Families whose tensor-parallel DFlash output is tested equal to plain
 # decoding of the unsharded model (tests/test_distributed.py).
-TENSOR_PARALLEL = ("qwen3", "llama")
+TENSOR_PARALLEL = ("qwen3", "llama", "qwen3_moe", "gpt_oss")
 # For tests: the rank named here raises (or hangs) after loading (a failing rank must end the run).
 FAIL_RANK_ENV = "DFLASH_MLX_TEST_FAIL_RANK"
 HANG_RANK_ENV = "DFLASH_MLX_TEST_HANG_RANK"
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     except RuntimeError as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "[ring]" in msg or "peer" in msg:
-            msg = f"another rank stopped ({msg}); its error is above"
+            msg = f"a collective failed ({msg}): another rank has probably stopped; its error is above"
         print(f"{who}: {msg}", file=sys.stderr, flush=True)
         return 1
     finally:
