@@ -29,10 +29,14 @@ def mlx_lm_greedy(model, prompt, n, processors, eos=(0,)):
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("widths", [[1], [4], [Plan(4, 3), 1, 8, Plan(8, 2)]], ids=["plain", "block4", "mixed"])
+# Lookup copies, plain steps and drafter blocks in one run; plain decoding alone once.
+CASES = [(f, s, "mixed") for f in FAMILIES for s in SETTINGS] + [("qwen3", s, "plain") for s in SETTINGS]
+WIDTHS = {"plain": [1], "mixed": [Plan(4, 3), 1, 8, Plan(8, 2), 4]}
+
+
+@pytest.mark.parametrize("family, setting, widths", CASES, ids=["-".join(c) for c in CASES])
 def test_greedy_with_processors_equals_mlx_lm(pairs, baselines, family, setting, widths):
+    widths = WIDTHS[widths]
     pair = pairs[family]
     prompt = pair.tokenizer.encode("Once upon a time there was a tiny language model that could count")
     want = mlx_lm_greedy(baselines[family], prompt, 32, make_logits_processors(**SETTINGS[setting]))
