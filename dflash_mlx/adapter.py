@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as cache_lib
+from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from mlx_lm.models.rope_utils import initialize_rope as _mlx_lm_rope
 from mlx_lm.utils import load_model, load_tokenizer
@@ -147,7 +148,7 @@ class _HeadHook(_Wrapper):
         self._taps.head_calls += 1
         if self._taps.last_only:
             x = x[:, -1:]
-        return self._adapter.head(x)
+        return self._adapter.model_head(x)
 
     def __call__(self, x):
         # A tied head wraps the embedding: calling it embeds.
@@ -215,8 +216,10 @@ class TapedGatedDeltaNet(_Wrapper):
         self._taps.tape[self._index] = (k, gate, delta, conv_input, state0)
         cache[1] = state
         cache.advance(S)
-        out = g.norm(out, z)
-        return g.out_proj(out.reshape(B, S, -1))
+        out = g.out_proj(g.norm(out, z).reshape(B, S, -1))
+        if getattr(g, "sharding_group", None) is not None:  # tensor parallel: heads split across ranks
+            out = mx.distributed.all_sum(out, group=g.sharding_group)
+        return out
 
     def rollback(self, cache, keep: int):
         """Set `cache` to the state after the first `keep` tokens of the taped block."""
@@ -288,7 +291,11 @@ class TargetAdapter:
         layers = inner.layers
         self.embed_tokens = inner.embed_tokens
         tied = bool(getattr(self.args, "tie_word_embeddings", False)) or "lm_head" not in lm
-        self.head = self.embed_tokens.as_linear if tied else lm.lm_head
+        self._raw_head = self.embed_tokens.as_linear if tied else lm.lm_head
+        self._head_group = group = None if tied else getattr(lm, "sharding_group", None)
+        # A head split by vocabulary (tensor parallel): the model gathers its own
+        # logits after it; the drafter borrows a head that gathers them too.
+        self.head = self._raw_head if group is None else (lambda x: gather_last_axis(self._raw_head(x), group))
         self.num_layers = len(layers)
         self.hidden_size = self.args.hidden_size
         self.vocab_size = self.args.vocab_size
@@ -339,6 +346,11 @@ class TargetAdapter:
                 )
             kinds[i] = kind
         return kinds
+
+    def model_head(self, x):
+        """The head as the model's own forward calls it: `head`, or where the
+        vocabulary is split across ranks, this rank's slice (the model gathers)."""
+        return self.head(x) if self._head_group is None else self._raw_head(x)
 
     @property
     def dtype(self) -> mx.Dtype:

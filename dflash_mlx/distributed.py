@@ -39,7 +39,7 @@ from .errors import DFlashError
 
 # Families whose tensor-parallel DFlash output is tested equal to plain
 # decoding of the unsharded model (tests/test_distributed.py).
-TENSOR_PARALLEL = ("qwen3", "llama", "qwen3_moe", "gpt_oss")
+TENSOR_PARALLEL = ("qwen3", "llama", "qwen3_moe", "gpt_oss", "qwen3_5")
 # For tests: the rank named here raises (or hangs) after loading (a failing rank must end the run).
 FAIL_RANK_ENV = "DFLASH_MLX_TEST_FAIL_RANK"
 HANG_RANK_ENV = "DFLASH_MLX_TEST_HANG_RANK"
