@@ -430,6 +430,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:  # say so, or a keep-alive client reuses a socket we are about to close
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
