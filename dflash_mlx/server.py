@@ -589,15 +589,19 @@ class Handler(BaseHTTPRequestHandler):
             "model": self.engine.model_id, "choices": [choice], "usage": _usage(stats),
         })
 
-    def _stream(self, job: Job, chat: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
+    def _start_events(self):
+        """Headers of a server-sent event stream (the connection closes at its end)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
+
+    def _stream(self, job: Job, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        self._start_events()
 
         def chunk(delta_text, finish, first=False, usage=None, logprobs=None, calls=()):
             if chat:
@@ -661,12 +665,7 @@ class Handler(BaseHTTPRequestHandler):
             content, calls = split.feed("".join(text), final=True) if split else ("".join(text), [])
             return self._send_json(200, messages_api.message(model, content, calls, finish,
                                                              stats.stop_sequence if stats else None, stats))
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
+        self._start_events()
 
         def send(events):
             for name, obj in events:
