@@ -5,7 +5,9 @@ verify pass over b tokens and the loop's fixed work (acceptance, the host
 synchronisation, cropping), all growing with context length; the gain is the
 expected number of committed tokens, 1 + sum_k prod_{j<=k} alpha_j, where
 alpha_j is the running rate at which draft position j is accepted once
-positions before it were. Each cycle picks the b that maximises gain / cost.
+positions before it were. Each cycle picks the b that maximises gain / cost,
+with the alphas drawn from their posteriors (Thompson sampling), so that
+what is not tried is still learnt.
 
 The cost curve times whole cycles, widths interleaved round by round and each
 round normalised by its own mean, so that a machine whose speed wanders
@@ -22,6 +24,7 @@ import copy
 import hashlib
 import json
 import platform
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -152,9 +155,8 @@ class AcceptanceStats:
 
     Ageing by tokens means a source that is not tried drifts back towards the
     prior (depth k towards depth k - 1's rate, depth 1 towards the sizer's
-    prior), so a sizer that stopped drafting tries again once what it learnt
-    is old, where drafting at the prior would pay: a rare probe (about one
-    per few hundred tokens), which a changed text turns back into drafting.
+    prior): old evidence becomes uncertain again, so a sizer that samples
+    its rates (`BlockSizer.choose`) tries the source again now and then.
     """
 
     def __init__(self, n: int, decay: float = 0.98, half_life: float = 1024.0):
@@ -183,13 +185,24 @@ class AcceptanceStats:
                 out.accepted[k] = out.tried[k] * self.accepted[k] / t
         return out
 
-    def rates(self, prior: float, weight: float) -> List[float]:
-        """alpha_k for k = 1..n-1; depths with little evidence borrow the previous depth's rate."""
+    def posteriors(self, prior: float, weight: float) -> List[Tuple[float, float]]:
+        """Beta(a, b) of alpha_k for k = 1..n-1: the counts plus `weight` observations
+        at a prior mean, which is the previous depth's mean (depth 1's is `prior`)."""
         out, prev = [], prior
         for k in range(1, len(self.tried)):
-            prev = (self.accepted[k] + weight * prev) / (self.tried[k] + weight)
-            out.append(prev)
+            a = self.accepted[k] + weight * prev
+            b = max(0.0, self.tried[k] - self.accepted[k]) + weight * (1 - prev)
+            out.append((a, b))
+            prev = a / (a + b)
         return out
+
+    def rates(self, prior: float, weight: float) -> List[float]:
+        """alpha_k for k = 1..n-1 (posterior means); depths with little evidence borrow the previous depth's rate."""
+        return [a / (a + b) for a, b in self.posteriors(prior, weight)]
+
+    def sample(self, prior: float, weight: float, rng: random.Random) -> List[float]:
+        """alpha_k for k = 1..n-1 drawn from their posteriors (Thompson sampling)."""
+        return [rng.betavariate(max(a, 1e-6), max(b, 1e-6)) for a, b in self.posteriors(prior, weight)]
 
 
 class FixedWidth:
@@ -220,13 +233,19 @@ class BlockSizer:
     the drafter's. Expected tokens come from per-position acceptance rates of
     each source, costs from the measured curve at the current context.
 
-    The drafter's rates are learnt from the cycles that check its drafts. The
-    lookup's are learnt from every offer, used or not: an offer is compared
-    with the tokens then committed, which is what verifying it would have
-    accepted (greedy: exactly; sampling: with the same probability). Both age
-    with committed tokens (`AcceptanceStats`), so a sizer that stopped
-    drafting tries again once its evidence is old, where drafting at the prior
-    would pay; where it would not, it never spends a cycle to find out.
+    The drafter's rates are learnt only from the cycles that check its
+    drafts, so a sizer that picked plain decoding on its means would never
+    learn that it was wrong (two unlucky rejections at the start of a
+    request would end drafting for good). `choose` therefore draws the
+    drafter's rates from their Beta posteriors (Thompson sampling): where
+    the evidence is thin or old, a draw that makes drafting pay is likely
+    and the drafter is tried; as evidence that it does not pay builds up,
+    such draws, and so the probes, become rare. Where drafting cannot pay
+    even if every draft were accepted, no draw makes it pay, and it is never
+    tried. The lookup's rates are learnt from every offer, used or not (an
+    offer is compared with the tokens then committed, which is what
+    verifying it would have accepted), so they need no exploring: their
+    means are used. Both age with committed tokens (`AcceptanceStats`).
 
     Statistics are kept across requests (the drafter's usual form) and per
     request: a request starts from the shared rates, worth `carry`
@@ -235,9 +254,11 @@ class BlockSizer:
     """
 
     def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, lookup_prior: float = 0.5,
-                 weight: float = 2.0, decay: float = 0.98, half_life: float = 1024.0, carry: float = 8.0,
-                 stick: float = 1.03):
+                 weight: float = 4.0, decay: float = 0.98, half_life: float = 1024.0, carry: float = 8.0,
+                 stick: float = 1.03, explore: bool = True):
         self.curve = curve
+        self.explore = explore  # False: choose on the posterior means (no exploring)
+        self.rng = random.Random(0)
         self.max_width = min(max_width, curve.max_width)
         self.prior, self.lookup_prior, self.weight, self.carry, self.stick = prior, lookup_prior, weight, carry, stick
         self.shared = AcceptanceStats(self.max_width, decay, half_life)
@@ -251,11 +272,13 @@ class BlockSizer:
     def start(self, seeded: bool = False) -> "BlockSizer":
         """A sizer for a new request: this curve, the shared statistics as its prior.
 
-        A seeded request starts from the prior alone, so that its widths, and
-        with them the order its random numbers are drawn in, are the same
-        whatever earlier requests taught the shared statistics.
+        A seeded request starts from the prior alone, and draws its rates from
+        a fixed seed (Python's, not MLX's), so that its widths, and with them
+        the order its random numbers are drawn in, are the same whatever
+        earlier requests taught the shared statistics.
         """
         run = copy.copy(self)  # shares the curve and the shared statistics
+        run.rng = random.Random(0 if seeded else self.rng.random())
         if seeded:
             run.stats = AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life)
             run.lookup = AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life)
@@ -267,7 +290,7 @@ class BlockSizer:
     def explain(self, context: int) -> Optional[str]:
         """Why a request at `context` tokens would start with plain decoding; None if it drafts."""
         run = self.start()
-        if run.choose(context) != PLAIN:
+        if run.best(context)[0] != PLAIN:
             return None
         w = self.max_width
         ratio = self.curve.cost(w, context) / self.curve.cost(1, context)
@@ -280,8 +303,12 @@ class BlockSizer:
         )
 
     def alphas(self) -> List[float]:
-        """The drafter's alpha_k for k = 1..max_width-1."""
+        """The drafter's alpha_k for k = 1..max_width-1 (posterior means)."""
         return self.stats.rates(self.prior, self.weight)
+
+    def sampled_alphas(self) -> List[float]:
+        """The drafter's alpha_k drawn from their posteriors."""
+        return self.stats.sample(self.prior, self.weight, self.rng)
 
     def lookup_alphas(self) -> List[float]:
         return self.lookup.rates(self.lookup_prior, self.weight)
@@ -302,20 +329,23 @@ class BlockSizer:
         if self._context != context:
             self._context, self._costs, self._copy = context, self.curve.costs(context), self.curve.copy_costs(context)
 
-    def rates(self, context: int) -> List[float]:
+    def rates(self, context: int, alphas: Optional[List[float]] = None) -> List[float]:
         """Expected committed tokens per second of the drafter at widths 1..max_width."""
         self._at(context)
+        alphas = self.alphas() if alphas is None else alphas
         out, tokens, run = [], 1.0, 1.0
-        for w, a in zip(range(1, self.max_width + 1), [1.0] + self.alphas()):
+        for w, a in zip(range(1, self.max_width + 1), [1.0] + alphas):
             if w > 1:
                 run *= a
                 tokens += run
             out.append(tokens / self._costs[w - 1])
         return out
 
-    def best(self, context: int, offered: int = 0) -> Tuple[Plan, float]:
-        """The best plan and its rate, given a lookup offer of `offered` tokens (pure: changes nothing)."""
-        rates = self.rates(context)
+    def best(self, context: int, offered: int = 0, alphas: Optional[List[float]] = None) -> Tuple[Plan, float]:
+        """The best plan and its rate, given a lookup offer of `offered` tokens and
+        the drafter's `alphas` (default: their means). Pure: changes nothing."""
+        alphas = self.alphas() if alphas is None else alphas
+        rates = self.rates(context, alphas)
         w = max(range(self.max_width), key=rates.__getitem__) + 1
         if self.current and rates[self.current - 1] * self.stick >= rates[w - 1]:
             w = self.current  # keep the previous width unless another is clearly better: estimates are noisy
@@ -329,7 +359,7 @@ class BlockSizer:
             head += run
             if head / self._copy[k] > rate:
                 plan, rate = Plan(k + 1, k), head / self._copy[k]
-        alphas, tail, drun = self.alphas(), 0.0, 1.0
+        tail, drun = 0.0, 1.0
         for w in range(m + 2, self.max_width + 1):  # all of it, then the drafter's guesses
             drun *= alphas[w - 2]
             tail += drun
@@ -341,7 +371,7 @@ class BlockSizer:
     def choose(self, context: int, offer: Sequence[int] = ()) -> Plan:
         if offer and not self.pending:
             self.pending = list(offer[: self.max_width - 1])
-        plan, _ = self.best(context, len(offer))
+        plan, _ = self.best(context, len(offer), self.sampled_alphas() if self.explore else None)
         if plan.copied == 0:
             self.current = plan.width
         return plan

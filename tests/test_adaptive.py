@@ -59,7 +59,7 @@ def test_expected_tokens_from_acceptance_rates():
     (0.0, 0.05, 1, 1),     # nothing accepted: plain decoding
 ])
 def test_choice_maximises_tokens_per_second(accept, slope, lo, hi):
-    s = BlockSizer(curve([1.0 + slope * (w - 1) for w in range(1, 17)]), 16)
+    s = BlockSizer(curve([1.0 + slope * (w - 1) for w in range(1, 17)]), 16, explore=False)
     feed(s, accept)
     b = s.choose(64).width
     assert b == brute_force_best(s, 64)
@@ -69,7 +69,7 @@ def test_choice_maximises_tokens_per_second(accept, slope, lo, hi):
 def test_choice_adapts_as_context_grows():
     flat = [1.0 + 0.01 * (w - 1) for w in range(1, 17)]
     steep = [3.0 + 0.6 * (w - 1) for w in range(1, 17)]
-    s = BlockSizer(curve([flat, steep], contexts=(64, 4096)), 16)
+    s = BlockSizer(curve([flat, steep], contexts=(64, 4096)), 16, explore=False)
     feed(s, 0.7)
     short, long = s.choose(64).width, s.choose(4096).width
     assert short > long
@@ -85,7 +85,7 @@ def test_untested_depths_borrow_the_last_estimate():
 
 
 def test_a_request_starts_from_shared_statistics_and_then_follows_its_own():
-    root = BlockSizer(curve([1.0 + 0.15 * (w - 1) for w in range(1, 17)]), 16)
+    root = BlockSizer(curve([1.0 + 0.15 * (w - 1) for w in range(1, 17)]), 16, explore=False)
     first = root.start()
     feed(first, 0.9)  # a drafter that copies well on this prompt
     wide = first.choose(64).width
@@ -148,17 +148,55 @@ def plain_run(sizer, tokens, accept_prob=0.0, rnd=None):
 
 
 def test_plain_decoding_keeps_learning_what_it_does_not_try():
-    """Once drafts stop paying the sizer decodes plainly, yet its evidence ages, so
-    it tries the drafter again now and then (at a small cost) and takes it up when
-    it has become good."""
+    """Once drafts stop paying the sizer decodes plainly, yet it keeps drawing the
+    drafter's rates from what it knows, and what it knows ages: it tries the
+    drafter again now and then (rarely, where it failed a lot) and takes it up
+    when it has become good."""
     s = BlockSizer(curve([1.0 + 0.15 * (w - 1) for w in range(1, 17)]), 16)
-    assert s.choose(64).width > 1  # at the prior, drafting pays on this curve
+    assert s.best(64)[0].width > 1  # at the prior, drafting pays on this curve
     plain_run(s, 200, accept_prob=0.0)
-    assert s.choose(64) == PLAIN
+    assert s.best(64)[0] == PLAIN
     probes = plain_run(s, 5000, accept_prob=0.0)
-    assert 5 <= probes <= 0.02 * 5000  # it keeps probing, rarely
-    plain_run(s, 3000, accept_prob=0.9)  # the text turns easy to draft
-    assert s.choose(64).width >= 6
+    assert 5 <= probes <= 0.03 * 5000  # it keeps probing, rarely
+    plain_run(s, 300, accept_prob=0.9)  # the text turns easy to draft
+    assert s.best(64)[0].width >= 6
+
+
+def unlucky_start(sizer, rnd, tokens=256, accept_prob=0.9, rejected=2):
+    """A request whose first `rejected` drafted cycles are rejected outright, then
+    drafts are accepted i.i.d. with accept_prob; returns (tokens, cost, drafted cycles)."""
+    done, cost, drafted = 0, 0.0, 0
+    while done < tokens:
+        plan = sizer.choose(64)
+        a = 0
+        if plan.width > 1:
+            drafted += 1
+            while drafted > rejected and a < plan.width - 1 and rnd.random() < accept_prob:
+                a += 1
+        sizer.update(plan, a, [0] * (a + 1))
+        cost += sizer.curve.cost(plan.width, 64)
+        done += a + 1
+    return done, cost, drafted
+
+
+def test_an_unlucky_rejection_does_not_end_drafting():
+    """The failure that sampling fixes: a good drafter whose first draft is
+    rejected, on a curve (the demo pair's, OpenBLAS) where only wide blocks pay.
+    Choosing on the means, the sizer decodes plainly from then on, and the
+    shared statistics carry that into the next requests."""
+    demo = [1.00, 2.63, 2.91, 3.27, 3.24, 3.33, 3.62, 3.41, 4.08, 3.39, 3.73, 3.72, 4.19, 4.41, 3.78, 3.99]
+    best_fixed = max(sum(0.9 ** k for k in range(w)) / demo[w - 1] for w in range(1, 17))
+    for seed in range(3):
+        for explore in (False, True):
+            rnd = random.Random(seed)
+            root = BlockSizer(cycle_curve([demo]), 16, explore=explore)
+            runs = [unlucky_start(root.start(), rnd, rejected=1 if r == 0 else 0) for r in range(4)]
+            speed = sum(r[0] for r in runs) / sum(r[1] for r in runs)  # x plain decoding
+            if not explore:
+                assert [r[2] for r in runs] == [1, 0, 0, 0] and speed < 1.0  # plain ever after
+            else:
+                assert speed > 0.75 * best_fixed  # (a fixed width 15 would make 2.1x)
+                assert all(r[2] > 10 for r in runs[1:])  # later requests draft
 
 
 def test_where_drafting_cannot_pay_it_never_probes():
@@ -237,7 +275,7 @@ def test_good_lookups_are_taken_alone_or_ahead_of_the_drafter():
         for t in (7, 8, 9):
             s.update(PLAIN, 0, [t])
     assert s.choose(64, [1, 2, 3]) == Plan(4, 3)  # lookup alone: no drafter pass
-    assert s.choose(64) == PLAIN
+    assert s.best(64)[0] == PLAIN
     good = BlockSizer(s.curve, W)
     feed(good, 0.95, cycles=200)  # a drafter that is nearly always right ...
     for i in range(300):
@@ -248,7 +286,7 @@ def test_good_lookups_are_taken_alone_or_ahead_of_the_drafter():
 
 
 def test_choice_sticks_unless_clearly_better():
-    s = BlockSizer(curve([1.0] * 16), 16, stick=1.5)
+    s = BlockSizer(curve([1.0] * 16), 16, stick=1.5, explore=False)
     feed(s, 0.5, cycles=400)
     first = s.choose(64).width
     for _ in range(40):  # acceptance improves a little: not enough to move
