@@ -28,7 +28,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -262,10 +262,12 @@ class BlockSizer:
         self.max_width = min(max_width, curve.max_width)
         self.prior, self.lookup_prior, self.weight, self.carry, self.stick = prior, lookup_prior, weight, carry, stick
         self.shared = AcceptanceStats(self.max_width, decay, half_life)
-        self.shared_lookup = AcceptanceStats(self.max_width, decay, half_life)
+        # The lookup's, per n-gram order of the match (0: offers that name none): a long match is surer.
+        self.shared_lookup: Dict[int, AcceptanceStats] = {}
         self.stats, self.lookup = self.shared, self.shared_lookup  # a request's own, once start() made them
         self.current = 0  # the drafter width chosen last
         self.pending: List[int] = []  # a lookup offer not yet compared with what was committed
+        self.pending_order = 0
         self.matched = 0  # how many of its tokens were committed so far
         self._context, self._costs, self._copy = None, [], []
 
@@ -280,11 +282,11 @@ class BlockSizer:
         run = copy.copy(self)  # shares the curve and the shared statistics
         run.rng = random.Random(0 if seeded else self.rng.random())
         if seeded:
-            run.stats = AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life)
-            run.lookup = AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life)
+            run.stats, run.lookup = self._fresh(), {}
         else:
-            run.stats, run.lookup = self.shared.capped(self.carry), self.shared_lookup.capped(self.carry)
-        run.current, run.pending, run.matched = 0, [], 0
+            run.stats = self.shared.capped(self.carry)
+            run.lookup = {n: st.capped(self.carry) for n, st in self.shared_lookup.items()}
+        run.current, run.pending, run.matched, run.pending_order = 0, [], 0, 0
         return run
 
     def explain(self, context: int) -> Optional[str]:
@@ -310,8 +312,19 @@ class BlockSizer:
         """The drafter's alpha_k drawn from their posteriors."""
         return self.stats.sample(self.prior, self.weight, self.rng)
 
-    def lookup_alphas(self) -> List[float]:
-        return self.lookup.rates(self.lookup_prior, self.weight)
+    def _fresh(self) -> AcceptanceStats:
+        return AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life)
+
+    def _lookup_stats(self, order: int) -> List[AcceptanceStats]:
+        """The request's and the shared statistics of lookups matched at n-gram `order` (made on first use)."""
+        own = self.lookup.setdefault(order, self._fresh())
+        if self.lookup is self.shared_lookup:
+            return [own]
+        return [own, self.shared_lookup.setdefault(order, self._fresh())]
+
+    def lookup_alphas(self, order: int = 0) -> List[float]:
+        st = self.lookup.get(order)
+        return (st or self._fresh()).rates(self.lookup_prior, self.weight)
 
     def expected_tokens(self, width: int, alphas: Optional[List[float]] = None) -> float:
         alphas = self.alphas() if alphas is None else alphas
@@ -341,9 +354,10 @@ class BlockSizer:
             out.append(tokens / self._costs[w - 1])
         return out
 
-    def best(self, context: int, offered: int = 0, alphas: Optional[List[float]] = None) -> Tuple[Plan, float]:
-        """The best plan and its rate, given a lookup offer of `offered` tokens and
-        the drafter's `alphas` (default: their means). Pure: changes nothing."""
+    def best(self, context: int, offered: int = 0, alphas: Optional[List[float]] = None,
+             order: int = 0) -> Tuple[Plan, float]:
+        """The best plan and its rate, given a lookup offer of `offered` tokens (matched
+        at n-gram `order`) and the drafter's `alphas` (default: their means). Pure: changes nothing."""
         alphas = self.alphas() if alphas is None else alphas
         rates = self.rates(context, alphas)
         w = max(range(self.max_width), key=rates.__getitem__) + 1
@@ -353,7 +367,7 @@ class BlockSizer:
         m = min(offered, self.max_width - 1)
         if m == 0:
             return plan, rate
-        look, head, run = self.lookup_alphas(), 1.0, 1.0
+        look, head, run = self.lookup_alphas(order), 1.0, 1.0
         for k in range(1, m + 1):  # the lookup's first k tokens alone: a bare verify of k + 1 rows
             run *= look[k - 1]
             head += run
@@ -369,20 +383,25 @@ class BlockSizer:
         return plan, rate
 
     def choose(self, context: int, offer: Sequence[int] = ()) -> Plan:
+        """The plan of the next cycle, given the source's lookup `offer` (its `order`, if
+        it has one, is the n-gram order of the match)."""
+        order = getattr(offer, "order", 0)
         if offer and not self.pending:
-            self.pending = list(offer[: self.max_width - 1])
-        plan, _ = self.best(context, len(offer), self.sampled_alphas() if self.explore else None)
+            self.pending, self.pending_order = list(offer[: self.max_width - 1]), order
+        plan, _ = self.best(context, len(offer), self.sampled_alphas() if self.explore else None, order)
         if plan.copied == 0:
             self.current = plan.width
         return plan
 
     def lookup_pays(self, context: int) -> bool:
-        """Whether a full lookup offer would be used now (else plain steps may run ahead without asking)."""
-        return self.best(context, self.max_width - 1)[0].copied > 0
+        """Whether a full lookup offer (of any order) would be used now (else plain steps may run ahead without asking)."""
+        return any(self.best(context, self.max_width - 1, order=n)[0].copied > 0 for n in set(self.lookup) | {0})
 
     def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = ()) -> None:
         """Record a cycle: `accepted` of its `width - 1` draft tokens were kept; `tokens` were committed."""
-        for st in self._both(self.stats, self.shared) + self._both(self.lookup, self.shared_lookup):
+        looks = list(self.lookup.values()) + ([] if self.lookup is self.shared_lookup else
+                                              list(self.shared_lookup.values()))
+        for st in self._both(self.stats, self.shared) + looks:
             st.age(len(tokens))
         if plan.drafts and accepted >= plan.copied:  # the drafter's positions were reached
             checked = range(plan.copied + 1, min(accepted + 2, plan.width))
@@ -402,7 +421,7 @@ class BlockSizer:
         for t in tokens:
             if offer[done] != t or done + 1 == len(offer):
                 hit = done + (offer[done] == t)
-                for st in self._both(self.lookup, self.shared_lookup):
+                for st in self._lookup_stats(self.pending_order):
                     st.add(range(1, min(hit + 2, len(offer) + 1)), hit)
                 self.pending, self.matched = [], 0
                 return

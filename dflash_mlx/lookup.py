@@ -15,6 +15,14 @@ from .draft_source import DraftSource
 ORDERS = (6, 5, 4, 3)
 
 
+class Offer(list):
+    """Draft tokens from the index, and the n-gram `order` of the match that gave them."""
+
+    def __init__(self, tokens=(), order: int = 0):
+        super().__init__(tokens)
+        self.order = order
+
+
 class NgramIndex:
     """Where each n-gram of the stream last occurred, for n in `orders`.
 
@@ -43,11 +51,12 @@ class NgramIndex:
                 self.heads.add(tuple(T[j - low : j - 1]))
             T.append(int(t))
 
-    def propose(self, k: int) -> List[int]:
-        """Up to k tokens that followed the longest recurring suffix last time; [] when none recurs."""
+    def propose(self, k: int) -> Offer:
+        """Up to k tokens that followed the longest recurring suffix last time (an
+        `Offer`: its `order` is that suffix's length); empty when none recurs."""
         T = self.tokens
         if k < 1:
-            return []
+            return Offer()
         for n in self.orders:
             if len(T) < n:
                 continue
@@ -57,8 +66,8 @@ class NgramIndex:
                 period = len(T) - j
                 while len(out) < k:
                     out.append(out[len(out) - period])
-                return out
-        return []
+                return Offer(out, n)
+        return Offer()
 
     def may_propose_next(self) -> bool:
         """Whether one more token, whatever it is, could make `propose` find a match."""

@@ -225,6 +225,29 @@ def test_lookup_rates_are_learnt_from_offers_not_taken():
     assert rates[0] == pytest.approx(2 / 3, abs=0.12) and min(rates[1:5]) > 0.9
 
 
+def test_lookup_rates_are_kept_per_ngram_order():
+    """A long match is surer than a short one: offers are scored in their order's
+    statistics, and each offer is judged by its own order's rates."""
+    from dflash_mlx.lookup import Offer
+
+    W = 16
+    s = BlockSizer(lookup_curve([1.0 + 0.1 * (w - 1) for w in range(1, W + 1)],
+                                [1.0] + [1.0 + 0.05 * (w - 1) for w in range(2, W + 1)]), W)
+    feed(s, 0.0, cycles=200)  # the drafter guesses nothing
+    for i in range(300):  # order-6 matches are borne out, order-3 ones never
+        right = i % 2 == 0
+        s.choose(64, Offer([7, 8, 9], 6 if right else 3))
+        for t in ((7, 8, 9) if right else (1, 2, 3)):
+            s.update(PLAIN, 0, [t])
+    assert min(s.lookup_alphas(6)[:3]) > 0.9 and s.lookup_alphas(3)[0] < 0.1
+    assert s.lookup_alphas(0)[0] == pytest.approx(s.lookup_prior)  # no unordered offer seen
+    assert s.choose(64, Offer([1, 2, 3], 6)) == Plan(4, 3)
+    assert s.best(64, 3, order=3)[0].copied == 0  # a short match is not taken
+    assert s.lookup_pays(64)  # some order pays
+    run = s.start()  # a request starts from the shared per-order rates
+    assert run.lookup_alphas(6)[0] > 0.8 and run.lookup_alphas(3)[0] < 0.2
+
+
 def brute_best(s, context, offered):
     """Every plan's expected tokens per second, by enumeration."""
     d, lk = s.alphas(), s.lookup_alphas()

@@ -11,9 +11,9 @@ from dflash_mlx.adaptive import BlockSizer, CostCurve, Plan
 from dflash_mlx.lookup import NgramIndex, WithLookup
 
 
-def brute_propose(tokens, k, orders):
+def brute_propose(tokens, k, orders, with_order=False):
     """The index's rule by rescanning: longest recurring suffix, its latest earlier
-    occurrence, then an overlapping copy of what followed."""
+    occurrence, then an overlapping copy of what followed (and that suffix's length)."""
     for n in sorted(orders, reverse=True):
         if len(tokens) < n:
             continue
@@ -23,8 +23,8 @@ def brute_propose(tokens, k, orders):
                 out = []
                 for i in range(k):
                     out.append(tokens[j + i] if j + i < len(tokens) else out[i - (len(tokens) - j)])
-                return out
-    return []
+                return (out, n) if with_order else out
+    return ([], 0) if with_order else []
 
 
 def test_index_matches_a_rescan_token_by_token():
@@ -34,7 +34,8 @@ def test_index_matches_a_rescan_token_by_token():
         index = NgramIndex(stream[:5], orders=(4, 3, 2))
         for t in range(5, len(stream)):
             for k in (1, 4, 9):
-                assert index.propose(k) == brute_propose(stream[:t], k, (4, 3, 2)), (alphabet, t, k)
+                got, (want, order) = index.propose(k), brute_propose(stream[:t], k, (4, 3, 2), with_order=True)
+                assert got == want and got.order == order, (alphabet, t, k)
             # Whether one more token could give a match, whatever it is.
             assert index.may_propose_next() == any(
                 brute_propose(stream[:t] + [x], 1, (2,)) for x in range(alphabet))
