@@ -246,6 +246,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=5, help="how many prompts of the code suite (1-12)")
     ap.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"comma-separated subset of {','.join(RUNTIMES)}")
+    ap.add_argument("--settings", default=None,
+                    help="comma-separated settings to run (e.g. default,block1,block8; mlx-lm's always runs): "
+                         "default: every setting of every runtime")
     ap.add_argument("--seed", type=int, default=0, help="seed of the run order")
     ap.add_argument("--out", default=None, help="JSON result file (default: print only)")
     ap.add_argument("--setup-only", action="store_true", help="install the venvs and build the pair, then stop")
@@ -326,7 +329,15 @@ def run(args):
     if "mlxlm" not in runners:
         raise PeersError(f"the mlx-lm baseline could not start: {problems.get('mlxlm')}")
     try:
-        keys = [(n, s) for n, r in runners.items() for s in r.settings]
+        wanted = set(args.settings.split(",")) if args.settings else None
+        keys = [(n, s) for n, r in runners.items() for s in r.settings if n == "mlxlm" or not wanted or s in wanted]
+        for n in [n for n in runners if not any(k[0] == n for k in keys)]:
+            runners.pop(n).close()
+        missing = wanted - {s for _, s in keys} if wanted else set()
+        if missing:
+            raise PeersError(f"no runtime has setting(s) {sorted(missing)}")
+        for n, r in runners.items():
+            r.settings = [s for s in r.settings if (n, s) in keys]
         # Warm-up: every runtime and setting once (kernels, caches, cost curves, calibrations).
         for n, s in keys:
             log(f"warm-up {n}/{s}")

@@ -3,7 +3,7 @@
 Settings: "default" = block_size "auto" (the adaptive sizer, its cost curve measured once
 and cached under ~/.cache/dflash-mlx/costs, with lookup drafts), "no-lookup" = "auto"
 without lookup drafts (the drafter only), "block4" / "block8" = fixed block sizes (the
-drafter alone, every cycle).
+drafter alone, every cycle), "block1" = plain decoding through this loop (width 1 every cycle).
 Acceptance: GenerationStats.cycles (target passes after the prefill, plain width-1 steps
 included) and GenerationStats.acceptance_lengths (tokens each cycle committed).
 """
@@ -13,7 +13,7 @@ import mlx.core as mx
 from _common import float_dtypes, serve
 
 BLOCKS = {"default": ("auto", True), "no-lookup": ("auto", False), "block4": (4, False), "block8": (8, False),
-          "t1-default": ("auto", True), "t1-block16": (16, False)}
+          "t1-default": ("auto", True), "t1-block16": (16, False), "block1": (1, False)}
 TEMPS = {"t1-default": 1.0, "t1-block16": 1.0}  # sampled settings (temperature 1, a fresh seed per request)
 _requests = [0]
 
@@ -32,7 +32,8 @@ def load(args):
                   "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "blas": blas_name(), "dtype": "float32",
                   "settings": {"default": "block_size='auto'", "no-lookup": "block_size='auto', lookup=False",
                                "block4": "block_size=4", "block8": "block_size=8",
-                               "t1-default": "block_size='auto', temp=1.0", "t1-block16": "block_size=16, temp=1.0"}}
+                               "t1-default": "block_size='auto', temp=1.0", "t1-block16": "block_size=16, temp=1.0",
+                               "block1": "block_size=1"}}
 
 
 def generate(pair, prompt_ids, max_tokens, setting):
