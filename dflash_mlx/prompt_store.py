@@ -1,0 +1,306 @@
+"""The prompt cache's disk tier: entries the memory tier evicts, kept as files.
+
+One folder per model key (`model_key`: everything the cached state depends
+on), one safetensors file per entry: its arrays written by MLX, and in the
+file's metadata the tokens it holds, how to rebuild each layer (class,
+non-array state, `meta_state`, whether it is usable only whole) and the key,
+checked again on load. The index (tokens -> file) is rebuilt at start from
+the files' headers, so a restarted server reuses what an earlier one wrote;
+files are evicted least recently used first beyond the byte bound.
+
+A file is written under a temporary name and renamed, so an entry is whole
+or absent; one that cannot be read is removed with a warning.
+"""
+
+import hashlib
+import json
+import os
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import cache as cache_lib
+from mlx_lm.models.cache import PromptTrie
+
+from .draft_source import ContextRows
+from .drafter import DraftCache
+from .errors import DFlashError
+from .target_caches import WindowCache
+
+FORMAT = "dflash-mlx-prompt-cache/1"
+_SUFFIX = ".safetensors"
+_TMP = ".tmp" + _SUFFIX
+_STALE_TMP_S = 600  # a temporary file this old is left over from a crash
+
+# Cache classes an entry may hold, by name (never resolved from anything else).
+_CLASSES = {n: c for n, c in vars(cache_lib).items() if isinstance(c, type) and issubclass(c, cache_lib._BaseCache)}
+_CLASSES["WindowCache"] = WindowCache
+
+
+class PromptStoreWarning(UserWarning):
+    pass
+
+
+def _fingerprint(path) -> List[str]:
+    path = Path(path).resolve()
+    files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path]
+    return [str(path)] + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+
+
+def model_key(pair) -> str:
+    """What a cached state depends on: both models' files (path, sizes, times; a
+    Hub snapshot's path holds its revision), quantization, dtypes, cache layout,
+    drafter context bound, draft source, backend, MLX, mlx-lm and BLAS."""
+    import mlx_lm
+
+    from .adaptive import blas_name
+
+    if pair.target_path is None or pair.draft_path is None:
+        raise DFlashError("The prompt cache's disk tier needs a pair loaded from files (dflash_mlx.load); "
+                          "set disk_bytes=0 for this one.")
+    source = pair.draft_source
+    parts = [FORMAT, *_fingerprint(pair.target_path), *_fingerprint(pair.draft_path),
+             json.dumps(pair.target.quantization, sort_keys=True),
+             json.dumps(pair.drafter.args.quantization, sort_keys=True), str(pair.target.dtype),
+             str(sorted({str(v.dtype) for _, v in tree_flatten(pair.drafter.parameters())})),
+             str([type(c).__name__ for c in pair.target.make_cache()]), str(pair.drafter.context_bound),
+             type(source).__name__, type(getattr(source, "inner", source)).__name__,
+             str(mx.default_device()), mx.__version__, mlx_lm.__version__, blas_name()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+# -- one entry <-> arrays and metadata -----------------------------------------
+
+def encode(objs: Sequence, exact: type) -> Optional[Tuple[dict, list]]:
+    """(arrays, layer descriptions) of an entry's layers, or None if one cannot be written.
+
+    Target layers are mlx-lm caches (or ours), some wrapped in `exact` (usable
+    only whole, `exact(cache).cache`); the drafter's are `ContextRows`."""
+    arrays, layers = {}, []
+    for i, o in enumerate(objs):
+        if isinstance(o, ContextRows):
+            c = o.cache
+            if c.keys is not None:  # the whole buffer, as the memory tier keeps it
+                arrays[f"{i}.keys"], arrays[f"{i}.values"] = c.keys, c.values
+            layers.append({"rows": [c.window, c.bound, c.offset, c.start], "arrays": c.keys is not None})
+            continue
+        whole = isinstance(o, exact)
+        c = o.cache if whole else o
+        name = type(c).__name__
+        if _CLASSES.get(name) is not type(c):
+            return None
+        leaves = {}
+        for path, v in tree_flatten(c.state):
+            if isinstance(v, mx.array):
+                arrays[f"{i}.{path}"] = v
+            elif v is None or isinstance(v, (bool, int, float, str)):
+                leaves[path] = v
+            else:
+                return None
+        layer = {"class": name, "exact": whole, "leaves": leaves}
+        if hasattr(c, "meta_state"):
+            layer["meta"] = list(c.meta_state)
+        layers.append(layer)
+    return arrays, layers
+
+
+def decode(arrays: dict, layers: list, exact: type) -> list:
+    """The layers `encode` described, rebuilt through their own classes."""
+    out = []
+    for i, layer in enumerate(layers):
+        mine = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.split(".", 1)[0] == str(i)}
+        if "rows" in layer:
+            window, bound, offset, start = layer["rows"]
+            c = DraftCache(window, tuple(bound) if bound is not None else None)
+            if layer["arrays"]:
+                c.keys, c.values = mine["keys"], mine["values"]
+            c.offset, c.start = offset, start
+            out.append(ContextRows(c))
+            continue
+        flat = {**mine, **layer["leaves"]}
+        state = tree_unflatten(list(flat.items())) if flat else []
+        c = _CLASSES[layer["class"]].from_state(state)
+        if "meta" in layer:
+            c.meta_state = layer["meta"]
+        out.append(exact(c) if layer["exact"] else c)
+    return out
+
+
+# -- the folder ----------------------------------------------------------------
+
+@dataclass
+class _File:
+    name: str
+    tokens: Tuple[int, ...]
+    nbytes: int
+    trimmable: bool
+    cache_type: str
+
+
+class PromptStore:
+    """Prompt cache entries of one model under `folder`, at most `max_bytes` of files (LRU).
+
+    `exact` is the wrapper marking a layer usable only for its whole prefix."""
+
+    def __init__(self, folder, key: str, max_bytes: int, exact: type):
+        self.folder = Path(folder)
+        self.key, self.max_bytes, self.exact = key, max_bytes, exact
+        self._files: "OrderedDict[str, _File]" = OrderedDict()  # least recently used first
+        self._trie = PromptTrie()
+        self.nbytes = 0
+        self.hits = self.writes = self.evictions = 0
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DFlashError(f"Cannot create the prompt cache folder {self.folder} ({e.strerror}); "
+                              "choose another with --prompt-cache-dir.")
+        self._scan()
+
+    def __len__(self):
+        return len(self._files)
+
+    def __contains__(self, tokens) -> bool:
+        return _name(tokens) in self._files
+
+    def _warn(self, path, why):
+        warnings.warn(f"prompt cache: skipping {path} ({why}); it was removed.", PromptStoreWarning, stacklevel=3)
+        _remove(path)
+
+    def _scan(self):
+        from safetensors import safe_open
+
+        found = []
+        for path in self.folder.iterdir():
+            if path.name.endswith(_TMP):
+                if time.time() - _mtime(path) > _STALE_TMP_S:
+                    _remove(path)
+                continue
+            if not path.name.endswith(_SUFFIX):
+                continue
+            try:
+                with safe_open(str(path), framework="numpy") as f:
+                    meta = f.metadata() or {}
+                if meta.get("format") != FORMAT or meta.get("key") != self.key:
+                    raise ValueError("written for another model or format")
+                tokens = tuple(json.loads(meta["tokens"]))
+                layers = json.loads(meta["layers"])
+                if path.name != _name(tokens) + _SUFFIX:
+                    raise ValueError("its name does not match its tokens")
+                st = path.stat()
+            except Exception as e:  # anything unreadable is skipped, never fatal
+                self._warn(path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                continue
+            trimmable = not any(l.get("exact") for l in layers)
+            found.append((st.st_mtime, _File(path.stem, tokens, st.st_size, trimmable, meta["cache_type"])))
+        for _, f in sorted(found, key=lambda x: x[0]):
+            self._add(f)
+        self._evict()
+
+    def _add(self, f: _File):
+        self._files[f.name] = f
+        self._trie.add(self.key, list(f.tokens), f)
+        self.nbytes += f.nbytes
+
+    def _drop(self, f: _File, in_trie: bool = True):
+        del self._files[f.name]
+        if in_trie:
+            self._trie.pop(self.key, list(f.tokens))
+        self.nbytes -= f.nbytes
+        _remove(self._path(f.name))
+
+    def _path(self, name: str) -> Path:
+        return self.folder / (name + _SUFFIX)
+
+    def _evict(self):
+        while self.nbytes > self.max_bytes and self._files:
+            self._drop(next(iter(self._files.values())))
+            self.evictions += 1
+
+    @property
+    def trie(self):
+        """Tokens -> `_File` (its `trimmable`), for the prefix search."""
+        return self._trie
+
+    def save(self, tokens: Sequence[int], objs: Sequence, cache_type: str) -> bool:
+        """Write an entry (evaluated arrays); False if it cannot be or does not fit."""
+        tokens = tuple(tokens)
+        name = _name(tokens)
+        if name in self._files:
+            self._files.move_to_end(name)
+            os.utime(self._path(name))
+            return True
+        encoded = encode(objs, self.exact)
+        if encoded is None:
+            return False
+        arrays, layers = encoded
+        if sum(a.nbytes for a in arrays.values()) > self.max_bytes:
+            return False
+        meta = {"format": FORMAT, "key": self.key, "tokens": json.dumps(list(tokens)),
+                "layers": json.dumps(layers), "cache_type": cache_type}
+        path = self._path(name)
+        tmp = self.folder / f"{name}.{os.getpid()}{_TMP}"
+        try:
+            mx.save_safetensors(str(tmp), arrays, meta)
+            os.replace(tmp, path)
+            size = path.stat().st_size
+        except Exception as e:
+            _remove(tmp)
+            warnings.warn(f"prompt cache: cannot write {path} ({e}); the entry is kept in memory only.",
+                          PromptStoreWarning, stacklevel=2)
+            return False
+        f = _File(name, tokens, size, not any(l.get("exact") for l in layers), cache_type)
+        self._add(f)
+        if f.trimmable:  # an entry that can be trimmed serves every prefix: those files are redundant
+            for _, old in self._trie.pop_prefixes(self.key, list(tokens)):
+                self._drop(old, in_trie=False)
+        self.writes += 1
+        self._evict()
+        return True
+
+    def load(self, tokens: Sequence[int]) -> Optional[Tuple[list, str]]:
+        """(layers, cache type) of the entry holding `tokens`, or None if it cannot be read (then removed)."""
+        f = self._files.get(_name(tokens))
+        if f is None:
+            return None
+        path = self._path(f.name)
+        try:
+            arrays, meta = mx.load(str(path), return_metadata=True)
+            if meta.get("key") != self.key or tuple(json.loads(meta["tokens"])) != f.tokens:
+                raise ValueError("written for another model or prompt")
+            objs = decode(arrays, json.loads(meta["layers"]), self.exact)
+            mx.eval(list(arrays.values()))  # read now: a truncated file fails here, not mid-request
+        except Exception as e:
+            self._drop(f)
+            warnings.warn(f"prompt cache: skipping {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                          "it was removed.", PromptStoreWarning, stacklevel=2)
+            return None
+        self._files.move_to_end(f.name)
+        try:
+            os.utime(path)  # the order of use survives a restart
+        except OSError:
+            pass
+        self.hits += 1
+        return objs, f.cache_type
+
+
+def _name(tokens) -> str:
+    return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:32]
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _remove(path: Path):
+    try:
+        path.unlink()
+    except OSError:
+        pass
