@@ -245,12 +245,24 @@ def serve(
         "4GB", "--prompt-cache-bytes",
         help="Memory for caches of earlier requests, reused when a prompt extends one (e.g. 8GB, 512MB; 0: off).",
     ),
+    prompt_cache_disk_bytes: str = typer.Option(
+        "0", "--prompt-cache-disk-bytes",
+        help="Disk for prompt caches evicted from memory or left at shutdown, reused after a restart (e.g. 20GB; "
+             "0: off).",
+    ),
+    prompt_cache_dir: Optional[str] = typer.Option(
+        None, "--prompt-cache-dir",
+        help="Folder for the disk prompt cache, one subfolder per model (default: prompt-cache/ in the cache folder).",
+    ),
 ):
     """Serve an OpenAI-compatible API (chat and completions) with DFlash."""
     import dflash_mlx
     from dflash_mlx.server import make_server
 
     cache_bytes = _bytes(prompt_cache_bytes, "--prompt-cache-bytes")
+    disk_bytes = _bytes(prompt_cache_disk_bytes, "--prompt-cache-disk-bytes")
+    if disk_bytes and not cache_bytes:
+        fail("--prompt-cache-disk-bytes needs the memory tier: give --prompt-cache-bytes a size above 0.")
     try:
         pair = dflash_mlx.load(model, draft)
         if block_size == "auto":
@@ -259,7 +271,8 @@ def serve(
                              pair.resolved.enable_thinking if pair.resolved else None,
                              max_prompt_tokens, temp, max_tokens_limit=max_tokens,
                              default_max_tokens=default_max_tokens,
-                             prompt_cache_bytes=cache_bytes)
+                             prompt_cache_bytes=cache_bytes, prompt_cache_disk_bytes=disk_bytes,
+                             prompt_cache_dir=prompt_cache_dir)
     except DFlashError as e:
         fail(str(e))
     except OSError as e:
@@ -271,6 +284,9 @@ def serve(
         pass
     finally:
         server.server_close()
+        if disk_bytes:
+            err.print("writing the prompt cache to disk ...")
+            server.engine.close()
 
 
 def _bytes(text: str, option: str) -> int:

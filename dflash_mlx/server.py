@@ -123,10 +123,15 @@ class Engine:
     def __init__(self, pair, model_id: str, block_size: Optional[int] = None,
                  enable_thinking: Optional[bool] = None, max_prompt_tokens: int = 32768,
                  default_temp: float = 0.0, max_tokens_limit: int = 32768, default_max_tokens: int = 256,
-                 prompt_cache_bytes: int = 4 << 30):
+                 prompt_cache_bytes: int = 4 << 30, prompt_cache_disk_bytes: int = 0,
+                 prompt_cache_dir: Optional[str] = None):
         self.model_id, self.block_size = model_id, block_size
         # Conversations grow turn by turn: each request starts where an earlier one left off.
-        self.prompt_cache = PromptCache(pair, max_bytes=prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        # Disk writes happen on this engine's thread after a request has finished (`PromptCache.store`).
+        self.prompt_cache = None
+        if prompt_cache_bytes > 0:
+            self.prompt_cache = PromptCache(pair, max_bytes=prompt_cache_bytes, disk_bytes=prompt_cache_disk_bytes,
+                                            disk_dir=prompt_cache_dir)
         self.default_temp = default_temp
         self.enable_thinking = enable_thinking
         self.max_prompt_tokens = max_prompt_tokens
@@ -155,6 +160,8 @@ class Engine:
         while True:
             job = self.jobs.get()
             if job is None:
+                if self.prompt_cache is not None:  # a restarted server starts from what this one kept
+                    self.prompt_cache.spill()
                 return
             if job.cancelled.is_set():
                 self.stats["cancelled"] += 1
@@ -220,6 +227,14 @@ class Engine:
                 ("prompt_cache_bytes", "gauge", "Bytes the prompt cache holds.", [({}, pc.nbytes)]),
                 ("prompt_cache_entries", "gauge", "Entries the prompt cache holds.", [({}, len(pc))]),
             ]
+        if pc is not None and pc.disk is not None:
+            d = pc.disk
+            rows += [
+                ("prompt_cache_disk_hits_total", "counter", "Requests that read a prefix back from disk.",
+                 [({}, d.hits)]),
+                ("prompt_cache_disk_bytes", "gauge", "Bytes of the prompt cache's files on disk.", [({}, d.nbytes)]),
+                ("prompt_cache_disk_entries", "gauge", "Prompt cache entries on disk.", [({}, len(d))]),
+            ]
         lines = []
         for name, kind, help_, samples in rows:
             lines += [f"# HELP dflash_{name} {help_}", f"# TYPE dflash_{name} {kind}"]
@@ -229,7 +244,10 @@ class Engine:
         return "\n".join(lines) + "\n"
 
     def close(self):
+        """Stop the engine after the queued requests; with a disk tier, wait until memory is spilled to it."""
         self.jobs.put(None)
+        if self.prompt_cache is not None and self.prompt_cache.disk is not None:
+            self.thread.join()
 
 
 def _get(body, name, types, default=None, check=None, what=""):
@@ -450,6 +468,9 @@ class Handler(BaseHTTPRequestHandler):
             pc = self.engine.prompt_cache
             cache = {} if pc is None else {"prompt_cache": {"entries": len(pc), "bytes": pc.nbytes, "hits": pc.hits,
                                                             "misses": pc.misses, "cached_tokens": pc.cached_tokens}}
+            if pc is not None and pc.disk is not None:
+                cache["prompt_cache"]["disk"] = {"entries": len(pc.disk), "bytes": pc.disk.nbytes,
+                                                 "hits": pc.disk.hits, "folder": str(pc.disk.folder)}
             return self._send_json(200, {"status": "ok", **self.engine.stats, "queued": self.engine.jobs.qsize(),
                                          **cache})
         if self.path == "/metrics":
@@ -724,12 +745,15 @@ class _HTTPServer(ThreadingHTTPServer):
 def make_server(pair, model_id: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
                 block_size: Optional[int] = None, enable_thinking: Optional[bool] = None,
                 max_prompt_tokens: int = 32768, default_temp: float = 0.0, max_tokens_limit: int = 32768,
-                default_max_tokens: int = 256, prompt_cache_bytes: int = 4 << 30) -> ThreadingHTTPServer:
+                default_max_tokens: int = 256, prompt_cache_bytes: int = 4 << 30, prompt_cache_disk_bytes: int = 0,
+                prompt_cache_dir: Optional[str] = None) -> ThreadingHTTPServer:
     """`max_prompt_tokens` and `max_tokens_limit` bound every request (over them: a 400);
     `default_max_tokens` is what a request that names no limit gets; the prompt
-    cache holds at most `prompt_cache_bytes` (0: none)."""
+    cache holds at most `prompt_cache_bytes` (0: none) in memory and
+    `prompt_cache_disk_bytes` (0: none) on disk under `prompt_cache_dir`."""
     engine = Engine(pair, model_id, block_size, enable_thinking, max_prompt_tokens, default_temp,
-                    max_tokens_limit, default_max_tokens, prompt_cache_bytes)
+                    max_tokens_limit, default_max_tokens, prompt_cache_bytes, prompt_cache_disk_bytes,
+                    prompt_cache_dir)
     handler = type("DFlashHandler", (Handler,), {"engine": engine, "api_key": api_key})
     server = _HTTPServer((host, port), handler)
     server.engine = engine
