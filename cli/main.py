@@ -278,6 +278,13 @@ def serve(
     except OSError as e:
         fail(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port.")
     err.print(f"serving {model} on http://{host}:{server.server_address[1]}/v1 (Ctrl-C to stop)")
+    if disk_bytes:  # a service manager's stop (SIGTERM) also spills the prompt cache to disk
+        import signal
+
+        def stop(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -54,17 +54,18 @@ def _fingerprint(path) -> List[str]:
 
 def model_key(pair) -> str:
     """What a cached state depends on: both models' files (path, sizes, times; a
-    Hub snapshot's path holds its revision), quantization, dtypes, cache layout,
+    Hub snapshot's path holds its revision), the drafter conversion, quantization, dtypes, cache layout,
     drafter context bound, draft source, backend, MLX, mlx-lm and BLAS."""
     import mlx_lm
 
     from .adaptive import blas_name
+    from .load import CONVERSION
 
     if pair.target_path is None or pair.draft_path is None:
         raise DFlashError("The prompt cache's disk tier needs a pair loaded from files (dflash_mlx.load); "
                           "set disk_bytes=0 for this one.")
     source = pair.draft_source
-    parts = [FORMAT, *_fingerprint(pair.target_path), *_fingerprint(pair.draft_path),
+    parts = [FORMAT, str(CONVERSION), *_fingerprint(pair.target_path), *_fingerprint(pair.draft_path),
              json.dumps(pair.target.quantization, sort_keys=True),
              json.dumps(pair.drafter.args.quantization, sort_keys=True), str(pair.target.dtype),
              str(sorted({str(v.dtype) for _, v in tree_flatten(pair.drafter.parameters())})),
@@ -231,9 +232,12 @@ class PromptStore:
         tokens = tuple(tokens)
         name = _name(tokens)
         if name in self._files:
-            self._files.move_to_end(name)
-            os.utime(self._path(name))
-            return True
+            try:
+                os.utime(self._path(name))
+                self._files.move_to_end(name)
+                return True
+            except OSError:  # removed behind our back: write it again
+                self._drop(self._files[name])
         encoded = encode(objs, self.exact)
         if encoded is None:
             return False

@@ -197,29 +197,77 @@ def test_a_failed_write_leaves_no_file(pairs, baselines, tmp_path, monkeypatch):
     assert warm == plain_greedy(base, nxt, 16) and stats.cached_tokens == 0
 
 
-def test_a_restarted_server_reuses_the_prefix_from_disk(targets, drafters, tmp_path):
+def chat(port, model, messages):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0}))
+    body = json.loads(conn.getresponse().read())
+    assert "usage" in body, body
+    conn.request("GET", "/health")
+    health = json.loads(conn.getresponse().read())
+    conn.request("GET", "/metrics")
+    metrics = conn.getresponse().read().decode()
+    conn.close()
+    return body, health["prompt_cache"]["disk"], metrics
+
+
+def test_a_restarted_server_reuses_the_prefix_from_disk(pairs, targets, drafters, tmp_path):
+    """The real `serve` command, stopped as a service manager does (SIGTERM),
+    spills its prompt cache under the cache folder; a server started again
+    on that folder reads the next turn's prefix from disk."""
+    import os
+    import re
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
     from dflash_mlx.server import make_server
 
-    pair = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))
-    messages = [{"role": "user", "content": "def add(a, b):"}]
-    seen = []
-    for restart in range(2):
-        server = make_server(pair, "tiny", "127.0.0.1", 0, prompt_cache_disk_bytes=GiB, prompt_cache_dir=tmp_path)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
-        conn.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}))
-        body = json.loads(conn.getresponse().read())
-        conn.request("GET", "/health")
-        health = json.loads(conn.getresponse().read())
-        conn.request("GET", "/metrics")
-        metrics = conn.getresponse().read().decode()
-        server.shutdown()
-        server.engine.close()  # spills the memory tier to disk
-        seen.append((body["usage"]["prompt_tokens_details"]["cached_tokens"], health["prompt_cache"]["disk"]))
+    model = str(targets["qwen3"])
+    exe = shutil.which("dflash-mlx")
+    proc = subprocess.Popen(([exe] if exe else [sys.executable, "-m", "dflash_mlx.cli.main"]) + [
+        "serve", "--model", model, "--draft", str(drafters["old"]), "--port", "0", "--block-size", "4",
+        "--prompt-cache-disk-bytes", "1GB"], stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, DFLASH_MLX_CACHE=str(tmp_path)))
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "serve exited before listening"
+        messages = [{"role": "user", "content": "def add(a, b):"}]
+        body, disk, _ = chat(int(re.search(r"127\.0\.0\.1:(\d+)/v1", line).group(1)), model, messages)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and disk["entries"] == disk["hits"] == 0
+    folders = {p.parent for p in tmp_path.glob("prompt-cache/*/*.safetensors")}
+    assert len(folders) == 1  # one folder per model, under the cache folder
+
+    server = make_server(pairs["qwen3"], model, "127.0.0.1", 0, prompt_cache_disk_bytes=GiB,
+                         prompt_cache_dir=tmp_path / "prompt-cache")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
         messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "import math"}]
-    (cold, disk0), (warm, disk1) = seen
-    assert cold == 0 and disk0["entries"] == 0 and disk0["hits"] == 0
-    assert warm > 5 and disk1["entries"] >= 1 and disk1["hits"] == 1 and disk1["bytes"] > 0
+        body, disk, metrics = chat(server.server_address[1], model, messages)
+    finally:
+        server.shutdown()
+        server.engine.close()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 5
+    assert disk["entries"] >= 1 and disk["hits"] == 1 and disk["bytes"] > 0 and disk["folder"] == str(*folders)
     assert "dflash_prompt_cache_disk_hits_total 1" in metrics
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--prompt-cache-disk-bytes", "lots"], "--prompt-cache-disk-bytes takes a size such as 8GB, 512MB or 0 (got 'lots')"),
+    (["--prompt-cache-disk-bytes", "20GB", "--prompt-cache-bytes", "0"],
+     "--prompt-cache-disk-bytes needs the memory tier: give --prompt-cache-bytes a size above 0."),
+])
+def test_bad_disk_options_are_one_clear_line(args, says):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.main import app
+
+    r = CliRunner().invoke(app, ["serve", *args])
+    assert r.exit_code == 1 and says in r.output
