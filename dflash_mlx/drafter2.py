@@ -142,6 +142,36 @@ class CandidateSelector(nn.Module):
             rows.append(row)
         return mx.stack(path), cand, mx.stack(rows)
 
+    def greedy_paths(self, hidden: mx.array, logits: mx.array, anchors: mx.array) -> mx.array:
+        """`walk`'s greedy path for many blocks at once: hidden [N, L, D], logits [N, L, V], anchors [N] -> [N, L]."""
+        cand, unary = self.candidates(logits)
+        h = self.project(hidden)
+        prev, path = anchors, []
+        for i in range(cand.shape[1]):
+            best = mx.argmax(self.scores(h[:, i], cand[:, i], unary[:, i], prev), axis=-1)
+            prev = mx.take_along_axis(cand[:, i], best[:, None], axis=-1)[:, 0]
+            path.append(prev)
+        return mx.stack(path, axis=1)
+
+    def loss(self, hidden: mx.array, logits: mx.array, prev: mx.array, labels: mx.array,
+             weights: mx.array) -> mx.array:
+        """The selector's training objective: cross-entropy of its scores over its
+        candidates at every position, the true previous token as predecessor
+        (teacher forcing); positions whose label is not among the candidates are
+        skipped. hidden [N, L, D], logits [N, L, V], prev/labels [N, L], weights [L]."""
+        cand, unary = self.candidates(logits)
+        scores = self.scores(self.project(hidden), cand, unary, prev)
+        hit = cand == labels[..., None]
+        ce = nn.losses.cross_entropy(scores, mx.argmax(hit, axis=-1), reduction="none")
+        w = weights * hit.any(axis=-1)
+        return (ce * w).sum() / mx.maximum(w.sum(), 1.0)
+
+    def init_for_training(self, scale: float = 0.02) -> None:
+        """A selector that starts as the draft head's argmax (successor codebook 0)
+        but can learn: a zero predecessor codebook would leave both without gradient."""
+        self.predecessor_codebook = scale * mx.random.normal(self.predecessor_codebook.shape)
+        self.successor_codebook = mx.zeros_like(self.successor_codebook)
+
 
 class DFlash2Drafter(DFlashDrafter):
     """Weights named as in z-lab's DFlash 2 checkpoints."""
@@ -151,6 +181,15 @@ class DFlash2Drafter(DFlashDrafter):
     def __init__(self, args: DrafterConfig):
         super().__init__(args)
         self.candidate_selector = CandidateSelector(args)
+
+    def init_for_training(self, scale: float = 0.01) -> None:
+        """Near-identity convolutions (the current position's tap 1, small dynamic
+        kernels) so a new drafter starts as a DFlash 1 one, and a selector that can learn."""
+        for layer in self.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel = mx.zeros_like(conv.base_kernel).at[:, 0].add(1.0)
+                conv.kernel_projection.weight = conv.kernel_projection.weight * scale
+        self.candidate_selector.init_for_training()
 
     def forward_blocks(self, block_embeddings, target_hidden, anchors):
         ctx = self.hidden_norm(self.fc(target_hidden))

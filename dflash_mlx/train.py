@@ -7,6 +7,12 @@
    `[anchor token, MASK x (b-1)]` in one pass (`block_mask`).
 3. Loss: cross-entropy on the b-1 masked positions, position k weighted by
    exp(-(k-1)/gamma). AdamW, warmup then cosine decay, gradient clipping.
+4. DFlash 2 drafters (`arch="dflash2"`) add their candidate selector's
+   objective (`CandidateSelector.loss`): cross-entropy of its scores over the
+   draft head's top-k candidates at each position, the true previous token as
+   predecessor, positions whose label is not a candidate skipped, with the
+   same position weights. It trains the codebooks and the projection only
+   (the body's hidden states and logits enter it without gradient).
 """
 
 import json
@@ -25,6 +31,7 @@ from . import baseline
 from .adapter import TargetAdapter, model_dims
 from .config import DrafterConfig, check_pair, default_target_layer_ids
 from .drafter import DFlashDrafter
+from .drafter2 import DFlash2Drafter, drafter_class
 from .errors import DFlashError
 
 GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -56,6 +63,9 @@ class TrainConfig:
     seed: int = 0
     gamma: Optional[float] = None
     mask_token_id: Optional[int] = None
+    arch: str = "dflash"  # or "dflash2": convolutions, sliding windows and a candidate selector
+    sliding_window: int = 512  # DFlash 2's window over the committed context
+    selector_top_k: int = 8
 
 
 @dataclass
@@ -162,7 +172,9 @@ def drafter_config_for(target_model, tokenizer, cfg: TrainConfig) -> dict:
     heads = args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     rope_theta = getattr(args, "rope_theta", None) or 10000.0
-    return {
+    if cfg.arch not in ("dflash", "dflash2"):
+        raise DFlashError(f"--arch must be dflash or dflash2 (got {cfg.arch}).")
+    config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": args.hidden_size,
@@ -185,6 +197,14 @@ def drafter_config_for(target_model, tokenizer, cfg: TrainConfig) -> dict:
         "dtype": "float32",
         "dflash_config": {"block_size": cfg.block_size, "mask_token_id": mask, "target_layer_ids": taps},
     }
+    if cfg.arch == "dflash2":
+        group = next(g for g in (16, 8, 4, 2, 1) if args.hidden_size % g == 0)
+        config.update(architectures=["DFlash2DraftModel"], is_causal=False, use_sliding_window=True,
+                      layer_types=["sliding_attention"] * cfg.layers, sliding_window=cfg.sliding_window)
+        config["dflash_config"].update(conv_kernel_size=2, conv_group_size=group,
+                                       selector_rank=min(256, args.hidden_size // 4),
+                                       selector_top_k=cfg.selector_top_k)
+    return config
 
 
 def sample_anchors(example: Example, block_size: int, count: int, rng) -> Optional[np.ndarray]:
@@ -196,10 +216,12 @@ def sample_anchors(example: Example, block_size: int, count: int, rng) -> Option
 
 
 def block_batch(target: TargetAdapter, example: Example, anchors: np.ndarray, dcfg: DrafterConfig):
+    """(target taps, block embeddings, anchor positions, labels [N, b-1], predecessors [N, b-1])."""
     tokens = mx.array(example.tokens)
     a = mx.array(anchors)
     offs = mx.arange(dcfg.block_size)
     labels = tokens[a[:, None] + offs[None, 1:]]
+    prev = tokens[a[:, None] + offs[None, :-1]]
     blocks = mx.concatenate(
         [tokens[a][:, None], mx.full((len(anchors), dcfg.block_size - 1), dcfg.mask_token_id)], axis=1
     )
@@ -207,14 +229,27 @@ def block_batch(target: TargetAdapter, example: Example, anchors: np.ndarray, dc
     if dcfg.input_embedding_scale != 1.0:
         emb = emb * dcfg.input_embedding_scale
     _, hidden = target(tokens[None], None)
-    return mx.stop_gradient(hidden), mx.stop_gradient(emb), a, labels
+    return mx.stop_gradient(hidden), mx.stop_gradient(emb), a, labels, prev
 
 
-def block_loss(drafter, target, hidden, emb, anchors, labels, weights):
+def block_loss(drafter, target, hidden, emb, anchors, labels, prev, weights):
     h = drafter.forward_blocks(emb, hidden, anchors)[:, 1:]
     logits = drafter.finish_logits(target.head(h))
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights).sum() / (weights.sum() * labels.shape[0])
+    loss = (ce * weights).sum() / (weights.sum() * labels.shape[0])
+    if isinstance(drafter, DFlash2Drafter):
+        selector = drafter.candidate_selector
+        loss = loss + selector.loss(mx.stop_gradient(h), mx.stop_gradient(logits), prev, labels, weights)
+    return loss
+
+
+def guesses(drafter, target, hidden, emb, anchors, labels, prev):
+    """The drafter's greedy draft for each block [N, b-1] (DFlash 2: its selector's path)."""
+    h = drafter.forward_blocks(emb, hidden, anchors)[:, 1:]
+    logits = drafter.finish_logits(target.head(h))
+    if isinstance(drafter, DFlash2Drafter):
+        return drafter.candidate_selector.greedy_paths(h, logits, prev[:, 0])
+    return mx.argmax(logits, axis=-1)
 
 
 def acceptance_estimate(drafter, target, examples: List[Example], dcfg: DrafterConfig, limit: int = 256) -> float:
@@ -232,9 +267,8 @@ def acceptance_estimate(drafter, target, examples: List[Example], dcfg: DrafterC
         if hi < lo:
             continue
         anchors = np.arange(lo, min(hi, lo + limit - 1) + 1)
-        hidden, emb, a, labels = block_batch(target, ex, anchors, dcfg)
-        h = drafter.forward_blocks(emb, hidden, a)[:, 1:]
-        guess = mx.argmax(drafter.finish_logits(target.head(h)), axis=-1)
+        batch = block_batch(target, ex, anchors, dcfg)
+        guess, labels = guesses(drafter, target, *batch), batch[3]
         runs = mx.cumprod((guess == labels).astype(mx.int32), axis=1).sum(axis=1).tolist()
         pos = 0
         while pos < len(runs):
@@ -320,7 +354,9 @@ def train(target_model, tokenizer, prompts, out: Path, cfg: TrainConfig, resume:
     total = cfg.steps or cfg.epochs * len(train_set)
 
     mx.random.seed(cfg.seed)
-    drafter = DFlashDrafter(dcfg)
+    drafter = drafter_class(dcfg)(dcfg)
+    if isinstance(drafter, DFlash2Drafter):
+        drafter.init_for_training()
     optimizer = optim.AdamW(learning_rate=schedule(cfg, total), weight_decay=cfg.weight_decay)
     optimizer.init(drafter.trainable_parameters())
     start = 0
