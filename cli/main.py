@@ -178,6 +178,9 @@ def train(
     seed: int = typer.Option(0, "--seed"),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
+    arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (convolutions, sliding windows, "
+                             "candidate selector)."),
+    sliding_window: int = typer.Option(512, "--sliding-window", min=1, help="DFlash 2: the context window."),
 ):
     """Train a DFlash drafter for a target on the target's own outputs."""
     from contextlib import ExitStack
@@ -190,13 +193,16 @@ def train(
     from dflash_mlx.train import TrainConfig, read_prompts
     from dflash_mlx.train import train as run_training
 
+    if arch not in ("dflash", "dflash2"):
+        fail(f"--arch must be dflash or dflash2 (got {arch}).")
     try:
         taps = [int(x) for x in target_layers.split(",")] if target_layers else None
     except ValueError:
         fail(f"--target-layers must be comma-separated integers (got '{target_layers}').")
     cfg = TrainConfig(block_size=block_size, layers=layers, target_layers=taps, steps=steps, epochs=epochs,
                       lr=lr, blocks_per_seq=blocks_per_seq, max_new_tokens=max_new_tokens, temp=temp,
-                      save_every=save_every, eval_every=eval_every, seed=seed, mask_token_id=mask_token_id)
+                      save_every=save_every, eval_every=eval_every, seed=seed, mask_token_id=mask_token_id,
+                      arch=arch, sliding_window=sliding_window)
     try:
         target_model, tokenizer, _ = load_target(fetch(resolve(model).target, "model"))
         if mx.default_device() == mx.cpu:
