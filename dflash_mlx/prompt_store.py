@@ -189,7 +189,7 @@ class PromptStore:
                 if meta.get("format") != FORMAT or meta.get("key") != self.key:
                     raise ValueError("written for another model or format")
                 tokens = tuple(json.loads(meta["tokens"]))
-                layers = json.loads(meta["layers"])
+                layers, cache_type = json.loads(meta["layers"]), meta["cache_type"]
                 if path.name != _name(tokens) + _SUFFIX:
                     raise ValueError("its name does not match its tokens")
                 st = path.stat()
@@ -197,7 +197,7 @@ class PromptStore:
                 self._warn(path, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 continue
             trimmable = not any(l.get("exact") for l in layers)
-            found.append((st.st_mtime, _File(path.stem, tokens, st.st_size, trimmable, meta["cache_type"])))
+            found.append((st.st_mtime, _File(path.stem, tokens, st.st_size, trimmable, cache_type)))
         for _, f in sorted(found, key=lambda x: x[0]):
             self._add(f)
         self._evict()
