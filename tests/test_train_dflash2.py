@@ -137,3 +137,21 @@ def test_unknown_arch_is_refused(targets):
     model, tok, _ = load_target(targets["qwen3"])
     with pytest.raises(DFlashError, match="--arch must be dflash or dflash2"):
         drafter_config_for(model, tok, small_config(arch="dflash3"))
+
+
+def test_cli_takes_the_arch_and_refuses_an_unknown_one(tmp_path, targets, prompts_file):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.main import app
+
+    out = tmp_path / "bad"
+    r = CliRunner().invoke(app, ["train", "--model", str(targets["qwen3"]), "--data", str(prompts_file),
+                                 "--out", str(out), "--arch", "dflash3"])
+    assert r.exit_code != 0 and "--arch must be dflash or dflash2" in r.output and not out.exists()
+    out = tmp_path / "ok"
+    r = CliRunner().invoke(app, ["train", "--model", str(targets["qwen3"]), "--data", str(prompts_file),
+                                 "--out", str(out), "--arch", "dflash2", "--sliding-window", "32",
+                                 "--block-size", "4", "--layers", "1", "--steps", "2", "--max-new-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["sliding_window"] == 32
