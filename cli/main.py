@@ -68,9 +68,17 @@ def generate(
         help="With --block-size auto, also draft from an n-gram lookup over the prompt and the text so far.",
     ),
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
+    timeout: float = typer.Option(
+        600.0, "--timeout", min=0.0,
+        help="Under mlx.launch: end the run when a rank makes no progress for this many seconds (0: never).",
+    ),
 ):
-    """Generate text with DFlash speculative decoding, streaming it."""
+    """Generate text with DFlash speculative decoding, streaming it.
+
+    Under `mlx.launch` (more than one process) the target is sharded across
+    the processes (see `python -m dflash_mlx.distributed`) and rank 0 prints."""
     import dflash_mlx
+    from dflash_mlx import distributed
     from dflash_mlx.prompt import build_prompt
     from dflash_mlx.sampling import SamplingParams
 
@@ -79,17 +87,31 @@ def generate(
         if sys.stdin is None or sys.stdin.isatty():
             fail("give a prompt with --prompt, or pipe it on stdin.")
         prompt = sys.stdin.read()
+    g = distributed.group()
+    sharded, main_rank = g.size() > 1, distributed.is_main(g)
+    watchdog = distributed.Watchdog(timeout if sharded else 0, f"dflash-mlx (rank {g.rank()} of {g.size()})")
+    out = sys.stdout if main_rank else open(os.devnull, "w")
     stats = None
     try:
+        if sharded:  # one seed for all ranks, so they draw the same numbers
+            seed = distributed.shared_seed(seed, g) if temp > 0 else seed
+            pair = distributed.load_sharded(model, draft, g)
+            if block == "auto":  # each rank would time its own curve and pick its own widths
+                block = pair.draft_source.block_size
+                if main_rank:
+                    err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
+                              f"block size, {block}")
+        else:
+            pair = dflash_mlx.load(model, draft)
+        watchdog.beat()
         params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-        pair = dflash_mlx.load(model, draft)
         if enable_thinking is None and pair.resolved is not None:
             enable_thinking = pair.resolved.enable_thinking
         ids = build_prompt(pair.tokenizer, prompt, system, chat_template and not ignore_chat_template,
                            enable_thinking)
         if block == "auto":
             _auto_sizer(pair, len(ids))
-        if verbose:
+        if verbose and main_rank:
             cfg = pair.drafter.args
             err.print(
                 f"target {pair.target_path} ({pair.target.model_type}, {pair.target.num_layers} layers)\n"
@@ -99,22 +121,27 @@ def generate(
         for event in dflash_mlx.stream_generate(
             pair, ids, max_tokens=max_tokens, sampling=params, block_size=block, lookup=lookup
         ):
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+            watchdog.beat()
+            out.write(event.text)
+            out.flush()
             stats = event.stats
     except DFlashError as e:
-        fail(str(e))
+        fail(f"rank {g.rank()} of {g.size()}: {e}" if sharded else str(e))
     except KeyboardInterrupt:
-        sys.stdout.write("\n")
-        if stats is not None:
+        out.write("\n")
+        if stats is not None and main_rank:
             err.print(stats.line() + " (interrupted)")
         raise typer.Exit(130)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    finally:
+        watchdog.stop()
+    out.write("\n")
+    out.flush()
+    if not main_rank:
+        return
     if verbose:
         hist = Counter(stats.acceptance_lengths)
         err.print("acceptance histogram: " + ", ".join(f"{k}:{hist[k]}" for k in sorted(hist)))
-    err.print(stats.line())
+    err.print(stats.line() if not sharded else f"[{g.size()} ranks] {stats.line()}")
 
 
 @app.command()

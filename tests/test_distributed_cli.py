@@ -1,0 +1,64 @@
+"""`dflash-mlx generate` under `mlx.launch`: the target sharded across the
+processes, rank 0 printing what one process prints."""
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DRAFTER_LAYOUT
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+LAUNCH = shutil.which("mlx.launch") or str(BIN / "mlx.launch")
+CLI = shutil.which("dflash-mlx") or str(BIN / "dflash-mlx")
+
+pytestmark = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
+
+
+def free_port(n=2):
+    for _ in range(100):
+        base, socks = random.randint(20000, 60000), []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def run(cmd, timeout=240):
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"hung for {timeout} s:\n{out}{err}")
+    return p.returncode, out, err
+
+
+def test_generate_under_mlx_launch_prints_what_one_process_prints(targets, drafters):
+    args = ["generate", "--model", str(targets["qwen3"]), "--draft", str(drafters[DRAFTER_LAYOUT.get("qwen3", "new")]),
+            "--prompt", "def add(a, b):", "--max-tokens", "24", "--no-chat-template"]
+    rc, alone, alone_err = run([CLI, *args, "--block-size", "4"])
+    assert rc == 0, alone_err
+    rc, out, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+                        CLI, *args])  # --block-size auto: the drafter's, on every rank
+    assert rc == 0, out + err
+    assert out == alone and out.strip()  # the same text, printed once (rank 0 only)
+    assert err.count("[2 ranks]") == 1 and "times one machine" in err
+    assert "rank 1" not in err
