@@ -8,16 +8,21 @@ tapped, the LM head is reached through the adapter (so a prefill pays it for
 the last row only), and Gated DeltaNet mixers record an update tape during
 verification so their recurrent state can be rolled back to any accepted
 length. Which cache types can be rolled back, and so which families are
-supported, is decided per cache in `target_caches`. Two adapters in one
-process share nothing.
+supported, is decided per cache in `target_caches`. Where every cache is a
+KV cache, every layer and its RoPE are wrapped too, so that a tree pass
+(`tree.py`) can give the layers its mask and rotate each run of nodes at its
+own positions; `keep_rows` then keeps the accepted branch's K/V rows. Two
+adapters in one process share nothing.
 """
 
+import inspect
 from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as cache_lib
+from mlx_lm.models import rope_utils
 from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from mlx_lm.models.rope_utils import initialize_rope as _mlx_lm_rope
@@ -88,6 +93,8 @@ class _Taps:
         self.last_only = False
         self.head_calls = 0
         self.tape: Dict[int, tuple] = {}
+        self.tree_mask = None  # during a tree pass: [N, offset + N] bool, True = attend
+        self.tree_runs = None  # during a tree pass: (start, end, depth of start) per RoPE run
 
 
 class _Wrapper(nn.Module):
@@ -102,18 +109,61 @@ class _Wrapper(nn.Module):
 
 
 class TappedLayer(_Wrapper):
-    """A decoder layer that records its output (the hidden state, where a layer returns more)."""
+    """A decoder layer that records its output (the hidden state, where a layer
+    returns more) when `record` is set, and during a tree pass attends with the
+    tree's mask in place of the causal one the model made."""
 
-    def __init__(self, inner: nn.Module, index: int, taps: _Taps):
+    def __init__(self, inner: nn.Module, index: int, taps: _Taps, record: bool = True):
         super().__init__()
         self.inner = inner
         self._index = index
         self._taps = taps
+        self._record = record
 
-    def __call__(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
-        self._taps.values[self._index] = out[0] if isinstance(out, tuple) else out
+    def __call__(self, x, *args, **kwargs):
+        mask = self._taps.tree_mask
+        if mask is not None:
+            if "mask" in kwargs or not args:
+                kwargs["mask"] = mask
+            else:
+                args = (mask, *args[1:])
+        out = self.inner(x, *args, **kwargs)
+        if self._record:
+            self._taps.values[self._index] = out[0] if isinstance(out, tuple) else out
         return out
+
+
+# RoPE modules whose rotation of a row depends on its position alone, so a
+# tree pass can rotate each run of nodes with its own offset.
+TREE_ROPES = (nn.RoPE, rope_utils.Llama3RoPE, rope_utils.YarnRoPE, rope_utils.SuScaledRoPE,
+              rope_utils.ProportionalRoPE)
+
+
+class TreeRoPE(_Wrapper):
+    """An attention's RoPE: during a tree pass each run of nodes (consecutive
+    depths) is rotated by the model's own RoPE at the run's positions."""
+
+    def __init__(self, inner: nn.Module, taps: _Taps):
+        super().__init__()
+        self.inner = inner
+        self._taps = taps
+
+    def __call__(self, x, offset=0, **kwargs):
+        runs = self._taps.tree_runs
+        if runs is None:
+            return self.inner(x, offset=offset, **kwargs)
+        return mx.concatenate(
+            [self.inner(x[..., s:e, :], offset=offset + d, **kwargs) for s, e, d in runs], axis=-2)
+
+
+def _rope_owners(layer: nn.Module) -> List[nn.Module]:
+    """The modules of a decoder layer that hold a `rope` child."""
+    return [m for _, m in layer.named_modules() if isinstance(m.get("rope"), nn.Module)]
+
+
+def _takes_mask(layer: nn.Module) -> bool:
+    params = list(inspect.signature(type(layer).__call__).parameters)
+    return len(params) > 2 and params[2] == "mask"
 
 
 class _FinalNorm(_Wrapper):
@@ -309,6 +359,7 @@ class TargetAdapter:
         self._taps = _Taps()
         self.slack = slack
         self._gdn: Dict[int, TapedGatedDeltaNet] = {}
+        self.supports_tree = self._tree_capable(layers)
         for i, layer in enumerate(layers):
             if self._kinds.get(i) == "tape":
                 mixer = _mixer(layer)
@@ -316,8 +367,12 @@ class TargetAdapter:
                 wrapped = TapedGatedDeltaNet(mixer, i, self._taps)
                 setattr(layer, name, wrapped)
                 self._gdn[i] = wrapped
-            if i in self.tap_ids and i != self.num_layers - 1:
-                layers[i] = TappedLayer(layer, i, self._taps)
+            if self.supports_tree:
+                for owner in _rope_owners(layer):
+                    owner.rope = TreeRoPE(owner.rope, self._taps)
+            tapped = i in self.tap_ids and i != self.num_layers - 1
+            if tapped or self.supports_tree:
+                layers[i] = TappedLayer(layer, i, self._taps, record=tapped)
         if self.num_layers - 1 in self.tap_ids:
             # HF reports the last layer's entry after the final norm: match it.
             inner.norm = _FinalNorm(inner.norm, self.num_layers - 1, self._taps)
@@ -347,6 +402,23 @@ class TargetAdapter:
             kinds[i] = kind
         return kinds
 
+    def _tree_capable(self, layers) -> bool:
+        """Whether a tree pass can run: every cache a plain KVCache (trimmed and
+        row-copied), every layer taking the mask second and holding exactly
+        one RoPE of a kind that rotates by position alone."""
+        if any(k != "offset" for k in self._kinds.values()) or len(self._kinds) != len(layers):
+            return False
+        for layer in layers:
+            owners = _rope_owners(layer)
+            if not _takes_mask(layer) or len(owners) != 1 or type(owners[0].rope) not in TREE_ROPES:
+                return False
+        return True
+
+    def can_verify_tree(self, cache) -> bool:
+        """Whether a tree pass can run over these caches (all plain KV caches:
+        not quantized, not sliding windows)."""
+        return self.supports_tree and all(type(c) is cache_lib.KVCache for c in cache)
+
     def model_head(self, x):
         """The head as the model's own forward calls it: `head`, or where the
         vocabulary is split across ranks, this rank's slice (the model gathers)."""
@@ -369,14 +441,26 @@ class TargetAdapter:
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)
 
-    def __call__(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False):
+    def __call__(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False,
+                 tree: Optional[tuple] = None):
         """Logits (all positions, or the last only) and the concatenated taps.
 
         The logits are the model's own forward pass; with `last_only` its LM
-        head sees only the last row (a prefill chunk pays the head once)."""
+        head sees only the last row (a prefill chunk pays the head once).
+        `tree` = (mask [N, N] bool, runs) makes it a tree pass over the N
+        tokens (`supports_tree` targets only): token i attends to the cached
+        prefix and the tokens j with mask[i, j], and each run (start, end,
+        depth) of tokens is at positions offset + depth onwards."""
         taps = self._taps
         taps.values.clear()
         taps.recording, taps.last_only, taps.head_calls = record, last_only, 0
+        if tree is not None:
+            if not self.supports_tree:
+                raise DFlashError(f"Target family '{self.model_type}' cannot verify a tree.")
+            mask, runs = tree
+            N, offset = mask.shape[0], cache[0].offset
+            taps.tree_mask = mx.concatenate([mx.ones((N, offset), dtype=mx.bool_), mask], axis=1)
+            taps.tree_runs = runs
         if record and tokens.shape[1] > self.slack:
             # A recorded pass wider than the windows' slack: keep enough to crop it.
             self.slack = tokens.shape[1]
@@ -387,6 +471,7 @@ class TargetAdapter:
             logits = self.model(tokens, cache=cache)
         finally:
             taps.recording = taps.last_only = False
+            taps.tree_mask = taps.tree_runs = None
         feats = [taps.values[i] for i in self.tap_ids]
         taps.values.clear()
         if not self._checked:
@@ -415,3 +500,29 @@ class TargetAdapter:
             else:
                 c.trim(drop)
         self._taps.tape.clear()
+
+    def keep_rows(self, cache, rows: Sequence[int], width: int):
+        """After a tree pass over `width` tokens, keep the K/V rows of tokens
+        `rows` (ascending) as the pass's first rows and drop the others.
+
+        Only rows out of place are copied, one slice per contiguous run. The
+        copy is evaluated on its own first: a slice update whose source is a
+        view of the same buffer would copy the whole cache."""
+        moves, i = [], 0
+        while i < len(rows):
+            j = i
+            while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
+                j += 1
+            if rows[i] != i:
+                moves.append((i, rows[i], j + 1 - i))
+            i = j + 1
+        bases = [c.offset - width for c in cache]
+        parts = [[(mx.contiguous(c.keys[..., b + s : b + s + n, :]), mx.contiguous(c.values[..., b + s : b + s + n, :]))
+                  for _, s, n in moves] for c, b in zip(cache, bases)]
+        if moves:
+            mx.async_eval(parts)
+        for c, b, layer_parts in zip(cache, bases, parts):
+            for (d, _, n), (k, v) in zip(moves, layer_parts):
+                c.keys[..., b + d : b + d + n, :] = k
+                c.values[..., b + d : b + d + n, :] = v
+            c.offset = b + len(rows)

@@ -12,6 +12,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from . import tree as trees
 from .adaptive import PLAIN, BlockSizer, FixedWidth, Plan
 from .draft_source import DFlashDraftSource, DraftSource  # noqa: F401 (the loop's interface, re-exported)
 from .errors import DFlashError
@@ -31,6 +32,8 @@ class GenerationStats:
     cycles: int = 0
     draft_cycles: int = 0  # cycles that verified a draft (width > 1)
     lookup_cycles: int = 0  # draft cycles whose first tokens came from the n-gram lookup
+    tree_cycles: int = 0  # draft cycles verified as a tree
+    branch_cycles: int = 0  # tree cycles that accepted a branch's token
     acceptance_lengths: List[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
     finish_reason: Optional[str] = None
@@ -48,6 +51,8 @@ class GenerationStats:
         )
         if self.lookup_cycles:
             drafting += f" ({self.lookup_cycles} of {self.draft_cycles} draft cycles from lookup)"
+        if self.tree_cycles:
+            drafting += f" ({self.branch_cycles} of {self.tree_cycles} tree cycles through a branch)"
         return (
             f"{self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s, {drafting}, "
             f"prompt {self.prompt_tokens} tokens at {self.prompt_tps:.1f} tok/s, "
@@ -209,14 +214,49 @@ def step(target, tcache, last, params: SamplingParams, record: bool = False, top
     return Stepped(token, hidden, None if top is None else token_logprobs(logits, token.reshape(1), top))
 
 
-def cycle_parts(pair, n: int):
+class TreeVerified(NamedTuple):
+    tree: trees.Tree
+    picks: mx.array  # the target's greedy token after each node
+    hidden: mx.array  # taps of every node
+    logprobs: Optional[tuple]  # `token_logprobs` of every node's pick, when asked for
+
+
+def draft_tree(source, dstate, last, hidden, width: int, branches: int) -> trees.Tree:
+    """The drafter's best path over `width` positions and `branches` branches (`tree.build`)."""
+    return trees.build(last, source.propose(dstate, last, hidden, width), branches)
+
+
+def verify_tree(target, tcache, tree: trees.Tree, top: Optional[int] = None) -> TreeVerified:
+    """One target pass over every node of `tree`: each node's greedy pick, and the taps."""
+    logits, taps = target(tree.tokens[None], tcache, tree=(tree.mask, tree.runs()))
+    picks = mx.argmax(greedy_log_probs(logits[0]), axis=-1)
+    return TreeVerified(tree, picks, taps, None if top is None else token_logprobs(logits[0], picks, top))
+
+
+def accept_tree(target, tcache, v: TreeVerified):
+    """The cycle's one host synchronisation for a tree, the walk, and the
+    caches cut to the accepted branch: (accepted, tokens, taps of the accepted
+    nodes, logprob rows, whether a branch was taken)."""
+    t = v.tree
+    N, out = t.size, mx.concatenate([t.tokens, v.picks.astype(mx.uint32), t.forks.astype(mx.uint32)])
+    mx.eval(out, v.logprobs)
+    values = out.tolist()
+    path, bonus = trees.walk(t.width, t.length, values[2 * N :], values[:N], values[N : 2 * N])
+    target.keep_rows(tcache, path, N)
+    hidden = v.hidden if path[-1] < t.width else mx.take(v.hidden, mx.array(path), axis=1)
+    lps = v.logprobs and [logprob_rows(v.logprobs, N)[i] for i in path]
+    return len(path) - 1, [values[i] for i in path[1:]] + [bonus], hidden, lps, path[-1] >= t.width
+
+
+def cycle_parts(pair, n: int, branches: int = 0):
     """The two halves of a greedy cycle over n tokens of random context, for timing.
 
     `draft(w)` returns lazy draft tokens, committing first the taps of about
     as many rows as a cycle of that width commits (as in the loop); `verify(w,
     tokens)` runs the verify pass (a plain step for width 1), fetches its
     result (the cycle's one host synchronisation) and crops the caches back,
-    so every call sees the same context.
+    so every call sees the same context. With `branches` (a target that
+    `supports_tree`), drafted cycles are trees with that many branches.
     """
     target, source = pair.target, pair.draft_source
     greedy = SamplingParams()
@@ -231,7 +271,10 @@ def cycle_parts(pair, n: int):
         if w == 1:
             return None
         rows = min((w + 1) // 2, taps.shape[1])
-        tokens = draft(source, dstate, last, taps[:, -rows:], w, greedy)[0]
+        if branches:
+            tokens = draft_tree(source, dstate, last, taps[:, -rows:], w, branches)
+        else:
+            tokens = draft(source, dstate, last, taps[:, -rows:], w, greedy)[0]
         source.rewind(dstate, rows)  # the lazy draft keeps what it read
         return tokens
 
@@ -239,6 +282,11 @@ def cycle_parts(pair, n: int):
         if w == 1:
             step(target, tcache, last, greedy, record=True)[0].item()
             target.crop(tcache, 0, 1)
+            return
+        if branches:
+            v = verify_tree(target, tcache, tokens)
+            mx.concatenate([tokens.tokens, v.picks.astype(mx.uint32), tokens.forks.astype(mx.uint32)]).tolist()
+            target.crop(tcache, 0, tokens.size)
             return
         n_acc, nxt = verify(target, tcache, last, tokens, None, greedy)[:2]
         mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)]).tolist()
@@ -326,6 +374,7 @@ def stream_generate(
     prompt_cache: Optional[PromptCache] = None,
     logprobs: Optional[int] = None,
     logits_processors: Sequence = (),
+    tree: int = 0,
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash, yielding one event per verify cycle.
 
@@ -338,8 +387,20 @@ def stream_generate(
     k most likely tokens at its position (mlx-lm's: from the target's logits).
     `logits_processors` (mlx-lm's, e.g. `make_logits_processors` penalties and
     logit bias) apply at every position, drafts included, as in mlx-lm.
+
+    `tree=n` (greedy, a fixed block size): each drafted cycle verifies the
+    drafter's best path and n branches in one target pass (`tree.py`). It
+    stays linear, silently, where a tree cannot run: a target with other
+    caches than KV caches (Gated DeltaNet, sliding windows), logits
+    processors, a prompt cache that handed over other caches.
     """
     params = sampling or SamplingParams()
+    if not isinstance(tree, int) or tree < 0:
+        raise DFlashError(f"tree must be a number of branches >= 0 (got {tree}).")
+    if tree and not params.greedy:
+        raise DFlashError("Tree verification is greedy only (temperature 0); use tree=0 to sample.")
+    if tree and block_size is not None and not isinstance(block_size, int):
+        raise DFlashError("Tree verification needs a fixed integer block size for now.")
     if logprobs is not None and logprobs < 0:
         raise DFlashError(f"logprobs must be >= 0 (got {logprobs}).")
     target, tokenizer = pair.target, pair.tokenizer
@@ -376,6 +437,7 @@ def stream_generate(
         nonlocal at_prompt
         at_prompt = (len(prompt) - 1, snapshot(cache))
 
+    branches = tree if tree and not logits_processors and target.can_verify_tree(tcache) else 0
     trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
                            before_last=None if trimmable else keep)
@@ -428,8 +490,13 @@ def stream_generate(
                     taps = []
                 else:
                     hidden = None
-                d_tokens, q_lp = draft(source, dstate, last, hidden, plan.width, params, offer[: plan.copied], proc)
-                pending = verify(target, tcache, last, d_tokens, q_lp, params, top=logprobs, proc=proc)
+                if branches and not plan.copied:
+                    d_tree = draft_tree(source, dstate, last, hidden, plan.width, branches)
+                    pending = verify_tree(target, tcache, d_tree, top=logprobs)
+                else:
+                    d_tokens, q_lp = draft(source, dstate, last, hidden, plan.width, params,
+                                           offer[: plan.copied], proc)
+                    pending = verify(target, tcache, last, d_tokens, q_lp, params, top=logprobs, proc=proc)
             mx.async_eval(pending)
 
         segment, kept, stopped = text.add(tokens, final=finish is not None)
@@ -469,6 +536,12 @@ def stream_generate(
                 lps = logprob_rows(lps, 1)
             accepted, tokens = 0, [nxt.item()]  # the cycle's one host synchronisation
             history += tokens
+        elif isinstance(pending, TreeVerified):
+            accepted, tokens, hidden, lps, branched = accept_tree(target, tcache, pending)
+            nxt = mx.array(tokens[-1])
+            history += tokens
+            stats.tree_cycles += 1
+            stats.branch_cycles += branched
         else:
             n_acc, nxt, hidden, lps = pending
             out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens,
@@ -506,7 +579,7 @@ def keep_caches(prompt_cache, target, source, dstate, tcache, history, taps, inf
     if inflight is not None:
         hidden = inflight.hidden
         if plan.width > 1:
-            target.crop(tcache, 1, plan.width)
+            target.crop(tcache, 1, hidden.shape[1])  # a tree pass is wider than its plan
             hidden = hidden[:, :1]
         taps.append(hidden)
         rows += 1

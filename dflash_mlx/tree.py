@@ -1,0 +1,131 @@
+"""Tree verification (greedy): several candidate continuations in one target pass.
+
+DFlash drafts every block position at once from the anchor, so its guess at
+depth j + 1 does not depend on the token at depth j. The tree is the
+drafter's best path plus a few branches, each taking the drafter's second or
+third choice at one depth j and going on with the best path's tokens after
+j. Branches are the (depth, choice) pairs most likely to be needed: the
+drafter's probability that its best path holds up to j, times that of the
+choice at j.
+
+Layout of the N nodes: node 0 is the last committed token (depth 0), nodes
+1 .. W-1 the best path (depth = index), then each branch as a run of
+`length` nodes (depths j .. j + length - 1). Nodes deeper than W - 1 have no
+draft behind them and are never accepted. The shape depends only on (W,
+branches, length), so the loop builds the tree on the device without a host
+read; the forks, the tokens and the mask are arrays. Within a run depth =
+index - constant, so the adapter rotates each run with the model's own RoPE.
+
+After the pass, the host walks the tree from the root, at each node taking
+the child whose token is the target's greedy pick there; the K/V rows of the
+accepted nodes are moved into place and the rest dropped
+(`TargetAdapter.keep_rows`). Only for targets whose caches are all KV caches
+(`TargetAdapter.supports_tree`); Gated DeltaNet and sliding-window targets
+keep linear verification.
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import mlx.core as mx
+
+BRANCH_LENGTH = 4  # nodes per branch: acceptance past a fork decays fast
+CHOICES = 2  # the drafter's second and third choices may start a branch
+
+
+@dataclass
+class Tree:
+    tokens: mx.array  # [N] node tokens, node 0 the last committed token
+    forks: mx.array  # [branches] depth at which each branch leaves the best path
+    mask: mx.array  # [N, N] bool: node i attends to node j (its ancestors and itself)
+    width: int  # W: the best path's nodes, the root included
+    length: int  # nodes per branch
+
+    @property
+    def branches(self) -> int:
+        return self.forks.shape[0]
+
+    @property
+    def size(self) -> int:
+        return self.width + self.branches * self.length
+
+    def runs(self) -> List[Tuple[int, int, object]]:
+        """(first node, end, depth of the first node) of each run of consecutive depths."""
+        W, L = self.width, self.length
+        return [(0, W, 0)] + [(W + b * L, W + (b + 1) * L, self.forks[b]) for b in range(self.branches)]
+
+
+def shape(width: int, branches: int, vocab_size: int) -> Tuple[int, int]:
+    """(branches, length) a tree of this width can have."""
+    branches = min(branches, (width - 1) * min(CHOICES, vocab_size - 1))
+    return branches, min(BRANCH_LENGTH, width - 1)
+
+
+def build(last: mx.array, logits: mx.array, branches: int) -> Tree:
+    """The tree after `last` [1] from the drafter's logits [W - 1, V] (lazy)."""
+    n, V = logits.shape
+    W = n + 1
+    B, L = shape(W, branches, V)
+    k = min(CHOICES, V - 1) + 1
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    order = mx.argsort(-mx.take_along_axis(lp, top, axis=-1), axis=-1)
+    top = mx.take_along_axis(top, order, axis=-1)
+    top_lp = mx.take_along_axis(lp, top, axis=-1)
+    best = top[:, 0].astype(mx.uint32)
+    if B == 0:
+        return Tree(mx.concatenate([last.astype(mx.uint32), best]), mx.zeros((0,), mx.int32),
+                    mx.tril(mx.ones((W, W), dtype=mx.bool_)), W, L)
+    # log P(the best path holds before depth d) + log P(choice c at d), per (d, c).
+    holds = mx.cumsum(top_lp[:, 0]) - top_lp[:, 0]
+    score = (holds[:, None] + top_lp[:, 1:]).reshape(-1)
+    picked = mx.argpartition(-score, B - 1)[:B] if B < score.shape[0] else mx.arange(B)
+    row, choice = picked // (k - 1), picked % (k - 1) + 1
+    forks = (row + 1).astype(mx.int32)
+    # Branch b: its choice at depth forks[b], then the best path's tokens after it.
+    after = mx.minimum(row[:, None] + mx.arange(1, L)[None], n - 1)
+    branch = mx.concatenate([top[row, choice][:, None].astype(mx.uint32), best[after]], axis=1)
+    tokens = mx.concatenate([last.astype(mx.uint32), best, branch.reshape(-1)])
+    return Tree(tokens, forks, tree_mask(forks, W, L), W, L)
+
+
+@functools.lru_cache(maxsize=64)
+def _within_runs(width: int, branches: int, length: int) -> mx.array:
+    """[N, N] bool: node j is node i or before it in the same run (evaluated, kept)."""
+    run = mx.array([-1] * width + [b for b in range(branches) for _ in range(length)])
+    pos = mx.array(list(range(width)) + list(range(length)) * branches)
+    same = (run[:, None] == run[None]) & (pos[None] <= pos[:, None])
+    mx.eval(same)
+    return same
+
+
+def tree_mask(forks: mx.array, width: int, length: int) -> mx.array:
+    """[N, N] bool: within the best path or one branch, the nodes at or before
+    a node; and for a branch node, the best path's nodes above its fork."""
+    same = _within_runs(width, forks.shape[0], length)
+    limit = mx.concatenate([mx.zeros((width,), mx.int32), mx.repeat(forks, length)])
+    return same | (mx.arange(same.shape[0])[None] < limit[:, None])
+
+
+def walk(width: int, length: int, forks: Sequence[int], tokens: Sequence[int],
+         picks: Sequence[int]) -> Tuple[List[int], int]:
+    """Host side: the accepted nodes from the root (ascending), and the target's token after the last.
+
+    `tokens` are the nodes' tokens and `picks` the target's greedy token
+    after each node; a child is taken when its token is its parent's pick.
+    """
+    path, node = [0], 0
+    while len(path) < width:
+        depth, want = len(path), picks[node]
+        if node < width:  # on the best path
+            children = [depth] + [width + b * length for b, j in enumerate(forks) if j == depth]
+        else:
+            children = [node + 1] if (node - width) % length + 1 < length else []
+        node = next((c for c in children if tokens[c] == want), None)
+        if node is None:
+            node = path[-1]
+            break
+        path.append(node)
+    return path, picks[node]

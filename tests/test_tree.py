@@ -1,0 +1,237 @@
+"""Tree verification (greedy): lossless output, the accepted branch's cache rows
+kept and the others dropped, the tree's mask and RoPE positions, and linear
+verification where a tree cannot run."""
+
+import mlx.core as mx
+import pytest
+from conftest import greedy_ref, plain_greedy
+from test_lossless import PROMPTS
+
+import dflash_mlx
+from dflash_mlx import tree as trees
+from dflash_mlx.decode import DraftSource, accept_tree, cycle_parts, draft_tree, verify_tree
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.sampling import SamplingParams
+
+
+def tokens_of(pair, prompt, max_tokens, **kw):
+    out, events = [], []
+    for ev in dflash_mlx.stream_generate(pair, prompt, max_tokens=max_tokens, **kw):
+        out += ev.tokens
+        events.append(ev)
+    return out, events[-1].stats
+
+
+def fork_logits(truth, fork, V):
+    """Drafter logits [W - 1, V] sure of `truth` (the drafts at depths 1..W-1)
+    except at depth `fork`, where a wrong token leads and the true one is its
+    second choice: the tree's one likely branch."""
+    rows = mx.full((len(truth), V), -10.0)
+    rows[mx.arange(len(truth)), mx.array(truth)] = 10.0
+    if fork is not None:
+        t = truth[fork - 1]
+        rows[fork - 1, t] = 1.8
+        rows[fork - 1, (t + 1) % V or 2] = 2.0
+    return rows
+
+
+class ForkOracle(DraftSource):
+    """Drafts the target's greedy continuation `seq`, its best path wrong at the
+    depth `fork(cycle, width)` (None: right everywhere) where the right token
+    is the second choice. Checks at every draft that the taps it was handed
+    are those of one target pass over the committed tokens."""
+
+    def __init__(self, target, seq, fork):
+        self.target, self.seq, self.fork = target, seq, fork
+        self.vocab_size = target.vocab_size
+        self.forks = []
+
+    def new_state(self):
+        return {"taps": [], "cycle": 0}
+
+    def add_context(self, state, hidden):
+        state["taps"].append(hidden)
+
+    def propose(self, state, last, hidden, width):
+        if hidden is not None:
+            self.add_context(state, hidden)
+        got = mx.concatenate(state["taps"], axis=1)
+        P = got.shape[1]
+        assert last.item() == self.seq[P]
+        _, want = self.target(mx.array([self.seq[:P]]), self.target.make_cache())
+        assert mx.allclose(got, want, atol=1e-4).item(), P
+        truth = list(self.seq[P + 1 : P + width])
+        truth += [1] * (width - 1 - len(truth))
+        fork = self.fork(state["cycle"], width)
+        state["cycle"] += 1
+        self.forks.append(fork)
+        return fork_logits(truth, fork, self.vocab_size)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_tree_is_lossless_with_the_random_drafter(pairs, baselines, family):
+    pair = pairs[family]
+    assert pair.target.supports_tree
+    for text in PROMPTS[:2]:
+        prompt = pair.tokenizer.encode(text)
+        ref = greedy_ref(baselines[family], prompt, 32)
+        for block_size, tree in [(2, 1), (3, 3), (4, 2), (8, 3), (16, 1)]:
+            out, stats = tokens_of(pair, prompt, 32, block_size=block_size, tree=tree)
+            assert out == ref, (family, text, block_size, tree)
+            assert stats.tree_cycles == stats.draft_cycles > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("tree", [1, 3])
+def test_branch_accepted_at_every_fork_keeps_only_its_rows(pairs, baselines, family, tree):
+    """One cycle whose accepted path leaves the best path at each depth in turn:
+    the caches then hold exactly what decoding the accepted tokens alone
+    leaves (same rows, offset, and next step), and the taps handed on are
+    that pass's."""
+    pair = pairs[family]
+    target = pair.target
+    prompt = pair.tokenizer.encode(PROMPTS[2])
+    m, W = len(prompt), 8
+    seq = prompt + greedy_ref(baselines[family], prompt, 24)
+    L = trees.shape(W, tree, target.vocab_size)[1]
+
+    class Forked(DraftSource):
+        def propose(self, state, last, hidden, width):
+            return fork_logits(seq[m + 1 : m + width], fork, target.vocab_size)
+
+    for fork in range(1, W):
+        cache = target.make_cache()
+        target(mx.array([seq[:m]]), cache)
+        d_tree = draft_tree(Forked(), None, mx.array(seq[m : m + 1]), None, W, tree)
+        v = verify_tree(target, cache, d_tree)
+        accepted, tokens, hidden, _, branched = accept_tree(target, cache, v)
+        assert branched and accepted == min(fork + L - 1, W - 1), fork
+        assert tokens == seq[m + 1 : m + accepted + 2]
+        ref_cache = target.make_cache()
+        _, ref_taps = target(mx.array([seq[: m + accepted + 1]]), ref_cache)
+        for c, r in zip(cache, ref_cache):
+            assert c.offset == r.offset == m + accepted + 1
+            for a, b in ((c.keys, r.keys), (c.values, r.values)):
+                assert mx.allclose(a[..., : c.offset, :], b[..., : r.offset, :], atol=1e-4).item(), fork
+        assert mx.allclose(hidden[:, : accepted + 1], ref_taps[:, m:], atol=1e-4).item(), fork
+        # The dropped rows are gone: the next step sees exactly the accepted context.
+        nxt = mx.array([[tokens[-1]]])
+        got, ref = target(nxt, cache)[0], target(nxt, ref_cache)[0]
+        assert mx.allclose(got, ref, atol=1e-4).item(), fork
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_branches_through_the_loop_are_lossless(pairs, baselines, family):
+    """The loop with a drafter wrong at a cycling depth (the right token its
+    second choice): every such cycle accepts through a branch, the output is
+    plain greedy and the drafter is handed exactly the committed tokens' taps."""
+    pair = pairs[family]
+    prompt = pair.tokenizer.encode(PROMPTS[0])
+    n, W = 40, 6
+    ref = greedy_ref(baselines[family], prompt, n)
+    source = ForkOracle(pair.target, prompt + ref, lambda c, w: 1 + c % (w - 1) if c % W else None)
+    out, stats = tokens_of(pair, prompt, n, block_size=W, tree=2, draft_source=source)
+    assert out == ref
+    drafted = source.forks[: stats.tree_cycles]
+    assert stats.branch_cycles == sum(f is not None for f in drafted) >= 4
+    assert set(f for f in drafted if f) == set(range(1, W))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_each_node_sees_its_path_at_its_position(pairs, family):
+    """The tree's mask and per-run RoPE: each node's logits equal those of its
+    token decoded linearly after its root-to-node path."""
+    target = pairs[family].target
+    prompt = pairs[family].tokenizer.encode(PROMPTS[2])
+    W, V = 8, target.vocab_size
+    logits = mx.random.normal((W - 1, V), key=mx.random.key(3)) * 3
+    tree = trees.build(mx.array(prompt[-1:]), logits, 3)
+    cache = target.make_cache()
+    target(mx.array([prompt[:-1]]), cache)
+    got = target(tree.tokens[None], cache, tree=(tree.mask, tree.runs()))[0][0]
+    tokens, forks, L = tree.tokens.tolist(), tree.forks.tolist(), tree.length
+    assert tree.size == W + 3 * L and len(set(forks)) > 1
+    paths = [list(range(W))] + [list(range(j)) + list(range(W + b * L, W + (b + 1) * L)) for b, j in enumerate(forks)]
+    for path in paths:
+        ref_cache = target.make_cache()
+        target(mx.array([prompt[:-1]]), ref_cache)
+        want = target(mx.array([[tokens[i] for i in path]]), ref_cache)[0][0]
+        assert mx.allclose(got[mx.array(path)], want, atol=1e-4).item(), path
+
+
+def test_tree_layout_and_walk():
+    forks = mx.array([2, 1], mx.int32)
+    mask = trees.tree_mask(forks, 4, 2).tolist()
+    # Nodes: root 0, best path 1 2 3; branch 0 (depths 2, 3): 4 5; branch 1 (depths 1, 2): 6 7.
+    sees = [[j for j, m in enumerate(row) if m] for row in mask]
+    assert sees == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 4], [0, 1, 4, 5], [0, 6], [0, 6, 7]]
+    tokens = [9, 10, 11, 12, 21, 22, 31, 32]
+    # picks[i]: the target's token after node i
+    assert trees.walk(4, 2, [2, 1], tokens, [10, 21, 0, 0, 22, 7, 0, 0]) == ([0, 1, 4, 5], 7)
+    assert trees.walk(4, 2, [2, 1], tokens, [31, 0, 0, 0, 0, 0, 32, 5]) == ([0, 6, 7], 5)
+    assert trees.walk(4, 2, [2, 1], tokens, [10, 11, 12, 8, 0, 0, 0, 0]) == ([0, 1, 2, 3], 8)
+    assert trees.walk(4, 2, [2, 1], tokens, [5, 0, 0, 0, 0, 0, 0, 0]) == ([0], 5)
+    # A branch node deeper than the best path is never accepted.
+    assert trees.walk(3, 2, [2], [9, 10, 11, 21, 22], [10, 21, 0, 22, 0]) == ([0, 1, 3], 22)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+def test_hybrid_and_sliding_window_targets_verify_linearly(pairs, baselines, root, tokenizer_dir, vocab, drafters,
+                                                           family):
+    """Gated DeltaNet and sliding-window targets cannot run a tree: tree=n
+    verifies linearly and stays lossless."""
+    import tiny
+    from mlx_lm import load
+
+    if family in pairs:
+        pair, base = pairs[family], baselines[family]
+    else:
+        path = tiny.build_target(root / f"tree-{family}", family, tokenizer_dir, vocab[0])
+        pair, base = dflash_mlx.load(str(path), str(drafters["new"])), load(str(path))[0]
+    assert not pair.target.supports_tree
+    prompt = pair.tokenizer.encode(PROMPTS[0])
+    out, stats = tokens_of(pair, prompt, 24, block_size=4, tree=2)
+    assert out == plain_greedy(base, prompt, 24)
+    assert stats.tree_cycles == 0 and stats.draft_cycles > 0
+
+
+def test_where_a_tree_is_refused_or_left_out(pairs, baselines):
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    from mlx_lm.sample_utils import make_logits_processors
+
+    pair = pairs["qwen3"]
+    prompt = pair.tokenizer.encode(PROMPTS[1])
+    with pytest.raises(DFlashError, match="greedy only"):
+        tokens_of(pair, prompt, 4, block_size=4, tree=1, sampling=SamplingParams(temp=0.7))
+    with pytest.raises(DFlashError, match="fixed integer block size"):
+        tokens_of(pair, prompt, 4, block_size="auto", tree=1)
+    with pytest.raises(DFlashError, match="branches"):
+        tokens_of(pair, prompt, 4, block_size=4, tree=-1)
+    assert pair.target.can_verify_tree([KVCache()]) and not pair.target.can_verify_tree([QuantizedKVCache()])
+    # Logits processors see each position after the drafts before it: linear verification.
+    procs = make_logits_processors(repetition_penalty=1.3)
+    out, stats = tokens_of(pair, prompt, 16, block_size=4, tree=2, logits_processors=procs)
+    assert stats.tree_cycles == 0
+    assert out == tokens_of(pair, prompt, 16, block_size=4, logits_processors=procs)[0]
+
+
+def test_tree_logprobs_are_those_of_linear_verification(pairs):
+    pair = pairs["llama"]
+    prompt = pair.tokenizer.encode(PROMPTS[0])
+    runs = [list(dflash_mlx.stream_generate(pair, prompt, max_tokens=20, block_size=4, tree=t, logprobs=3))
+            for t in (0, 2)]
+    lin, tree = ([lp for e in r for lp in e.logprobs] for r in runs)
+    assert len(lin) == len(tree) == 20
+    for (a, top_a), (b, top_b) in zip(lin, tree):
+        assert abs(a - b) < 1e-4 and [t for t, _ in top_a] == [t for t, _ in top_b]
+
+
+def test_cycle_parts_time_trees(pairs):
+    """The cost measurement's halves of a tree cycle (for a sizer): a tree of
+    the width's shape is drafted and verified, and each call starts again."""
+    run_draft, run_verify = cycle_parts(pairs["qwen3"], 40, branches=2)
+    for w in (2, 6, 6):
+        tree = run_draft(w)
+        B, L = trees.shape(w, 2, pairs["qwen3"].target.vocab_size)
+        assert tree.size == w + B * L and tree.branches == 2
+        run_verify(w, tree)
