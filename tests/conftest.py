@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx.adaptive import Plan
+from dflash_mlx.decode import DraftSource
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -131,6 +132,128 @@ def plain_greedy(model, prompt, max_tokens, eos=(0,)):
             break
         out.append(tok)
     return out
+
+
+_GREEDY = {}
+
+
+def greedy_ref(model, prompt, max_tokens):
+    """`plain_greedy`, each (model, prompt) decoded once at the longest length asked
+    for: a shorter answer is its prefix. For the shared fixtures' models, which no
+    test changes (the cache holds the model, so its id is not reused)."""
+    key = (id(model), tuple(prompt))
+    held = _GREEDY.get(key)
+    if held is None or held[0] is not model or held[1] < max_tokens:
+        held = _GREEDY[key] = (model, max_tokens, plain_greedy(model, prompt, max_tokens))
+    return held[2][:max_tokens]
+
+
+class OracleSource(DraftSource):
+    """Drafts the target's own greedy continuation, corrupted at a chosen index.
+
+    `corrupt(cycle, width)` returns the draft index to corrupt, or None for a
+    perfect draft. It also checks that the loop hands over exactly the taps of
+    the committed tokens, each once.
+    """
+
+    def __init__(self, sequence, vocab_size, feature_dim, corrupt):
+        self.seq = sequence
+        self.V = vocab_size
+        self.feature_dim = feature_dim
+        self.corrupt = corrupt
+        self.block_size = 16
+        self.expected = []
+
+    def new_state(self):
+        return {"committed": 0, "cycle": 0}
+
+    def add_context(self, state, hidden):
+        assert hidden.shape[-1] == self.feature_dim
+        state["committed"] += hidden.shape[1]
+
+    def propose(self, state, last, hidden, width):
+        if hidden is not None:
+            self.add_context(state, hidden)
+        P = state["committed"]
+        assert last.item() == self.seq[P]
+        draft = list(self.seq[P + 1 : P + width])
+        draft += [1] * (width - 1 - len(draft))
+        k = self.corrupt(state["cycle"], width)
+        if k is not None:
+            draft[k] = (draft[k] + 1) % self.V
+        self.expected.append(width - 1 if k is None else k)
+        state["cycle"] += 1
+        return mx.eye(self.V)[mx.array(draft)] * 30.0
+
+
+ROLLBACK_SCHEDULES = {
+    "cycle through positions": lambda c, w: c % w if c % w < w - 1 else None,
+    "always full": lambda c, w: None,
+    "always first": lambda c, w: 0,
+    "always last": lambda c, w: w - 2,
+}
+
+
+def check_rollback_at_every_position(pair, base, prompt, block_size, n=40):
+    """Drafts from `OracleSource` (`base`'s plain greedy continuation) corrupted by
+    each schedule, so every acceptance length 0 .. block_size - 1 is exercised and
+    the target's caches are rolled back at every block position: output equals
+    plain greedy decoding, each cycle accepts exactly up to the corrupted draft.
+    `n` tokens per schedule; cycling through the positions runs until one whole
+    cycle of them (1 + 2 + ... + block_size tokens) fits."""
+    import dflash_mlx
+
+    cycle_n = max(n, block_size * (block_size + 1) // 2 + 4)
+    full = greedy_ref(base, prompt, cycle_n)
+    feature_dim = len(pair.target.tap_ids) * pair.target.hidden_size
+    for name, corrupt in ROLLBACK_SCHEDULES.items():
+        ref = full[: cycle_n if name == "cycle through positions" else n]
+        source = OracleSource(prompt + ref, pair.target.vocab_size, feature_dim, corrupt)
+        out, events = [], []
+        for ev in dflash_mlx.stream_generate(pair, prompt, max_tokens=len(ref), block_size=block_size,
+                                             draft_source=source):
+            out += ev.tokens
+            events.append(ev)
+        assert out == ref, name
+        # Cycles of width 1 (the budget's last token) draft nothing.
+        accepted = [e.accepted for e in events[1:]]
+        assert accepted[: len(source.expected)] == source.expected, name
+        assert len(source.expected) >= len(accepted) - 1, name
+        if name == "cycle through positions":
+            assert set(source.expected) == set(range(block_size)), name
+        if name == "always full":
+            assert events[-1].stats.mean_acceptance > block_size * 0.7, name
+
+
+SMALL_V = 5  # the small pair's vocabulary
+
+
+def build_small_pair(drafter_cls, source_cls, drafter_config, init=None):
+    """A tiny qwen3 target over a 5-token vocabulary (seed 11, its embedding scaled
+    down so its distributions are not peaked) tapped at layers 0 and 1, and a
+    one-layer drafter of `drafter_cls` built right after it from its dimensions and
+    `drafter_config`, then passed to `init`; (the DFlash pair, the plain target)."""
+    from mlx_lm.models import qwen3
+
+    from dflash_mlx.adapter import TargetAdapter
+    from dflash_mlx.config import DrafterConfig
+    from dflash_mlx.load import DFlashPair
+
+    mx.random.seed(11)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                           vocab_size=SMALL_V, max_position_embeddings=512, tie_word_embeddings=True,
+                           rope_theta=10000.0)
+    target = qwen3.Model(args)
+    target.update({"model": {"embed_tokens": {"weight": mx.random.normal((SMALL_V, 32)) * 0.2}}})
+    adapter = TargetAdapter(target, [0, 1])
+    drafter = drafter_cls(DrafterConfig.from_dict({
+        "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "intermediate_size": 64, "vocab_size": SMALL_V, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, **drafter_config}))
+    if init:
+        init(drafter)
+    return DFlashPair(adapter, drafter, None, source_cls(drafter, adapter), None, None), target
 
 
 class ScriptedWidths:

@@ -9,8 +9,8 @@ import json
 
 import mlx.core as mx
 import pytest
-from conftest import plain_greedy
-from test_lossless import PROMPTS, OracleSource
+from conftest import ScriptedWidths, check_rollback_at_every_position, greedy_ref, plain_greedy
+from test_lossless import PROMPTS
 
 import dflash_mlx
 import tiny
@@ -107,6 +107,19 @@ def test_ci_tested_families_are_admitted_and_exercised():
     assert not family_verdict("no_such_family")[0]
 
 
+# Every width 1..16 in one request per family (a policy switching widths from cycle to
+# cycle, wide to narrow and back), and whole requests at a fixed size: 16 in every
+# family and 1..15 spread over them (each sliding family gets sizes below, at and above
+# its 8-row window).
+WIDTH_CYCLE = [16, 1, 8, 3, 12, 5, 14, 2, 10, 7, 15, 4, 9, 13, 6, 11]
+FIXED = {"qwen3_moe": (1, 6, 11), "qwen3_next": (2, 7, 12), "gemma4_text": (3, 8, 13),
+         "gemma4_text_moe": (4, 9, 14), "gpt_oss": (5, 10, 15)}
+
+
+def test_fixed_sizes_cover_every_block_size():
+    assert sorted(b for sizes in FIXED.values() for b in sizes) == list(range(1, 16)) and set(FIXED) == set(NEW)
+
+
 @pytest.mark.parametrize("family", NEW)
 def test_lossless_at_every_block_size(fams, family):
     pair, base = fams.pair(family), fams.baseline(family)
@@ -116,14 +129,21 @@ def test_lossless_at_every_block_size(fams, family):
     # 6 and 44 tokens: the windows (8 rows, 24 with the slack) wrap while decoding
     # the first, and while prefilling the second.
     # "A": a one-token prompt, so the first blocks are cropped back below the window.
-    for text, sizes in ((PROMPTS[0], range(1, 17)), (PROMPTS[2], (1, 2, 5, 8, 16)), (PROMPTS[4], (4, 16))):
+    for text, sizes in ((PROMPTS[0], FIXED[family] + (16, "cycle")), (PROMPTS[2], (1, 16, "cycle")),
+                        (PROMPTS[4], (4, 16))):
         prompt = pair.tokenizer.encode(text)
-        ref = plain_greedy(base, prompt, 40)
+        ref = greedy_ref(base, prompt, 40)
         assert len(ref) == 40 and len(set(ref)) > 10  # the tiny model neither stops nor repeats itself
         for block_size in sizes:
-            out, events = tokens_of(pair, prompt, 40, block_size=block_size)
+            policy = ScriptedWidths(WIDTH_CYCLE) if block_size == "cycle" else None
+            out, events = tokens_of(pair, prompt, 40, block_size=policy or block_size)
             assert out == ref, (family, block_size, text)
-            assert max(e.accepted + 1 for e in events[1:]) <= block_size
+            if policy:
+                assert [a for _, a in policy.updates] == [e.accepted for e in events[1:]]
+                assert all(a < w for w, a in policy.updates)
+                assert {w for w, _ in policy.updates} == set(WIDTH_CYCLE), (family, text)  # every width ran
+            else:
+                assert max(e.accepted + 1 for e in events[1:]) <= block_size
 
 
 ROLLBACK_CASES = [(f, b) for f in NEW for b in (4, 8, 16)] + [(f, 8) for f in WRAPPED]
@@ -132,29 +152,10 @@ ROLLBACK_CASES = [(f, b) for f in NEW for b in (4, 8, 16)] + [(f, 8) for f in WR
 @pytest.mark.parametrize("family, block_size", ROLLBACK_CASES, ids=[f"{f}-{b}" for f, b in ROLLBACK_CASES])
 def test_rollback_at_every_block_position(fams, family, block_size):
     """A drafter that is right up to a chosen position: every acceptance length
-    is exercised, before and after the sliding windows wrap."""
+    is exercised, before and after the sliding windows wrap (40 tokens after a
+    6-token prompt; 8-row windows, 24 with the slack)."""
     pair, base = fams.pair(family), fams.baseline(family)
-    prompt = pair.tokenizer.encode(PROMPTS[0])
-    n = 140  # enough for one cycle at each position of a 16-wide block
-    ref = plain_greedy(base, prompt, n)
-    assert len(ref) == n
-    feature_dim = len(pair.target.tap_ids) * pair.target.hidden_size
-    schedules = {
-        "cycle through positions": lambda c, w: c % w if c % w < w - 1 else None,
-        "always full": lambda c, w: None,
-        "always first": lambda c, w: 0,
-        "always last": lambda c, w: w - 2,
-    }
-    for name, corrupt in schedules.items():
-        source = OracleSource(prompt + ref, pair.target.vocab_size, feature_dim, corrupt)
-        out, events = tokens_of(pair, prompt, n, block_size=block_size, draft_source=source)
-        assert out == ref, name
-        accepted = [e.accepted for e in events[1:]]
-        assert accepted[: len(source.expected)] == source.expected, name
-        if name == "cycle through positions":
-            assert set(source.expected) == set(range(block_size)), name
-        if name == "always full":
-            assert events[-1].stats.mean_acceptance > block_size * 0.7
+    check_rollback_at_every_position(pair, base, pair.tokenizer.encode(PROMPTS[0]), block_size, n=40)
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss", "qwen3_next"])

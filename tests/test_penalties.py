@@ -71,7 +71,7 @@ def test_accepted_drafts_are_processed_with_the_drafts_before_them(pairs, baseli
     """Drafts of mlx-lm's own processed output, wrong at a different position
     each cycle: acceptance reaches deep into blocks, and each verify row must
     see the drafts before it for the output to stay mlx-lm's."""
-    from test_lossless import OracleSource
+    from conftest import OracleSource
 
     pair = pairs[family]
     prompt = pair.tokenizer.encode("Once upon a time there was a tiny language model that could count")
