@@ -13,18 +13,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import conftest
 import dflash_mlx
 from conftest import ScriptedWidths
 from dflash_mlx import decode as gen
-from dflash_mlx.adapter import TargetAdapter
 from dflash_mlx.adaptive import Plan
-from dflash_mlx.config import DrafterConfig
 from dflash_mlx.drafter import DFlashDrafter
 from dflash_mlx.decode import DFlashDraftSource, DraftSource
-from dflash_mlx.load import DFlashPair
 from dflash_mlx.sampling import SamplingParams, log_probs
 
-V, N_TOKENS, BLOCK, SAMPLES, ALPHA = 5, 4, 4, 2000, 1e-3
+V, N_TOKENS, BLOCK, SAMPLES, ALPHA = conftest.SMALL_V, 4, 4, 2000, 1e-3
 PROMPT = [1, 3, 2]
 
 
@@ -36,25 +34,11 @@ def chi2_sf(x, k):
 
 @pytest.fixture(scope="module")
 def small_pair():
-    from mlx_lm.models import qwen3
-
-    mx.random.seed(11)
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
-                           vocab_size=V, max_position_embeddings=512, tie_word_embeddings=True,
-                           rope_theta=10000.0)
-    target = qwen3.Model(args)
-    target.update({"model": {"embed_tokens": {"weight": mx.random.normal((V, 32)) * 0.2}}})
-    adapter = TargetAdapter(target, [0, 1])
-    cfg = DrafterConfig.from_dict({
-        "architectures": ["DFlashDraftModel"], "hidden_size": 32, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
-        "vocab_size": V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "block_size": BLOCK,
+    """The 5-token target and a random DFlash drafter."""
+    return conftest.build_small_pair(DFlashDrafter, DFlashDraftSource, {
+        "architectures": ["DFlashDraftModel"], "block_size": BLOCK,
         "dflash_config": {"mask_token_id": 4, "target_layer_ids": [0, 1]},
     })
-    drafter = DFlashDrafter(cfg)
-    pair = DFlashPair(adapter, drafter, None, DFlashDraftSource(drafter, adapter), None, None)
-    return pair, target
 
 
 class TemperedTarget(DraftSource):
@@ -197,8 +181,10 @@ def test_the_check_catches_a_wrong_acceptance_rule(small_pair, monkeypatch):
 
     monkeypatch.setattr(gen, "verify_accept", accept_all)
     seqs, probs = exact_distribution(model, params)
-    counts, _ = sample_counts(pair, params, SAMPLES, TemperedTarget(model))
-    assert gof_pvalue(counts, seqs, probs, SAMPLES) < ALPHA
+    # A quarter of the samples the tests above take already rejects it: they have the power to.
+    n = SAMPLES // 4
+    counts, _ = sample_counts(pair, params, n, TemperedTarget(model))
+    assert gof_pvalue(counts, seqs, probs, n) < ALPHA
 
 
 def test_invalid_sampling_settings():
@@ -245,16 +231,18 @@ def test_penalties_keep_sampling_exact(small_pair):
     seqs = list(itertools.product(range(V), repeat=N_TOKENS))
     logits = model(mx.array([PROMPT + list(s) for s in seqs]))
     procs = make_logits_processors(**settings)
-    probs = []
+    # Position i's processed distribution depends on the prefix s[:i] alone: one row per distinct prefix.
+    rows = {}
     for j, s in enumerate(seqs):
-        total = 0.0
         for i in range(N_TOKENS):
-            row = logits[j : j + 1, len(PROMPT) - 1 + i]
-            for p in procs:
-                row = p(mx.array(PROMPT + list(s[:i])), row)
-            total += log_probs(row, params)[0, s[i]].item()
-        probs.append(math.exp(total))
-    probs = np.array(probs)
+            if s[:i] not in rows:
+                row = logits[j : j + 1, len(PROMPT) - 1 + i]
+                for p in procs:
+                    row = p(mx.array(PROMPT + list(s[:i])), row)
+                rows[s[:i]] = log_probs(row, params)[0]
+    assert len(rows) == sum(V**i for i in range(N_TOKENS))
+    lp = {prefix: np.array(row) for prefix, row in rows.items()}
+    probs = np.array([math.exp(sum(lp[s[:i]][s[i]] for i in range(N_TOKENS))) for s in seqs])
     assert abs(probs.sum() - 1) < 1e-4
     plain_seqs, plain = exact_distribution(model, params)
     assert np.abs(plain - probs).max() > 0.01  # the penalties matter here
