@@ -1,12 +1,19 @@
 """DFlash with the target sharded across processes (issue 16): tensor
-parallelism for qwen3 and llama, two processes started by `mlx.launch` with
-the ring backend on loopback, running `python -m dflash_mlx.distributed`.
+parallelism, two processes started by `mlx.launch` with the ring backend on
+loopback.
 
-Each launch starts two Python processes that import mlx-lm and load the
-pair (about 10 s on two CPU cores), so every prompt and block size goes
-through one launch per family.
+Each launch starts two Python processes that import mlx-lm (about 10 s on
+two CPU cores), so every scenario that ends normally runs in one launch: this
+file, run by each rank, calls the entry point `dflash_mlx.distributed.main`
+for each command line (greedy over prompts and block sizes per family, seeded
+sampling) and then the sharded oracle rollback cases, and writes what each
+rank printed and generated; the tests below assert on that shared result. A
+failing and a hanging rank end their run, so each has a launch of its own
+(`python -m dflash_mlx.distributed`).
 """
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -21,14 +28,14 @@ import mlx.core as mx
 import pytest
 
 import tiny
-from conftest import DRAFTER_LAYOUT, plain_greedy
+from conftest import DRAFTER_LAYOUT, ROLLBACK_SCHEDULES, greedy_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
 PROMPTS = ["def add(a, b):", "Once upon a time there was"]
 BLOCK_SIZES = [1, 4, 8]
 MAX_TOKENS = 16
-TIMEOUT = 240
+TIMEOUT = 300
 
 pytestmark = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
 
@@ -52,11 +59,14 @@ def free_ports(n=2):
     raise RuntimeError("no free ports")
 
 
+def launch_cmd(*program, env=()):
+    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()),
+            *[f"--env={e}" for e in env], "--", sys.executable, *map(str, program)]
+
+
 def launch(*args, env=(), timeout=TIMEOUT):
     """`mlx.launch -n 2 --backend ring` of the entry point; (its output, the JSON lines rank 0 printed)."""
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()),
-           *[f"--env={e}" for e in env], "--", sys.executable, "-m", "dflash_mlx.distributed",
-           "--no-chat-template", *map(str, args)]
+    cmd = launch_cmd("-m", "dflash_mlx.distributed", "--no-chat-template", *args, env=env)
     stdout, stderr = run_launch(cmd, timeout)
     lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
     return stdout + stderr, lines
@@ -75,32 +85,136 @@ def run_launch(cmd, timeout):
         pytest.fail(f"the launch hung for {timeout} s:\n{out}{err}")
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_greedy_equals_unsharded_plain_decoding(family, targets, drafters):
+# gpt_oss: sliding windows of 8 (WindowCache) with attention sinks, a routed MoE; qwen3_moe: routed MoE.
+# qwen3_5: Gated DeltaNet heads split across ranks (the tape's output all-summed), attention every third layer.
+ORACLE_CASES = [("qwen3", 8), ("llama", 4), ("qwen3_moe", 8), ("gpt_oss", 8), ("qwen3_5", 8)]
+
+
+def rank_main(cfg_path):
+    """One rank under mlx.launch: each command line through the entry point's `main`
+    (its stdout and stderr captured), then each oracle case's target sharded, drafts
+    from the tests' OracleSource (the plain greedy continuation, corrupted at
+    the indices each of ROLLBACK_SCHEDULES chooses), so verify accepts every prefix length and the sharded caches
+    are cropped at every block position; every rank writes what it printed and generated."""
+    import dflash_mlx
+    from dflash_mlx.distributed import group, load_sharded, main
+    from conftest import OracleSource
+
+    cfg = json.loads(Path(cfg_path).read_text())
+    g = group()
+    runs = {}
+    for name, argv in cfg["commands"].items():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(argv)
+        runs[name] = {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}
+    oracle = []
+    for i, case in enumerate(cfg["cases"]):
+        pair = load_sharded(case["model"], case["draft"], g)
+        feature_dim = len(pair.target.tap_ids) * pair.target.hidden_size
+        for name, corrupt in ROLLBACK_SCHEDULES.items():
+            source = OracleSource(case["prompt"] + case["ref"], pair.target.vocab_size, feature_dim, corrupt)
+            out, accepted = [], []
+            for ev in dflash_mlx.stream_generate(pair, case["prompt"], max_tokens=len(case["ref"]),
+                                                 block_size=case["block_size"], draft_source=source):
+                out += ev.tokens
+                accepted.append(ev.accepted)
+            oracle.append({"case": i, "schedule": name, "tokens": out, "accepted": accepted[1:],
+                           "expected": source.expected})
+    Path(cfg["out"].format(rank=g.rank())).write_text(json.dumps({"commands": runs, "oracle": oracle}))
+
+
+def encode(tokenizer_dir, text):
+    """The ids of `text` by the tokenizer every tiny target shares."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir)).encode(text)
+
+
+def family_path(family, targets, root, tokenizer_dir, vocab):
+    path = targets.get(family) or root / family
+    if not path.exists():
+        tiny.build_target(path, family, tokenizer_dir, vocab[0])
+    return path
+
+
+@pytest.fixture(scope="module")
+def sharded(targets, drafters, baselines, root, tokenizer_dir, vocab, tmp_path_factory):
+    """One 2-rank launch of every scenario that ends normally; (the cases, each rank's results, the ids dir)."""
     from mlx_lm import load
 
-    model, tokenizer = load(str(targets[family]))
-    output, runs = launch("--model", targets[family], "--draft", drafters[DRAFTER_LAYOUT[family]],
-                          *sum((["--prompt", p] for p in PROMPTS), []), "--max-tokens", MAX_TOKENS,
-                          "--block-size", *BLOCK_SIZES, "--json")
-    assert len(runs) == len(PROMPTS) * len(BLOCK_SIZES), output
-    assert "rank 1" not in output  # only rank 0 prints
+    tmp = tmp_path_factory.mktemp("sharded")
+    commands = {}
+    for family in ("qwen3", "llama"):
+        commands[f"greedy-{family}"] = [
+            "--model", targets[family], "--draft", drafters[DRAFTER_LAYOUT[family]], "--no-chat-template",
+            *sum((["--prompt", p] for p in PROMPTS), []), "--max-tokens", MAX_TOKENS,
+            "--block-size", *BLOCK_SIZES, "--json"]
+    commands["sampled-llama"] = [
+        "--model", targets["llama"], "--draft", drafters["new"], "--no-chat-template", "--prompt", PROMPTS[0],
+        "--prompt", PROMPTS[1], "--max-tokens", 24, "--block-size", 8, "--temp", 1.0, "--seed", 3, "--json",
+        "--ids-out", tmp / "ids-{rank}.json"]
+    cases = []
+    prompt = encode(tokenizer_dir, PROMPTS[0])
+    for family, block_size in ORACLE_CASES:
+        path = family_path(family, targets, root, tokenizer_dir, vocab)
+        model = baselines[family] if family in baselines else load(str(path))[0]
+        cases.append(dict(family=family, model=str(path), draft=str(drafters[DRAFTER_LAYOUT.get(family, "new")]),
+                          prompt=prompt, ref=greedy_ref(model, prompt, 40), block_size=block_size))
+    cfg = tmp / "cases.json"
+    cfg.write_text(json.dumps({"commands": {k: list(map(str, v)) for k, v in commands.items()}, "cases": cases,
+                               "out": str(tmp / "out-{rank}.json")}))
+    output = "".join(run_launch(launch_cmd(__file__, cfg), TIMEOUT))
+    if not all((tmp / f"out-{r}.json").exists() for r in (0, 1)):
+        pytest.fail(f"the launch ended before both ranks wrote their results:\n{output}")
+    ranks = [json.loads((tmp / f"out-{r}.json").read_text()) for r in (0, 1)]
+    return cases, ranks, tmp
+
+
+def command_run(sharded, name):
+    """Rank 0's JSON lines of a command line, checked to have ended well on both ranks with only rank 0 printing."""
+    _, ranks, _ = sharded
+    r0, r1 = (ranks[r]["commands"][name] for r in (0, 1))
+    assert r0["rc"] == r1["rc"] == 0, (r0, r1)
+    assert r1["stdout"] == ""  # only rank 0 prints
+    return [json.loads(x) for x in r0["stdout"].splitlines() if x.startswith("{")]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_greedy_equals_unsharded_plain_decoding(family, sharded, baselines, tokenizer_dir):
+    runs = command_run(sharded, f"greedy-{family}")
+    assert len(runs) == len(PROMPTS) * len(BLOCK_SIZES), runs
+    assert sorted((r["prompt"], r["block_size"]) for r in runs) == sorted(
+        (p, b) for p in PROMPTS for b in BLOCK_SIZES)
     for run in runs:
         assert run["ranks"] == 2
-        want = plain_greedy(model, tokenizer.encode(run["prompt"]), MAX_TOKENS)
+        want = greedy_ref(baselines[family], encode(tokenizer_dir, run["prompt"]), MAX_TOKENS)
         assert run["tokens"] == want, (run["prompt"], run["block_size"])
 
 
-def test_seeded_sampling_is_identical_on_every_rank(targets, drafters, tmp_path):
-    output, runs = launch("--model", targets["llama"], "--draft", drafters["new"], "--prompt", PROMPTS[0],
-                          "--prompt", PROMPTS[1], "--max-tokens", 24, "--block-size", 8, "--temp", 1.0,
-                          "--seed", 3, "--json", "--ids-out", tmp_path / "ids-{rank}.json")
-    assert len(runs) == 2, output
-    ids = [json.loads((tmp_path / f"ids-{r}.json").read_text()) for r in (0, 1)]
+def test_seeded_sampling_is_identical_on_every_rank(sharded):
+    runs = command_run(sharded, "sampled-llama")
+    tmp = sharded[2]
+    assert len(runs) == 2, runs
+    ids = [json.loads((tmp / f"ids-{r}.json").read_text()) for r in (0, 1)]
     assert ids[0] == ids[1] == [r["tokens"] for r in runs]
     assert all(len(t) > 0 for t in ids[0])
     # Drafts were accepted and the caches cropped to them, identically on both ranks.
     assert max(a for r in runs for a in r["acceptance"]) > 1
+
+
+@pytest.mark.parametrize("case", range(len(ORACLE_CASES)), ids=[f"{f}-{b}" for f, b in ORACLE_CASES])
+def test_sharded_caches_roll_back_at_every_block_position(sharded, case):
+    cases, ranks, _ = sharded
+    assert ranks[0]["oracle"] == ranks[1]["oracle"]
+    c = cases[case]
+    results = {r["schedule"]: r for r in ranks[0]["oracle"] if r["case"] == case}
+    assert set(results) == set(ROLLBACK_SCHEDULES)
+    for name, r in results.items():
+        assert r["tokens"] == c["ref"], (c["family"], name)
+        assert r["accepted"][: len(r["expected"])] == r["expected"], (c["family"], name)
+    assert max(results["always full"]["accepted"]) == c["block_size"] - 1  # whole blocks accepted
+    assert set(results["cycle through positions"]["expected"]) == set(range(c["block_size"]))  # every length
 
 
 def test_a_failing_rank_ends_the_run(targets, drafters):
@@ -111,71 +225,6 @@ def test_a_failing_rank_ends_the_run(targets, drafters):
     assert "dflash-mlx (rank 0 of 2): a collective failed" in output
     # mlx.launch 0.32 exits 0 whatever its ranks do; it reports their exit codes.
     assert "Node with rank 1 exited with code 1" in output
-
-
-SCHEDULES = {  # test_lossless's: which draft index the oracle corrupts (None: a perfect draft)
-    "always full": "None",
-    "always first": "0",
-    "cycle through positions": "c % w if c % w < w - 1 else None",
-}
-
-
-def oracle_main(cfg_path):
-    """Under mlx.launch: each case's target sharded, drafts from test_lossless's
-    OracleSource (the plain greedy continuation, corrupted at chosen indices),
-    so verify accepts every prefix length and the sharded caches are cropped
-    at every block position; every rank writes what it generated."""
-    import dflash_mlx
-    from dflash_mlx.distributed import group, load_sharded
-    from test_lossless import OracleSource
-
-    cfg = json.loads(Path(cfg_path).read_text())
-    g = group()
-    results = []
-    for case in cfg["cases"]:
-        pair = load_sharded(case["model"], case["draft"], g)
-        feature_dim = len(pair.target.tap_ids) * pair.target.hidden_size
-        for name, rule in SCHEDULES.items():
-            source = OracleSource(case["prompt"] + case["ref"], pair.target.vocab_size, feature_dim,
-                                  eval(f"lambda c, w: {rule}"))
-            out, accepted = [], []
-            for ev in dflash_mlx.stream_generate(pair, case["prompt"], max_tokens=len(case["ref"]),
-                                                 block_size=case["block_size"], draft_source=source):
-                out += ev.tokens
-                accepted.append(ev.accepted)
-            results.append({"schedule": name, "tokens": out, "accepted": accepted[1:], "expected": source.expected})
-    Path(cfg["out"].format(rank=g.rank())).write_text(json.dumps(results))
-
-
-def test_sharded_caches_roll_back_at_every_block_position(targets, drafters, root, tokenizer_dir, vocab, tmp_path):
-    from mlx_lm import load
-
-    cases = []
-    # gpt_oss: sliding windows of 8 (WindowCache) with attention sinks, a routed MoE; qwen3_moe: routed MoE.
-    # qwen3_5: Gated DeltaNet heads split across ranks (the tape's output all-summed), attention every third layer.
-    for family, block_size in [("qwen3", 8), ("llama", 4), ("qwen3_moe", 8), ("gpt_oss", 8), ("qwen3_5", 8)]:
-        path = targets.get(family) or root / family
-        if not path.exists():
-            tiny.build_target(path, family, tokenizer_dir, vocab[0])
-        model, tokenizer = load(str(path))
-        prompt = tokenizer.encode(PROMPTS[0])
-        cases.append(dict(model=str(path), draft=str(drafters[DRAFTER_LAYOUT.get(family, "new")]), prompt=prompt,
-                          ref=plain_greedy(model, prompt, 40), block_size=block_size))
-    cfg = tmp_path / "cases.json"
-    cfg.write_text(json.dumps({"cases": cases, "out": str(tmp_path / "out-{rank}.json")}))
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--",
-           sys.executable, __file__, str(cfg)]
-    output = "".join(run_launch(cmd, TIMEOUT))
-    ranks = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in (0, 1)] \
-        if (tmp_path / "out-1.json").exists() else output
-    assert isinstance(ranks, list), ranks
-    assert ranks[0] == ranks[1]
-    for i, case in enumerate(cases):
-        results = ranks[0][i * len(SCHEDULES) : (i + 1) * len(SCHEDULES)]
-        for r in results:
-            assert r["tokens"] == case["ref"], r["schedule"]
-            assert r["accepted"][: len(r["expected"])] == r["expected"], r["schedule"]
-        assert max(results[0]["accepted"]) == case["block_size"] - 1  # whole blocks accepted
 
 
 def test_a_hanging_rank_ends_the_run_after_the_timeout(targets, drafters):
@@ -205,9 +254,7 @@ def test_families_that_cannot_be_sharded_are_refused(family, message, root, toke
     from dflash_mlx import DFlashError
     from dflash_mlx.distributed import _sharded_loader
 
-    path = root / family
-    if not path.exists():
-        tiny.build_target(path, family, tokenizer_dir, vocab[0])
+    path = family_path(family, {}, root, tokenizer_dir, vocab)
     with pytest.raises(DFlashError, match="^Target family") as e:
         _sharded_loader(_Group())(path)
     assert message in str(e.value) and "\n" not in str(e.value)
@@ -220,5 +267,5 @@ def test_one_process_is_not_distributed():
     assert group().size() == 1 and is_main()
 
 
-if __name__ == "__main__":  # one rank of test_sharded_caches_roll_back_at_every_block_position
-    oracle_main(sys.argv[1])
+if __name__ == "__main__":  # one rank of the shared launch (the `sharded` fixture)
+    rank_main(sys.argv[1])
