@@ -439,19 +439,34 @@ def bench(
 
     import dflash_mlx
     from dflash_mlx import bench as B
+    from dflash_mlx import distributed
     from dflash_mlx.cli.progress import progress as show_progress
 
     sizes = _block_sizes(block_size)
     contexts = _contexts(context) if context else [0]
     if context and sizes == ["sweep"]:
         fail("--context cannot be combined with --block-size sweep.")
+    g = distributed.group()
+    sharded, main_rank = g.size() > 1, distributed.is_main(g)
+    if sharded and sizes == ["sweep"]:
+        fail("--block-size sweep times one machine; give block sizes under mlx.launch.")
     for path in (out, plot):
         if path and Path(path).is_dir():
             fail(f"Cannot write {path}: it is a folder; give a file name.")
         if path and not Path(path).resolve().parent.is_dir():
             fail(f"Cannot write {path}: its folder does not exist; create it or pick another path.")
+    if not main_rank:  # only rank 0 reports; every rank runs the same benchmark
+        err.file = open(os.devnull, "w")
     try:
-        pair = dflash_mlx.load(model, draft)
+        if sharded:
+            pair = distributed.load_sharded(model, draft, g)
+            if "auto" in sizes:  # each rank would time its own curve and pick its own widths
+                fixed = pair.draft_source.block_size
+                sizes = list(dict.fromkeys(fixed if s == "auto" else s for s in sizes))
+                err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
+                          f"block size, {fixed}")
+        else:
+            pair = dflash_mlx.load(model, draft)
         with show_progress(err, "benchmark") as update:
 
             def progress(done, total, what="measuring"):
@@ -472,7 +487,10 @@ def bench(
                 if context:
                     result = dict(result, contexts={str(c): r for c, r in by_context.items()})
     except DFlashError as e:
-        fail(str(e))
+        err.file = sys.stderr
+        fail(f"rank {g.rank()} of {g.size()}: {e}" if sharded else str(e))
+    if not main_rank:
+        return
     m = result["machine"]
     err.print(f"{m['chip']} ({m['cores']} cores, {m['memory_gb']} GB), MLX {m['mlx']} on {m['backend']}, "
               f"BLAS: {escape(m['blas'])}")
@@ -517,6 +535,12 @@ def bench(
                       f"{ms['verify_seconds_per_cycle']:.2f} ms; the loop's own work "
                       f"{ms['overhead_seconds_per_cycle']:.2f} ms per cycle (the same cycles rerun with the "
                       f"target's results in place of its passes)")
+    if "distributed" in result:
+        d = result["distributed"]
+        per_pass = ", ".join(f"width {w}: {s * 1000:.2f} ms" for w, s in d["seconds_per_pass"].items())
+        shares = ", ".join(f"{k}: {v:.0%}" for k, v in d["share"].items())
+        err.print(f"{d['ranks']} ranks: {d['collectives_per_pass']} all_sums per target pass ({per_pass} alone); "
+                  f"their share of a step or cycle: {shares}")
     if out:
         tmp = Path(out).with_name(Path(out).name + ".tmp")
         tmp.write_text(_json.dumps(result, indent=2) + "\n")

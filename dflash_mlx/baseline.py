@@ -23,7 +23,7 @@ def generate(model: nn.Module, tokenizer, prompt: Sequence[int], max_tokens: int
     """Tokens from mlx-lm's own decoding loop, stopping at the tokenizer's EOS
     (not included), with mlx-lm's timings: "generation_tps" and "prompt_tps"
     as mlx-lm reports them, and "ttft", the seconds to the first token."""
-    from mlx_lm.generate import stream_generate
+    from mlx_lm.generate import generation_stream, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     tokens, last, ttft = [], None, None
@@ -35,6 +35,9 @@ def generate(model: nn.Module, tokenizer, prompt: Sequence[int], max_tokens: int
         if r.finish_reason != "stop":  # "stop": the EOS token itself
             tokens.append(r.token)
         last = r
+    # mlx-lm has one more step under way on its own stream: let it finish, or
+    # a sharded target's collectives from it would interleave with the next run's.
+    mx.synchronize(generation_stream)
     return {"tokens": tokens, "generation_tps": last.generation_tps, "prompt_tps": last.prompt_tps, "ttft": ttft}
 
 
@@ -73,6 +76,8 @@ def plain_target(pair) -> nn.Module:
                           f"{str(e).splitlines()[0]}")
     wrappers = {path for path, m in wrapped.named_modules() if isinstance(m, _Wrapper)}
     weights = [(_unwrapped_key(k, wrappers), v) for k, v in tree_flatten(wrapped.parameters())]
+    if getattr(pair, "group", None) is not None:  # sharded as the pair's target is (same names, same slices)
+        model.shard(pair.group)
     model.load_weights(weights, strict=True)  # same names and shapes, or it raises
     model.eval()
     materialize(model)

@@ -378,7 +378,28 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
         for suite, rows in suites.items():
             result["suites"].setdefault(suite, {})[key] = summarise(rows, key)
     result["prompts"] = suites
+    if pair.group is not None:
+        result["distributed"] = communication(pair, result["overall"])
     return result
+
+
+def communication(pair, overall: Dict) -> Dict:
+    """Under `mlx.launch`: the sharded target's all_sums per pass, their time
+    alone at each width, and their share of a baseline step and of a DFlash
+    cycle (seconds per cycle: tokens per cycle / tokens per second)."""
+    from .distributed import collectives_per_pass, communication_seconds
+
+    widths = sorted({1} | {int(k) for k in overall if k.isdigit()})
+    seconds = communication_seconds(pair, widths)
+    out = {"ranks": pair.group.size(), "collectives_per_pass": collectives_per_pass(pair.target.model),
+           "seconds_per_pass": {str(w): s for w, s in seconds.items()}, "share": {}}
+    first = next(iter(overall.values()), None)
+    if first and first["baseline_tps"]:
+        out["share"]["baseline"] = seconds[1] * first["baseline_tps"]
+    for key, s in overall.items():
+        if key.isdigit() and s["dflash_tps"] and s["mean_acceptance"]:
+            out["share"][key] = seconds[int(key)] / (s["mean_acceptance"] / s["dflash_tps"])
+    return out
 
 
 def sweep(pair, max_width: int = 16, progress=lambda d, t: None) -> Dict:

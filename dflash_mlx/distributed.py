@@ -136,8 +136,38 @@ def load_sharded(model: str, draft: Optional[str] = None, g: Optional[mx.distrib
     if g.size() == 1:
         return load(model, draft)
     pair = load(model, draft, target_loader=_sharded_loader(g))
+    pair.group = g
     check_taps_whole(pair, g)
     return pair
+
+
+def collectives_per_pass(model) -> int:
+    """The all_sums one forward pass of a tensor-parallel model makes: one per
+    sharded-to-all projection (attention's o_proj, the MLP's down_proj, ...)."""
+    import mlx.nn as nn
+
+    kinds = (nn.ShardedToAllLinear, nn.QuantizedShardedToAllLinear)
+    return sum(isinstance(m, kinds) for _, m in model.named_modules())
+
+
+def communication_seconds(pair, widths, rounds: int = 5) -> dict:
+    """Seconds the all_sums of one verify pass take at each width, alone: as
+    many chained all_sums of [1, width, hidden] (the target's dtype) as the
+    sharded target makes per pass; the median of `rounds`."""
+    g, n = pair.group, collectives_per_pass(pair.target.model)
+    out = {}
+    for w in widths:
+        x = mx.zeros((1, w, pair.target.hidden_size), dtype=pair.target.dtype)
+        times = []
+        for _ in range(rounds + 1):  # the first warms up
+            y = x
+            tic = time.perf_counter()
+            for _ in range(n):
+                y = mx.distributed.all_sum(y, group=g)
+            mx.eval(y)
+            times.append(time.perf_counter() - tic)
+        out[w] = sorted(times[1:])[rounds // 2]
+    return out
 
 
 def shared_seed(seed: Optional[int], g: mx.distributed.Group) -> int:

@@ -31,6 +31,7 @@ class DFlashPair:
     target_path: Path
     draft_path: Path
     resolved: Optional[Resolved] = None
+    group: Any = None  # the mx.distributed group the target is sharded over (None: one process)
     _sizer: Optional[BlockSizer] = field(default=None, repr=False)
 
     def cost_curve(self, budget: float = 10.0, progress=lambda done, total: None) -> CostCurve:

@@ -62,3 +62,28 @@ def test_generate_under_mlx_launch_prints_what_one_process_prints(targets, draft
     assert out == alone and out.strip()  # the same text, printed once (rank 0 only)
     assert err.count("[2 ranks]") == 1 and "times one machine" in err
     assert "rank 1" not in err
+
+
+def test_bench_under_mlx_launch_compares_with_sharded_plain_decoding(targets, drafters, tmp_path):
+    """mlx-lm's own plain decoding of the same sharded model is the baseline; the
+    result says how many all_sums a pass makes and what they cost alone."""
+    import json
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    out = tmp_path / "bench.json"
+    rc, stdout, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+                           CLI, "bench", "--model", str(targets["llama"]),
+                           "--draft", str(drafters[DRAFTER_LAYOUT.get("llama", "new")]),
+                           "--prompts", str(prompts), "--max-tokens", "12", "--block-size", "4,auto", "--out", str(out)])
+    assert rc == 0, stdout + err
+    result = json.loads(out.read_text())
+    d = result["distributed"]
+    layers = json.loads((targets["llama"] / "config.json").read_text())["num_hidden_layers"]
+    assert d["ranks"] == 2 and d["collectives_per_pass"] == 2 * layers  # o_proj and down_proj in each layer
+    assert set(d["seconds_per_pass"]) >= {"1", "4"} and all(s > 0 for s in d["seconds_per_pass"].values())
+    assert set(d["share"]) >= {"baseline", "4"}
+    row = result["prompts"]["custom"][0] if "custom" in result["prompts"] else \
+        next(iter(result["prompts"].values()))[0]
+    assert all(v["identical"] for v in row["dflash"].values())  # equal to sharded mlx-lm greedy
+    assert err.count("all_sums per target pass") == 1 and "rank 1" not in err
