@@ -323,7 +323,7 @@ def widths(block_size):
 @pytest.mark.parametrize("drafting, block_size", [("propose", 2), ("propose", 5), ("propose", "lookup"),
                                                  ("propose_path", 3), ("propose_path", "lookup")])
 def test_greedy_dflash2_is_lossless(dflash2_pair, baselines, monkeypatch, block_size, drafting):
-    from conftest import plain_greedy
+    from conftest import greedy_ref
 
     pair = dflash2_pair
     assert isinstance(pair.draft_source.inner, DFlash2DraftSource)
@@ -332,7 +332,7 @@ def test_greedy_dflash2_is_lossless(dflash2_pair, baselines, monkeypatch, block_
     for text in PROMPTS:
         prompt = pair.tokenizer.encode(text)
         out, events = generated(pair, prompt, max_tokens=40, block_size=widths(block_size), draft_source=source)
-        assert out == plain_greedy(baselines["qwen3"], prompt, 40), (text, block_size)
+        assert out == greedy_ref(baselines["qwen3"], prompt, 40), (text, block_size)
         assert len(prompt) + len(out) > 8  # beyond the drafter's sliding window
         accepted += sum(e.accepted for e in events)
     assert (type(source).calls > 0) == (drafting == "propose_path")
@@ -353,12 +353,13 @@ def test_sampling_runs_through_the_loop(dflash2_pair, monkeypatch, drafting):
 
 class Oracle(DFlash2DraftSource):
     """The real drafter and selector, with the target's own greedy continuation
-    added to the draft logits: the selector's codebooks still overrule it at
-    some positions, so cycles accept all, some or none of their drafts."""
+    (`greedy`: the prompt and plain decoding's tokens after it) added to the draft
+    logits: the selector's codebooks still overrule it at some positions, so
+    cycles accept all, some or none of their drafts."""
 
-    def __init__(self, pair, model, boost):
+    def __init__(self, pair, greedy, boost):
         super().__init__(pair.drafter, pair.target)
-        self.model, self.boost, self.seq = model, boost, []
+        self.greedy, self.boost, self.seq = greedy, boost, []
 
     def new_state(self):
         self.seq = []
@@ -370,27 +371,30 @@ class Oracle(DFlash2DraftSource):
     def draft_logits(self, state, last, hidden, width):
         assert self.seq[-1] == last.item()
         h, logits = super().draft_logits(state, last, hidden, width)
-        seq = list(self.seq)
-        for _ in range(width - 1):
-            seq.append(mx.argmax(self.model(mx.array([seq]))[0, -1]).item())
-        hit = mx.arange(logits.shape[-1])[None] == mx.array(seq[len(self.seq):])[:, None]
+        n = len(self.seq)
+        assert self.seq == self.greedy[:n]  # the loop committed plain decoding's tokens so far
+        nxt = self.greedy[n : n + width - 1]
+        assert len(nxt) == width - 1
+        hit = mx.arange(logits.shape[-1])[None] == mx.array(nxt)[:, None]
         return h, logits + self.boost * hit
 
 
 @pytest.mark.parametrize("drafting, block_size", [("propose", 3), ("propose", 8), ("propose_path", 5)])
 def test_greedy_dflash2_is_lossless_when_drafts_are_accepted(dflash2_pair, baselines, monkeypatch, block_size,
                                                              drafting):
-    from conftest import plain_greedy
+    from conftest import greedy_ref
 
     pair, model = dflash2_pair, baselines["qwen3"]
-    source = Oracle(pair, model, boost=12.0)
-    if drafting == "propose":
-        source.propose_path = lambda *a, **k: None
     lengths = []
     for text in PROMPTS:
         prompt = pair.tokenizer.encode(text)
+        ref = greedy_ref(model, prompt, 40 + block_size)
+        assert len(ref) == 40 + block_size  # drafts beyond the budget are the model's own too
+        source = Oracle(pair, prompt + ref, boost=12.0)
+        if drafting == "propose":
+            source.propose_path = lambda *a, **k: None
         out, events = generated(pair, prompt, max_tokens=40, block_size=block_size, draft_source=source)
-        assert out == plain_greedy(model, prompt, 40), (text, block_size)
+        assert out == ref[:40], (text, block_size)
         lengths += [(e.accepted, len(e.tokens)) for e in events[1:-1]]
     accepted = [a for a, _ in lengths]
     # Rollbacks after every kind of cycle: all drafts kept, some, none.
@@ -405,33 +409,16 @@ def test_greedy_dflash2_is_lossless_when_drafts_are_accepted(dflash2_pair, basel
 
 @pytest.fixture(scope="module")
 def small_dflash2_pair():
-    """A 5-token target (as test_sampling's) and a random DFlash 2 drafter choosing among 3 candidates."""
-    from mlx_lm.models import qwen3
+    """test_sampling's 5-token target and a random DFlash 2 drafter choosing among 3 candidates."""
+    import conftest
+    from test_sampling import BLOCK
 
-    from dflash_mlx.adapter import TargetAdapter
-    from dflash_mlx.load import DFlashPair
-    from test_sampling import BLOCK, V as SMALL_V
-
-    mx.random.seed(11)
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
-                           vocab_size=SMALL_V, max_position_embeddings=512, tie_word_embeddings=True,
-                           rope_theta=10000.0)
-    target = qwen3.Model(args)
-    target.update({"model": {"embed_tokens": {"weight": mx.random.normal((SMALL_V, 32)) * 0.2}}})
-    adapter = TargetAdapter(target, [0, 1])
-    cfg = DrafterConfig.from_dict({
-        "architectures": ["DFlash2DraftModel"], "hidden_size": 32, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
-        "vocab_size": SMALL_V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "is_causal": False,
-        "layer_types": ["sliding_attention"], "sliding_window": 3,
+    return conftest.build_small_pair(DFlash2Drafter, DFlash2DraftSource, {
+        "architectures": ["DFlash2DraftModel"], "is_causal": False, "layer_types": ["sliding_attention"],
+        "sliding_window": 3,
         "dflash_config": {"block_size": BLOCK, "mask_token_id": 4, "target_layer_ids": [0, 1],
                           "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 3},
-    })
-    drafter = DFlash2Drafter(cfg)
-    drafter.update(tree_unflatten_random(drafter, ("base_kernel", "codebook")))
-    source = DFlash2DraftSource(drafter, adapter)
-    return DFlashPair(adapter, drafter, None, source, None, None), target
+    }, init=lambda d: d.update(tree_unflatten_random(d, ("base_kernel", "codebook"))))
 
 
 def tree_unflatten_random(model, names):
