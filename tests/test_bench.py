@@ -154,6 +154,11 @@ def test_bench_cli_and_bad_flags(targets, drafters, tmp_path, monkeypatch):
                             "--prompts", str(p), "-m", "8", "--block-size", "4", "--oracle"])
     assert r.exit_code == 0, r.output
     assert "the loop's own work" in " ".join(r.stderr.split())
+    # The sweep's measurement in fewer rounds than its own (a 60 s budget, 8 rounds a context):
+    # the command and its table are under test here, the measurement in test_adaptive.
+    real = bench.measure_cost_curve
+    monkeypatch.setattr(bench, "measure_cost_curve",
+                        lambda *a, **k: real(*a, **dict(k, budget=3.0, min_rounds=3, split_rounds=3)))
     r = runner.invoke(app, ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]),
                             "--block-size", "sweep"])
     assert r.exit_code == 0, r.output
