@@ -288,30 +288,54 @@ def serve(
         help="Folder for the disk prompt cache, one subfolder per model (default: prompt-cache/ in the cache folder).",
     ),
 ):
-    """Serve an OpenAI-compatible API (chat and completions) with DFlash."""
+    """Serve an OpenAI-compatible API (chat and completions) with DFlash.
+
+    Under `mlx.launch` the target is sharded across the processes; rank 0
+    serves HTTP and the other ranks run every request with it."""
     import dflash_mlx
+    from dflash_mlx import distributed
     from dflash_mlx.server import make_server
 
     cache_bytes = _bytes(prompt_cache_bytes, "--prompt-cache-bytes")
     disk_bytes = _bytes(prompt_cache_disk_bytes, "--prompt-cache-disk-bytes")
     if disk_bytes and not cache_bytes:
         fail("--prompt-cache-disk-bytes needs the memory tier: give --prompt-cache-bytes a size above 0.")
+    g = distributed.group()
+    sharded = g.size() > 1
+    if sharded and disk_bytes:
+        fail("--prompt-cache-disk-bytes is not supported under mlx.launch yet (each rank would need its own "
+             "folder, kept in step); leave it at 0.")
+    block = _one_block_size(block_size)
+    channel = None
     try:
-        pair = dflash_mlx.load(model, draft)
-        if block_size == "auto":
-            _auto_sizer(pair, 0)
-        server = make_server(pair, model, host, port, api_key, _one_block_size(block_size),
+        if sharded:
+            pair = distributed.load_sharded(model, draft, g)
+            channel = distributed.JobChannel(g)
+            if block == "auto":  # each rank would time its own curve and pick its own widths
+                block = pair.draft_source.block_size
+                if distributed.is_main(g):
+                    err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
+                              f"block size, {block}")
+            if not distributed.is_main(g):
+                cache = dflash_mlx.PromptCache(pair, max_bytes=cache_bytes) if cache_bytes else None
+                distributed.follow(pair, channel, block, cache)
+                return
+        else:
+            pair = dflash_mlx.load(model, draft)
+            if block == "auto":
+                _auto_sizer(pair, 0)
+        server = make_server(pair, model, host, port, api_key, block,
                              pair.resolved.enable_thinking if pair.resolved else None,
                              max_prompt_tokens, temp, max_tokens_limit=max_tokens,
                              default_max_tokens=default_max_tokens,
                              prompt_cache_bytes=cache_bytes, prompt_cache_disk_bytes=disk_bytes,
-                             prompt_cache_dir=prompt_cache_dir)
+                             prompt_cache_dir=prompt_cache_dir, channel=channel)
     except DFlashError as e:
-        fail(str(e))
+        fail(f"rank {g.rank()} of {g.size()}: {e}" if sharded else str(e))
     except OSError as e:
         fail(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port.")
     err.print(f"serving {model} on http://{host}:{server.server_address[1]}/v1 (Ctrl-C to stop)")
-    if disk_bytes:  # a service manager's stop (SIGTERM) also spills the prompt cache to disk
+    if disk_bytes or sharded:  # a service manager's stop (SIGTERM) also spills the prompt cache / ends the ranks
         import signal
 
         def stop(signum, frame):
@@ -326,6 +350,7 @@ def serve(
         server.server_close()
         if disk_bytes:
             err.print("writing the prompt cache to disk ...")
+        if disk_bytes or sharded:  # the other ranks stop when the engine does
             server.engine.close()
 
 

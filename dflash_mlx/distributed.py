@@ -170,6 +170,63 @@ def communication_seconds(pair, widths, rounds: int = 5) -> dict:
     return out
 
 
+class JobChannel:
+    """How `serve` keeps the ranks in step: rank 0 (which serves HTTP) sends each
+    request to the others, which run the same generation, and after every event
+    tells them whether to go on (a client that went away ends it on all ranks).
+
+    Everything goes through all_sums on the CPU stream, the other ranks adding
+    zeros: a length, then the request as JSON bytes.
+    """
+
+    def __init__(self, g: mx.distributed.Group):
+        self.g = g
+
+    def _share(self, values) -> mx.array:
+        x = values if is_main(self.g) else mx.zeros_like(values)
+        return mx.distributed.all_sum(x, group=self.g, stream=mx.cpu)
+
+    def send(self, request: Optional[dict]) -> None:
+        """Rank 0: the next request (None: the server stops)."""
+        data = b"" if request is None else json.dumps(request).encode()
+        self._share(mx.array([len(data) if request is not None else -1], mx.int32)).item()
+        if data:
+            mx.eval(self._share(mx.array(list(data), mx.int32)))
+
+    def receive(self) -> Optional[dict]:
+        """The other ranks: the next request rank 0 sent (None: stop)."""
+        n = self._share(mx.zeros((1,), mx.int32)).item()
+        if n < 0:
+            return None
+        data = self._share(mx.zeros((n,), mx.int32))
+        return json.loads(bytes(data.tolist()).decode())
+
+    def keep_going(self, stop: bool = False) -> bool:
+        """After each event, on every rank: whether rank 0 goes on (`stop` is rank 0's word)."""
+        return self._share(mx.array([int(stop)], mx.int32)).item() == 0
+
+
+def follow(pair, channel: JobChannel, block_size, prompt_cache=None) -> None:
+    """The other ranks under `serve`: run every request rank 0 sends, in step with it."""
+    from .decode import stream_generate
+    from .sampling import SamplingParams, make_processors
+
+    while True:
+        request = channel.receive()
+        if request is None:
+            return
+        try:
+            for _ in stream_generate(pair, request["prompt"], max_tokens=request["max_tokens"],
+                                     sampling=SamplingParams(**request["params"]), block_size=block_size,
+                                     stop=request["stop"], prompt_cache=prompt_cache,
+                                     logprobs=request["logprobs"],
+                                     logits_processors=make_processors(request["processors"])):
+                if not channel.keep_going():
+                    break
+        except DFlashError:
+            pass  # rank 0 met the same error and answered it
+
+
 def shared_seed(seed: Optional[int], g: mx.distributed.Group) -> int:
     """One seed for all ranks: `seed`, or one rank 0 draws."""
     if seed is None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from .errors import DFlashError
 
@@ -106,3 +106,13 @@ class Processed:
         if not self.processors:
             return logits
         return mx.concatenate([self.row(logits[i : i + 1], drafts[:i]) for i in range(logits.shape[0])])
+
+
+def make_processors(args: Optional[dict]) -> list:
+    """mlx-lm's logits processors from their arguments (JSON-safe: logit_bias keys may be strings)."""
+    if not args:
+        return []
+    args = dict(args)
+    if args.get("logit_bias"):
+        args["logit_bias"] = {int(k): float(v) for k, v in args["logit_bias"].items()}
+    return make_logits_processors(**args)

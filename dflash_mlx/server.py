@@ -15,7 +15,9 @@ same lock.
 """
 
 import copy
+import dataclasses
 import json
+import os
 import queue
 import select
 import socket
@@ -26,13 +28,12 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
-from mlx_lm.sample_utils import make_logits_processors
 
 from .decode import stream_generate
 from .prompt_cache import PromptCache
 from .errors import DFlashError
 from .prompt import build_chat_prompt
-from .sampling import SamplingParams
+from .sampling import SamplingParams, make_processors
 from . import messages_api
 from .tools import ToolError, check_tools, splitter, template_messages, tool_choice
 
@@ -110,7 +111,7 @@ class Job:
     params: SamplingParams
     stop: List[str]
     logprobs: Optional[int] = None  # how many top tokens to report per token (None: no log probabilities)
-    processors: list = field(default_factory=list)  # mlx-lm logits processors (penalties, logit bias)
+    processor_args: dict = field(default_factory=dict)  # make_logits_processors' arguments (penalties, logit bias)
     tools: Optional[list] = None  # the request's tools: calls in the output are parsed
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -124,8 +125,9 @@ class Engine:
                  enable_thinking: Optional[bool] = None, max_prompt_tokens: int = 32768,
                  default_temp: float = 0.0, max_tokens_limit: int = 32768, default_max_tokens: int = 256,
                  prompt_cache_bytes: int = 4 << 30, prompt_cache_disk_bytes: int = 0,
-                 prompt_cache_dir: Optional[str] = None):
+                 prompt_cache_dir: Optional[str] = None, channel=None):
         self.model_id, self.block_size = model_id, block_size
+        self.channel = channel  # under mlx.launch: the other ranks mirror every request (distributed.JobChannel)
         # Conversations grow turn by turn: each request starts where an earlier one left off.
         # Disk writes happen on this engine's thread after a request has finished (`PromptCache.store`).
         self.prompt_cache = None
@@ -162,6 +164,8 @@ class Engine:
             if job is None:
                 if self.prompt_cache is not None:  # a restarted server starts from what this one kept
                     self.prompt_cache.spill()
+                if self.channel is not None:
+                    self.channel.send(None)
                 return
             if job.cancelled.is_set():
                 self.stats["cancelled"] += 1
@@ -169,15 +173,20 @@ class Engine:
                 continue
             self.stats["active"] = 1
             try:
+                if self.channel is not None:
+                    self._mirror(job)
                 for event in stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
                                              sampling=job.params, block_size=self.block_size, stop=job.stop,
                                              prompt_cache=self.prompt_cache, logprobs=job.logprobs,
-                                             logits_processors=job.processors):
+                                             logits_processors=make_processors(job.processor_args)):
                     self.stats["generated_tokens"] += len(event.tokens)
                     if event.finish_reason is not None:
                         self._count(event.stats)
                     job.events.put(event)
-                    if job.cancelled.is_set():
+                    stop = job.cancelled.is_set()
+                    if self.channel is not None:
+                        stop = not self.channel.keep_going(stop)
+                    if stop:
                         break
                 if job.cancelled.is_set():
                     self.stats["cancelled"] += 1
@@ -192,6 +201,14 @@ class Engine:
             finally:
                 self.stats["active"] = 0
                 job.events.put(None)
+
+    def _mirror(self, job: Job) -> None:
+        """Send the request to the other ranks, with one seed for all when it samples."""
+        if job.params.temp > 0 and job.params.seed is None:
+            job.params = dataclasses.replace(job.params, seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+        self.channel.send({"prompt": list(job.prompt), "max_tokens": job.max_tokens,
+                           "params": dataclasses.asdict(job.params), "stop": list(job.stop),
+                           "logprobs": job.logprobs, "processors": job.processor_args})
 
     def _count(self, stats):
         t = self.totals
@@ -244,9 +261,10 @@ class Engine:
         return "\n".join(lines) + "\n"
 
     def close(self):
-        """Stop the engine after the queued requests; with a disk tier, wait until memory is spilled to it."""
+        """Stop the engine after the queued requests; with a disk tier, wait until memory
+        is spilled to it; under mlx.launch, until the other ranks are told to stop."""
         self.jobs.put(None)
-        if self.prompt_cache is not None and self.prompt_cache.disk is not None:
+        if (self.prompt_cache is not None and self.prompt_cache.disk is not None) or self.channel is not None:
             self.thread.join()
 
 
@@ -376,7 +394,7 @@ def parse_request(engine: Engine, body: Any, chat: bool):
     else:
         logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= 20, "an integer from 0 to 20")
     params = SamplingParams(temp=float(temp), top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed)
-    processors = _processors(body, engine)
+    processors = _processor_args(body, engine)
 
     tools = None
     if chat and body.get("tools"):
@@ -400,8 +418,8 @@ def parse_request(engine: Engine, body: Any, chat: bool):
     return Job(prompt, max_tokens, params, stop, logprobs, processors, tools), stream
 
 
-def _processors(body, engine: Engine) -> list:
-    """mlx-lm's logits processors for the request's penalties and logit bias (as mlx-lm's server reads them)."""
+def _processor_args(body, engine: Engine) -> dict:
+    """`make_logits_processors`' arguments for the request's penalties and logit bias (as mlx-lm's server reads them)."""
     number = (int, float)
     penalties = {}
     for name, check, what in (("repetition_penalty", lambda v: v > 0, "a positive number"),
@@ -431,8 +449,8 @@ def _processors(body, engine: Engine) -> list:
                            param="logit_bias")
         parsed[token] = float(value)
     if not penalties and not parsed:
-        return []
-    return make_logits_processors(logit_bias=parsed or None, **penalties)
+        return {}
+    return dict(penalties, logit_bias=parsed or None)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -746,14 +764,15 @@ def make_server(pair, model_id: str, host: str = "127.0.0.1", port: int = 8080, 
                 block_size: Optional[int] = None, enable_thinking: Optional[bool] = None,
                 max_prompt_tokens: int = 32768, default_temp: float = 0.0, max_tokens_limit: int = 32768,
                 default_max_tokens: int = 256, prompt_cache_bytes: int = 4 << 30, prompt_cache_disk_bytes: int = 0,
-                prompt_cache_dir: Optional[str] = None) -> ThreadingHTTPServer:
+                prompt_cache_dir: Optional[str] = None, channel=None) -> ThreadingHTTPServer:
     """`max_prompt_tokens` and `max_tokens_limit` bound every request (over them: a 400);
     `default_max_tokens` is what a request that names no limit gets; the prompt
     cache holds at most `prompt_cache_bytes` (0: none) in memory and
-    `prompt_cache_disk_bytes` (0: none) on disk under `prompt_cache_dir`."""
+    `prompt_cache_disk_bytes` (0: none) on disk under `prompt_cache_dir`. With a
+    `channel` (distributed.JobChannel), the other ranks mirror every request."""
     engine = Engine(pair, model_id, block_size, enable_thinking, max_prompt_tokens, default_temp,
                     max_tokens_limit, default_max_tokens, prompt_cache_bytes, prompt_cache_disk_bytes,
-                    prompt_cache_dir)
+                    prompt_cache_dir, channel)
     handler = type("DFlashHandler", (Handler,), {"engine": engine, "api_key": api_key})
     server = _HTTPServer((host, port), handler)
     server.engine = engine

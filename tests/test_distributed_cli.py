@@ -87,3 +87,57 @@ def test_bench_under_mlx_launch_compares_with_sharded_plain_decoding(targets, dr
         next(iter(result["prompts"].values()))[0]
     assert all(v["identical"] for v in row["dflash"].values())  # equal to sharded mlx-lm greedy
     assert err.count("all_sums per target pass") == 1 and "rank 1" not in err
+
+
+def test_serve_under_mlx_launch_keeps_the_ranks_in_step(targets, drafters):
+    """Rank 0 serves HTTP and sends each request to the other rank, which runs it
+    too: greedy answers equal one process's, before and after a sampled request
+    and a stream the client left early (which ends on both ranks)."""
+    import json
+    import time
+    import urllib.request
+
+    import dflash_mlx
+
+    model, draft = str(targets["qwen3"]), str(drafters[DRAFTER_LAYOUT.get("qwen3", "new")])
+    port = free_port(1)
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--", CLI, "serve",
+           "--model", model, "--draft", draft, "--port", str(port), "--block-size", "4"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), start_new_session=True)
+
+    def post(body, timeout=120):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=timeout)
+
+    try:
+        deadline = time.time() + 240
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                if p.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"the server did not start:\n{p.stdout.read() if p.poll() is not None else ''}")
+                time.sleep(1)
+        pair = dflash_mlx.load(model, draft)
+
+        def alone(prompt, n):
+            return dflash_mlx.generate(pair, pair.tokenizer.encode(prompt), max_tokens=n, block_size=4)[0]
+
+        first = json.loads(post({"prompt": "def add(a, b):", "max_tokens": 16, "temperature": 0}).read())
+        assert first["choices"][0]["text"] == alone("def add(a, b):", 16)
+        sampled = json.loads(post({"prompt": "Once upon", "max_tokens": 12, "temperature": 1.0}).read())
+        assert sampled["usage"]["completion_tokens"] > 0
+        with post({"prompt": "import math", "max_tokens": 64, "temperature": 0, "stream": True}) as stream:
+            stream.readline()  # the first event, then the client goes away
+        again = json.loads(post({"prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0}).read())
+        assert again["choices"][0]["text"] == alone("The quick brown fox", 16)
+        assert p.poll() is None
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
