@@ -512,7 +512,8 @@ def bench(
                 if context:
                     result = dict(result, contexts={str(c): r for c, r in by_context.items()})
     except DFlashError as e:
-        err.file = sys.stderr
+        if not main_rank:
+            err.file = None  # back to the process's stderr
         fail(f"rank {g.rank()} of {g.size()}: {e}" if sharded else str(e))
     if not main_rank:
         return

@@ -24,15 +24,16 @@ import copy
 import hashlib
 import json
 import platform
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 CONTEXTS = (64, 1024)
+COST_STEP = 32  # tokens of context growth before a sizer interpolates its costs again
 CURVE_VERSION = 5  # bump when what a curve measures changes
 
 
@@ -200,9 +201,10 @@ class AcceptanceStats:
         """alpha_k for k = 1..n-1 (posterior means); depths with little evidence borrow the previous depth's rate."""
         return [a / (a + b) for a, b in self.posteriors(prior, weight)]
 
-    def sample(self, prior: float, weight: float, rng: random.Random) -> List[float]:
+    def sample(self, prior: float, weight: float, rng: np.random.Generator) -> List[float]:
         """alpha_k for k = 1..n-1 drawn from their posteriors (Thompson sampling)."""
-        return [rng.betavariate(max(a, 1e-6), max(b, 1e-6)) for a, b in self.posteriors(prior, weight)]
+        ab = np.maximum(np.array(self.posteriors(prior, weight)), 1e-6)
+        return rng.beta(ab[:, 0], ab[:, 1]).tolist()
 
 
 class FixedWidth:
@@ -258,7 +260,7 @@ class BlockSizer:
                  stick: float = 1.03, explore: bool = True):
         self.curve = curve
         self.explore = explore  # False: choose on the posterior means (no exploring)
-        self.rng = random.Random(0)
+        self.rng = np.random.default_rng(0)
         self.max_width = min(max_width, curve.max_width)
         self.prior, self.lookup_prior, self.weight, self.carry, self.stick = prior, lookup_prior, weight, carry, stick
         self.shared = AcceptanceStats(self.max_width, decay, half_life)
@@ -280,7 +282,7 @@ class BlockSizer:
         earlier requests taught the shared statistics.
         """
         run = copy.copy(self)  # shares the curve and the shared statistics
-        run.rng = random.Random(0 if seeded else self.rng.random())
+        run.rng = np.random.default_rng(0 if seeded else int(self.rng.integers(2**63)))
         if seeded:
             run.stats, run.lookup = self._fresh(), {}
         else:
@@ -339,7 +341,8 @@ class BlockSizer:
         return self._costs[width - 1]
 
     def _at(self, context: int) -> None:
-        if self._context != context:
+        # Costs change slowly with context: interpolate again every COST_STEP tokens, not every token.
+        if self._context is None or abs(context - self._context) >= COST_STEP:
             self._context, self._costs, self._copy = context, self.curve.costs(context), self.curve.copy_costs(context)
 
     def rates(self, context: int, alphas: Optional[List[float]] = None) -> List[float]:

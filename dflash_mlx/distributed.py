@@ -246,9 +246,9 @@ class Watchdog:
     while it evaluates); once this rank exits, mlx.launch ends the others.
     """
 
-    def __init__(self, seconds: float, who: str):
+    def __init__(self, seconds: float, who: str, loading: float = 300.0):
         self.seconds, self.who = seconds, who
-        self.last = time.monotonic()
+        self.last = time.monotonic() + loading  # loading the model may take longer than a cycle
         self._done = threading.Event()
         if seconds > 0:
             threading.Thread(target=self._watch, daemon=True).start()
@@ -286,8 +286,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--timeout", type=float, default=600.0,
-                   help="end the run when a rank makes no progress (loading, a cycle) for this many seconds "
-                        "(default 600; 0: wait forever)")
+                   help="end the run when a rank makes no progress (a cycle) for this many seconds; loading "
+                        "gets 300 s more (default 600; 0: wait forever)")
     p.add_argument("--json", action="store_true",
                    help="rank 0 prints one JSON line per generation (prompt, block size, token ids, text)")
     p.add_argument("--ids-out", help="every rank writes the token ids of every generation as JSON to this "

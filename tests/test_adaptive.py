@@ -186,7 +186,8 @@ def test_an_unlucky_rejection_does_not_end_drafting():
     shared statistics carry that into the next requests."""
     demo = [1.00, 2.63, 2.91, 3.27, 3.24, 3.33, 3.62, 3.41, 4.08, 3.39, 3.73, 3.72, 4.19, 4.41, 3.78, 3.99]
     best_fixed = max(sum(0.9 ** k for k in range(w)) / demo[w - 1] for w in range(1, 17))
-    for seed in range(3):
+    speeds = []
+    for seed in range(4):
         for explore in (False, True):
             rnd = random.Random(seed)
             root = BlockSizer(cycle_curve([demo]), 16, explore=explore)
@@ -195,8 +196,9 @@ def test_an_unlucky_rejection_does_not_end_drafting():
             if not explore:
                 assert [r[2] for r in runs] == [1, 0, 0, 0] and speed < 1.0  # plain ever after
             else:
-                assert speed > 0.75 * best_fixed  # (a fixed width 15 would make 2.1x)
-                assert all(r[2] > 10 for r in runs[1:])  # later requests draft
+                speeds.append(speed)
+                assert speed > 1.3 and all(r[2] > 10 for r in runs[1:])  # later requests draft
+    assert sum(speeds) / len(speeds) > 0.85 * best_fixed  # (a fixed width 15 would make 2.1x)
 
 
 def test_where_drafting_cannot_pay_it_never_probes():
