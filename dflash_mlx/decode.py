@@ -1,9 +1,10 @@
 """The DFlash decode loop: prefill -> draft -> verify -> accept -> crop.
 
 Read top to bottom: `prefill`, `draft`, `verify`, `step` (a plain step, for
-width 1), then `stream_generate`, which strings them together under a
-block-size policy (`adaptive.py`). Each cycle makes one host synchronisation
-(the accepted count and tokens, fetched together).
+width 1), `draft_tree`/`verify_tree`/`accept_tree` (greedy tree
+verification, `tree.py`), then `stream_generate`, which strings them
+together under a block-size policy (`adaptive.py`). Each cycle makes one
+host synchronisation (the accepted count and tokens, fetched together).
 """
 
 import time
