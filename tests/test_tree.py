@@ -240,3 +240,18 @@ def test_cycle_parts_time_trees(pairs):
         B, L = trees.shape(w, 2, pairs["qwen3"].target.vocab_size)
         assert tree.size == w + B * L and tree.branches == 2
         run_verify(w, tree)
+
+
+def test_tree_with_the_prompt_cache(pairs, baselines):
+    """A request ending with a tree pass in flight leaves the prompt cache what
+    a linear one leaves: the next turn, warm, is still plain greedy."""
+    pair = pairs["qwen3"]
+    cache = dflash_mlx.PromptCache(pair)
+    history = pair.tokenizer.encode(PROMPTS[0])
+    reused = 0
+    for turn in range(2):
+        out, stats = tokens_of(pair, history, 12, block_size=4, tree=2, prompt_cache=cache)
+        assert out == plain_greedy(baselines["qwen3"], history, 12), turn
+        assert stats.tree_cycles > 0 and stats.cached_tokens >= reused, turn
+        reused = len(history) + len(out) - 1  # the answer's rows, kept from tree passes, are reused
+        history = history + out + pair.tokenizer.encode(" and")
