@@ -67,6 +67,11 @@ def generate(
         True, "--lookup/--no-lookup",
         help="With --block-size auto, also draft from an n-gram lookup over the prompt and the text so far.",
     ),
+    tree: int = typer.Option(
+        0, "--tree", min=0, max=8,
+        help="Greedy, fixed --block-size: also verify this many branches (the drafter's 2nd/3rd choices) "
+             "in each target pass; attention-only targets (others verify linearly).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
     timeout: float = typer.Option(
         600.0, "--timeout", min=0.0,
@@ -109,6 +114,8 @@ def generate(
             enable_thinking = pair.resolved.enable_thinking
         ids = build_prompt(pair.tokenizer, prompt, system, chat_template and not ignore_chat_template,
                            enable_thinking)
+        if tree and block == "auto":
+            raise DFlashError("--tree needs a fixed --block-size (e.g. --block-size 8).")
         if block == "auto":
             _auto_sizer(pair, len(ids))
         if verbose and main_rank:
@@ -119,7 +126,7 @@ def generate(
                 f"prompt {len(ids)} tokens, block size {block}, {params}"
             )
         for event in dflash_mlx.stream_generate(
-            pair, ids, max_tokens=max_tokens, sampling=params, block_size=block, lookup=lookup
+            pair, ids, max_tokens=max_tokens, sampling=params, block_size=block, lookup=lookup, tree=tree
         ):
             watchdog.beat()
             out.write(event.text)

@@ -255,3 +255,19 @@ def test_tree_with_the_prompt_cache(pairs, baselines):
         assert stats.tree_cycles > 0 and stats.cached_tokens >= reused, turn
         reused = len(history) + len(out) - 1  # the answer's rows, kept from tree passes, are reused
         history = history + out + pair.tokenizer.encode(" and")
+
+
+def test_generate_takes_tree_from_the_command_line(targets, drafters, baselines):
+    from typer.testing import CliRunner
+
+    from conftest import DRAFTER_LAYOUT
+    from dflash_mlx.cli.main import app
+
+    args = ["generate", "--model", str(targets["qwen3"]), "--draft", str(drafters[DRAFTER_LAYOUT["qwen3"]]),
+            "--prompt", PROMPTS[0], "--max-tokens", "24", "--no-chat-template"]
+    tree = CliRunner().invoke(app, args + ["--block-size", "8", "--tree", "2"])
+    linear = CliRunner().invoke(app, args + ["--block-size", "8"])
+    assert tree.exit_code == 0 and linear.exit_code == 0, tree.output + linear.output
+    assert tree.stdout == linear.stdout and "tree cycles" in tree.output  # same text, verified as trees
+    refused = CliRunner().invoke(app, args + ["--tree", "2"])
+    assert refused.exit_code == 1 and "--tree needs a fixed --block-size" in refused.output
