@@ -7,6 +7,10 @@ from typing import Any, Dict, List, Optional
 
 from .errors import DFlashError
 
+# Bump when the converter's output changes, so cached conversions are redone
+# (2: is_causal stays where the original config had it).
+CONVERSION = 2
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 # DFlash 2's convolutions and candidate selector, read from dflash_config first.

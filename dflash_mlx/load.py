@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 
 from .adaptive import BlockSizer, CostCurve, curve_key, load_or_measure
 from .adapter import TargetAdapter, load_target, materialize, model_dims
-from .config import DrafterConfig, check_pair
+from .config import CONVERSION, DrafterConfig, check_pair
 from .drafter import DFlashDrafter
 from .drafter2 import draft_source, drafter_class, published_keys
 from .errors import DFlashError
@@ -46,9 +46,6 @@ class DFlashPair:
         return self._sizer
 
 
-# Bump when the converter's output changes, so cached conversions are redone
-# (2: is_causal stays where the original config had it).
-CONVERSION = 2
 
 
 def converted_path(path: Path) -> Path:
@@ -125,7 +122,7 @@ def load(model: str, draft: Optional[str] = None, target_loader=None) -> DFlashP
     drafter = load_drafter(draft_path)
     if not drafter.args.quantization:
         drafter.set_dtype(adapter.dtype)
-    if resolved.alias == "demo" and mx.default_device() == mx.cpu:
+    if resolved.alias in ("demo", "demo-dflash2") and mx.default_device() == mx.cpu:
         # The CPU backend has no fast half-precision matmul; the demo is tiny.
         model_.set_dtype(mx.float32)
         drafter.set_dtype(mx.float32)

@@ -59,7 +59,7 @@ def model_key(pair) -> str:
     import mlx_lm
 
     from .adaptive import blas_name
-    from .load import CONVERSION
+    from .config import CONVERSION
 
     if pair.target_path is None or pair.draft_path is None:
         raise DFlashError("The prompt cache's disk tier needs a pair loaded from files (dflash_mlx.load); "
