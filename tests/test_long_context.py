@@ -15,15 +15,22 @@ def test_a_prompt_beyond_the_window_is_one_clear_error(pairs):
     assert stats.generation_tokens == 4
 
 
+def restore_bound(drafter, bound):
+    """Put back a drafter's context bound as `context_bound` gave it: the
+    session's pairs are shared, and a prompt cache's disk key includes it."""
+    drafter.bound_context(bound[1], bound[0]) if bound else drafter.bound_context(None)
+
+
 def drafter_outputs(drafter, ctx, block, bound=None, start=0):
     """The drafter's block output after committing `ctx` rows (positions from `start`)."""
+    before = drafter.context_bound
     drafter.bound_context(*bound) if bound else drafter.bound_context(None)
     cache = drafter.make_cache()
     for c in cache:
         c.start = start
     drafter.add_context(ctx, cache)
     out = drafter(block, None, cache)
-    drafter.bound_context(None)
+    restore_bound(drafter, before)
     return out
 
 
@@ -52,13 +59,17 @@ def test_a_bounded_drafter_context_keeps_output_exact(pairs, baselines):
 
     pair = pairs["qwen3"]
     prompt = pair.tokenizer.encode("Once upon a time there was a tiny language model that could count " * 6)
+    before = pair.drafter.context_bound
     assert pair.drafter.bound_context(16, 2)
     try:
         text, stats = dflash_mlx.generate(pair, prompt, max_tokens=24, block_size=4)
         ids = [t for e in dflash_mlx.stream_generate(pair, prompt, max_tokens=24, block_size=4) for t in e.tokens]
     finally:
-        pair.drafter.bound_context(None)
+        restore_bound(pair.drafter, before)
     assert ids == plain_greedy(baselines["qwen3"], prompt, 24)
     # Drafters with causal or sliding-window layers keep their own attention.
-    assert not pairs["qwen3_5"].drafter.bound_context(16) or all(
-        l.self_attn.window is None for l in pairs["qwen3_5"].drafter.layers)
+    other = pairs["qwen3_5"].drafter
+    before = other.context_bound
+    bounded = other.bound_context(16)
+    restore_bound(other, before)
+    assert not bounded or all(l.self_attn.window is None for l in other.layers)
