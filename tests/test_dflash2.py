@@ -597,6 +597,55 @@ def test_acceptance_lengths_match_zlab_dflash_generate(demo_target, demo_dflash2
     assert compared >= 10 and len(lengths_seen) >= 3
 
 
+@pytest.fixture(scope="module")
+def trained_dflash2():
+    """The shipped DFlash 2 demo drafter (`demo-dflash2`, trained by `train --arch
+    dflash2`) in z-lab's PyTorch class, from the same float16 weights."""
+    from safetensors.numpy import load_file
+    from transformers import Qwen3Config
+
+    from dflash_mlx.hub import builtin_path
+
+    src = Path(builtin_path("demo/drafter2"))
+    cfg = json.loads((src / "config.original.json").read_text())
+    w = {k + (".weight" if k.endswith("codebook") else ""): torch.tensor(v.astype(np.float32))
+         for k, v in load_file(str(src / "model.safetensors")).items()}
+    ref = reference.DFlash2DraftModel(Qwen3Config(**cfg)).float().eval()
+    ref.load_state_dict(w, strict=True)
+    return ref
+
+
+def test_trained_pair_acceptance_matches_zlab_dflash_generate(demo_target, trained_dflash2, monkeypatch):
+    """The whole loop on a trained DFlash 2 pair, where drafts are mostly accepted:
+    tokens and per-cycle acceptance lengths equal z-lab's `dflash_generate`."""
+    import time
+
+    import dflash_mlx
+
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
+    pair = dflash_mlx.load("demo-dflash2")
+    pair.target.model.set_dtype(mx.float32)
+    pair.drafter.set_dtype(mx.float32)
+    assert isinstance(pair.drafter, DFlash2Drafter)
+    eos, block_size = sorted(pair.tokenizer.eos_token_ids), 16
+    compared, committed = 0, 0
+    for text in [json.loads(l)["prompt"] for l in HELDOUT.read_text().splitlines()][3:6]:
+        ids = pair.tokenizer.encode(text)
+        with torch.no_grad():
+            want = reference.dflash_generate(trained_dflash2, demo_target, torch.tensor([ids]), MAX_NEW, eos,
+                                             temperature=0.0, block_size=block_size, return_stats=True)
+        want_tokens = want.output_ids[0, len(ids):].tolist()
+        want_tokens = want_tokens[: next((i for i, t in enumerate(want_tokens) if t in eos), len(want_tokens))]
+        out, events = generated(pair, ids, max_tokens=MAX_NEW, block_size=block_size, lookup=False)
+        lengths = events[-1].stats.acceptance_lengths
+        assert out == want_tokens
+        full = [i for i in range(len(lengths) - 1) if MAX_NEW - 1 - sum(lengths[:i]) >= block_size]
+        assert [lengths[i] for i in full] == [want.acceptance_lengths[i] for i in full]
+        compared += len(full)
+        committed += sum(lengths[i] for i in full)
+    assert compared >= 6 and committed / compared > 2.5  # drafts mostly accepted
+
+
 @pytest.mark.parametrize("over, words", [
     (dict(vocab_size=999), "vocabulary"),
     (dict(hidden_size=32, head_dim=8), "hidden size"),
