@@ -277,7 +277,7 @@ class BlockSizer:
         """A sizer for a new request: this curve, the shared statistics as its prior.
 
         A seeded request starts from the prior alone, and draws its rates from
-        a fixed seed (Python's, not MLX's), so that its widths, and with them
+        a fixed seed (numpy's generator, not MLX's), so that its widths, and with them
         the order its random numbers are drawn in, are the same whatever
         earlier requests taught the shared statistics.
         """
