@@ -561,6 +561,24 @@ def demo_target():
     return target
 
 
+def full_cycles_match_zlab(pair, ref, target, ids, block_size):
+    """Greedy DFlash on `ids` equals `dflash.model.dflash_generate` with `ref`: the
+    same tokens and the same acceptance length in every full-width cycle (cycles
+    the budget narrows are cut differently: ours never overshoots it); returns those lengths."""
+    eos = sorted(pair.tokenizer.eos_token_ids)
+    with torch.no_grad():
+        want = reference.dflash_generate(ref, target, torch.tensor([ids]), MAX_NEW, eos, temperature=0.0,
+                                         block_size=block_size, return_stats=True)
+    want_tokens = want.output_ids[0, len(ids):].tolist()
+    want_tokens = want_tokens[: next((i for i, t in enumerate(want_tokens) if t in eos), len(want_tokens))]
+    out, events = generated(pair, ids, max_tokens=MAX_NEW, block_size=block_size, lookup=False)
+    lengths = events[-1].stats.acceptance_lengths
+    assert out == want_tokens
+    full = [i for i in range(len(lengths) - 1) if MAX_NEW - 1 - sum(lengths[:i]) >= block_size]
+    assert [lengths[i] for i in full] == [want.acceptance_lengths[i] for i in full]
+    return [lengths[i] for i in full]
+
+
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_acceptance_lengths_match_zlab_dflash_generate(demo_target, demo_dflash2, block_size, monkeypatch):
     """Greedy whole loops on the demo target: tokens and per-cycle acceptance
@@ -575,26 +593,13 @@ def test_acceptance_lengths_match_zlab_dflash_generate(demo_target, demo_dflash2
     pair.target.model.set_dtype(mx.float32)
     pair.drafter.set_dtype(mx.float32)
     assert isinstance(pair.drafter, DFlash2Drafter)
-    prompts = [json.loads(l)["prompt"] for l in HELDOUT.read_text().splitlines()][:3]
-    eos = sorted(pair.tokenizer.eos_token_ids)
-    compared, lengths_seen = 0, set()
-    for text in prompts:
+    compared = []
+    for text in [json.loads(l)["prompt"] for l in HELDOUT.read_text().splitlines()][:3]:
         ids = pair.tokenizer.encode(text)
-        with torch.no_grad():
-            want = reference.dflash_generate(ref, target, torch.tensor([ids]), MAX_NEW, eos, temperature=0.0,
-                                             block_size=block_size, return_stats=True)
-        want_tokens = want.output_ids[0, len(ids):].tolist()
-        want_tokens = want_tokens[: next((i for i, t in enumerate(want_tokens) if t in eos), len(want_tokens))]
-        out, events = generated(pair, ids, max_tokens=MAX_NEW, block_size=block_size, lookup=False)
-        lengths = events[-1].stats.acceptance_lengths
-        assert out == want_tokens
-        # Cycles the budget narrows are cut differently (ours never overshoots it): compare full-width ones.
-        full = [i for i in range(len(lengths) - 1) if MAX_NEW - 1 - sum(lengths[:i]) >= block_size]
-        assert [lengths[i] for i in full] == [want.acceptance_lengths[i] for i in full]
         assert len(ids) > 24  # past the sliding window
-        compared += len(full)
-        lengths_seen |= {lengths[i] for i in full}
-    assert compared >= 10 and len(lengths_seen) >= 3
+        compared += full_cycles_match_zlab(pair, ref, target, ids, block_size)
+    lengths_seen = set(compared)
+    assert len(compared) >= 10 and len(lengths_seen) >= 3
 
 
 @pytest.fixture(scope="module")
@@ -627,23 +632,10 @@ def test_trained_pair_acceptance_matches_zlab_dflash_generate(demo_target, train
     pair.target.model.set_dtype(mx.float32)
     pair.drafter.set_dtype(mx.float32)
     assert isinstance(pair.drafter, DFlash2Drafter)
-    eos, block_size = sorted(pair.tokenizer.eos_token_ids), 16
-    compared, committed = 0, 0
+    compared = []
     for text in [json.loads(l)["prompt"] for l in HELDOUT.read_text().splitlines()][3:6]:
-        ids = pair.tokenizer.encode(text)
-        with torch.no_grad():
-            want = reference.dflash_generate(trained_dflash2, demo_target, torch.tensor([ids]), MAX_NEW, eos,
-                                             temperature=0.0, block_size=block_size, return_stats=True)
-        want_tokens = want.output_ids[0, len(ids):].tolist()
-        want_tokens = want_tokens[: next((i for i, t in enumerate(want_tokens) if t in eos), len(want_tokens))]
-        out, events = generated(pair, ids, max_tokens=MAX_NEW, block_size=block_size, lookup=False)
-        lengths = events[-1].stats.acceptance_lengths
-        assert out == want_tokens
-        full = [i for i in range(len(lengths) - 1) if MAX_NEW - 1 - sum(lengths[:i]) >= block_size]
-        assert [lengths[i] for i in full] == [want.acceptance_lengths[i] for i in full]
-        compared += len(full)
-        committed += sum(lengths[i] for i in full)
-    assert compared >= 6 and committed / compared > 2.5  # drafts mostly accepted
+        compared += full_cycles_match_zlab(pair, trained_dflash2, demo_target, pair.tokenizer.encode(text), 16)
+    assert len(compared) >= 6 and sum(compared) / len(compared) > 2.5  # drafts mostly accepted
 
 
 @pytest.mark.parametrize("over, words", [

@@ -2,10 +2,8 @@
 processes, rank 0 printing what one process prints."""
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DRAFTER_LAYOUT
+from test_distributed import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -20,23 +19,6 @@ LAUNCH = shutil.which("mlx.launch") or str(BIN / "mlx.launch")
 CLI = shutil.which("dflash-mlx") or str(BIN / "dflash-mlx")
 
 pytestmark = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
-
-
-def free_port(n=2):
-    for _ in range(100):
-        base, socks = random.randint(20000, 60000), []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def run(cmd, timeout=240):
@@ -56,7 +38,7 @@ def test_generate_under_mlx_launch_prints_what_one_process_prints(targets, draft
             "--prompt", "def add(a, b):", "--max-tokens", "24", "--no-chat-template"]
     rc, alone, alone_err = run([CLI, *args, "--block-size", "4"])
     assert rc == 0, alone_err
-    rc, out, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+    rc, out, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--",
                         CLI, *args])  # --block-size auto: the drafter's, on every rank
     assert rc == 0, out + err
     assert out == alone and out.strip()  # the same text, printed once (rank 0 only)
@@ -72,7 +54,7 @@ def test_bench_under_mlx_launch_compares_with_sharded_plain_decoding(targets, dr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
     out = tmp_path / "bench.json"
-    rc, stdout, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+    rc, stdout, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--",
                            CLI, "bench", "--model", str(targets["llama"]),
                            "--draft", str(drafters[DRAFTER_LAYOUT.get("llama", "new")]),
                            "--prompts", str(prompts), "--max-tokens", "12", "--block-size", "4,auto", "--out", str(out)])
@@ -100,8 +82,8 @@ def test_serve_under_mlx_launch_keeps_the_ranks_in_step(targets, drafters):
     import dflash_mlx
 
     model, draft = str(targets["qwen3"]), str(drafters[DRAFTER_LAYOUT.get("qwen3", "new")])
-    port = free_port(1)
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--", CLI, "serve",
+    port = free_ports(1)
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--", CLI, "serve",
            "--model", model, "--draft", draft, "--port", str(port), "--block-size", "4"]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), start_new_session=True)
