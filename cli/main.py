@@ -77,6 +77,10 @@ def generate(
         600.0, "--timeout", min=0.0,
         help="Under mlx.launch: end the run when a rank makes no progress for this many seconds (0: never).",
     ),
+    sharding: str = typer.Option(
+        "auto", "--sharding", help="Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target "
+                                   "(auto: tensor where the family has it, else pipeline).",
+    ),
 ):
     """Generate text with DFlash speculative decoding, streaming it.
 
@@ -87,7 +91,7 @@ def generate(
     from dflash_mlx.prompt import build_prompt
     from dflash_mlx.sampling import SamplingParams
 
-    block = _one_block_size(block_size)
+    block, sharding = _one_block_size(block_size), _sharding(sharding)
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             fail("give a prompt with --prompt, or pipe it on stdin.")
@@ -100,7 +104,7 @@ def generate(
     try:
         if sharded:  # one seed for all ranks, so they draw the same numbers
             seed = distributed.shared_seed(seed, g) if temp > 0 else seed
-            pair = distributed.load_sharded(model, draft, g)
+            pair = distributed.load_sharded(model, draft, g, sharding)
             if block == "auto":  # each rank would time its own curve and pick its own widths
                 block = pair.draft_source.block_size
                 if main_rank:
@@ -294,6 +298,10 @@ def serve(
         None, "--prompt-cache-dir",
         help="Folder for the disk prompt cache, one subfolder per model (default: prompt-cache/ in the cache folder).",
     ),
+    sharding: str = typer.Option(
+        "auto", "--sharding", help="Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target "
+                                   "(auto: tensor where the family has it, else pipeline).",
+    ),
 ):
     """Serve an OpenAI-compatible API (chat and completions) with DFlash.
 
@@ -303,6 +311,7 @@ def serve(
     from dflash_mlx import distributed
     from dflash_mlx.server import make_server
 
+    sharding = _sharding(sharding)
     cache_bytes = _bytes(prompt_cache_bytes, "--prompt-cache-bytes")
     disk_bytes = _bytes(prompt_cache_disk_bytes, "--prompt-cache-disk-bytes")
     if disk_bytes and not cache_bytes:
@@ -316,7 +325,7 @@ def serve(
     channel = None
     try:
         if sharded:
-            pair = distributed.load_sharded(model, draft, g)
+            pair = distributed.load_sharded(model, draft, g, sharding)
             channel = distributed.JobChannel(g)
             if block == "auto":  # each rank would time its own curve and pick its own widths
                 block = pair.draft_source.block_size
@@ -412,6 +421,14 @@ def _busy() -> Optional[str]:
             f"off, and later runs refine them.")
 
 
+def _sharding(text: str) -> str:
+    from dflash_mlx.distributed import SHARDINGS
+
+    if text not in SHARDINGS:
+        fail(f"--sharding must be one of {', '.join(SHARDINGS)} (got '{text}').")
+    return text
+
+
 def _one_block_size(text: str):
     if text == "auto":
         return "auto"
@@ -462,6 +479,10 @@ def bench(
     plot: Optional[str] = typer.Option(None, "--plot", help="Draw a PNG (needs matplotlib)."),
     context: Optional[str] = typer.Option(
         None, "--context", help="Put each prompt after this many tokens of a long document: e.g. 1k,8k,32k."),
+    sharding: str = typer.Option(
+        "auto", "--sharding", help="Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target "
+                                   "(auto: tensor where the family has it, else pipeline).",
+    ),
 ):
     """Benchmark DFlash against plain mlx-lm decoding on this machine."""
     import json as _json
@@ -474,7 +495,7 @@ def bench(
     from dflash_mlx import distributed
     from dflash_mlx.cli.progress import progress as show_progress
 
-    sizes = _block_sizes(block_size)
+    sizes, sharding = _block_sizes(block_size), _sharding(sharding)
     contexts = _contexts(context) if context else [0]
     if context and sizes == ["sweep"]:
         fail("--context cannot be combined with --block-size sweep.")
@@ -491,7 +512,7 @@ def bench(
         err.file = open(os.devnull, "w")
     try:
         if sharded:
-            pair = distributed.load_sharded(model, draft, g)
+            pair = distributed.load_sharded(model, draft, g, sharding)
             if "auto" in sizes:  # each rank would time its own curve and pick its own widths
                 fixed = pair.draft_source.block_size
                 sizes = list(dict.fromkeys(fixed if s == "auto" else s for s in sizes))

@@ -13,6 +13,11 @@ KV cache, every layer and its RoPE are wrapped too, so that a tree pass
 (`tree.py`) can give the layers its mask and rotate each run of nodes at its
 own positions; `keep_rows` then keeps the accepted branch's K/V rows. Two
 adapters in one process share nothing.
+
+Under mlx-lm's pipeline parallelism (`model.model.pipeline(group)`) a rank
+holds only its own layers (the others are None) and caches for them alone;
+it returns its share of the taps: its own layers' outputs, zeros for the
+others' (`distributed` sums the shares over the ranks).
 """
 
 import inspect
@@ -78,10 +83,20 @@ def materialize(model: nn.Module) -> None:
     mx.eval(arrays)
 
 
+def pipeline_span(inner: nn.Module):
+    """(first, end) of the layers this rank runs, and whether the model is pipelined.
+
+    mlx-lm's PipelineMixin sets layers[:first] to None and cuts the list at end."""
+    if getattr(inner, "pipeline_size", 1) > 1:
+        return inner.start_idx, inner.end_idx, True
+    return 0, len(inner.layers), False
+
+
 def model_dims(model: nn.Module):
-    """(hidden size, vocabulary, layers) of an mlx-lm model."""
+    """(hidden size, vocabulary, layers) of an mlx-lm model (all its layers, pipelined or not)."""
     lm = getattr(model, "language_model", model)
-    return lm.args.hidden_size, lm.args.vocab_size, len(lm.model.layers)
+    pipelined = pipeline_span(lm.model)[2]
+    return lm.args.hidden_size, lm.args.vocab_size, lm.args.num_hidden_layers if pipelined else len(lm.model.layers)
 
 
 class _Taps:
@@ -330,8 +345,11 @@ class TargetAdapter:
         if inner is not None and any(isinstance(m, _Wrapper) for m in [
                 *inner.get("layers", []), inner.get("norm"), inner.get("embed_tokens"), lm.get("lm_head")]):
             raise DFlashError("This model instance is already wrapped by another adapter; load it again.")
+        first, end, self.pipelined = pipeline_span(inner) if inner is not None and "layers" in inner else (0, 0, False)
         # The cache rule first: a family is refused for the cache it cannot roll back.
-        self._kinds = self._rollback_kinds(getattr(lm, "layers", None) or getattr(inner, "layers", []))
+        # Caches are this rank's layers' only: cache e is layer first + e.
+        self._kinds = self._rollback_kinds(
+            inner.layers[first:end] if self.pipelined else getattr(lm, "layers", None) or getattr(inner, "layers", []))
         if inner is None or not all(a in inner for a in ("embed_tokens", "layers", "norm")):
             raise DFlashError(
                 f"Target family '{self.model_type}' is not supported: its model has no "
@@ -346,7 +364,7 @@ class TargetAdapter:
         # A head split by vocabulary (tensor parallel): the model gathers its own
         # logits after it; the drafter borrows a head that gathers them too.
         self.head = self._raw_head if group is None else (lambda x: gather_last_axis(self._raw_head(x), group))
-        self.num_layers = len(layers)
+        self.num_layers = model_dims(model)[2]
         self.hidden_size = self.args.hidden_size
         self.vocab_size = self.args.vocab_size
         self.tap_ids = list(tap_ids)
@@ -359,21 +377,28 @@ class TargetAdapter:
         self._taps = _Taps()
         self.slack = slack
         self._gdn: Dict[int, TapedGatedDeltaNet] = {}
-        self.supports_tree = self._tree_capable(layers)
-        for i, layer in enumerate(layers):
-            if self._kinds.get(i) == "tape":
+        self.supports_tree = not self.pipelined and self._tree_capable(layers)
+        last = self.num_layers - 1
+        # Taps this rank computes; under pipeline parallelism the last layer's
+        # (HF's final-norm entry) is its output normed here, so that no tap
+        # waits on the pipeline's all_gather.
+        self.local_taps = [i for i in self.tap_ids if first <= i < end]
+        self._final_norm = inner.norm if self.pipelined and last in self.local_taps else None
+        for i in range(first, end):
+            layer, e = layers[i], i - first  # e: the layer's cache
+            if self._kinds.get(e) == "tape":
                 mixer = _mixer(layer)
                 name = next(n for n in layer if layer[n] is mixer)
-                wrapped = TapedGatedDeltaNet(mixer, i, self._taps)
+                wrapped = TapedGatedDeltaNet(mixer, e, self._taps)
                 setattr(layer, name, wrapped)
-                self._gdn[i] = wrapped
+                self._gdn[e] = wrapped
             if self.supports_tree:
                 for owner in _rope_owners(layer):
                     owner.rope = TreeRoPE(owner.rope, self._taps)
-            tapped = i in self.tap_ids and i != self.num_layers - 1
+            tapped = i in self.local_taps and (i != last or self.pipelined)
             if tapped or self.supports_tree:
                 layers[i] = TappedLayer(layer, i, self._taps, record=tapped)
-        if self.num_layers - 1 in self.tap_ids:
+        if last in self.tap_ids and not self.pipelined:
             # HF reports the last layer's entry after the final norm: match it.
             inner.norm = _FinalNorm(inner.norm, self.num_layers - 1, self._taps)
         if tied:
@@ -442,8 +467,9 @@ class TargetAdapter:
         return self.embed_tokens(tokens)
 
     def __call__(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False,
-                 tree: Optional[tuple] = None):
-        """Logits (all positions, or the last only) and the concatenated taps.
+                 tree: Optional[tuple] = None, taps: bool = True):
+        """Logits (all positions, or the last only) and the concatenated taps
+        (None with `taps=False`: a plain step that no drafter will read).
 
         The logits are the model's own forward pass; with `last_only` its LM
         head sees only the last row (a prefill chunk pays the head once).
@@ -451,7 +477,7 @@ class TargetAdapter:
         tokens (`supports_tree` targets only): token i attends to the cached
         prefix and the tokens j with mask[i, j], and each run (start, end,
         depth) of tokens is at positions offset + depth onwards."""
-        taps = self._taps
+        wanted, taps = taps, self._taps
         taps.values.clear()
         taps.recording, taps.last_only, taps.head_calls = record, last_only, 0
         if tree is not None:
@@ -472,11 +498,18 @@ class TargetAdapter:
         finally:
             taps.recording = taps.last_only = False
             taps.tree_mask = taps.tree_runs = None
-        feats = [taps.values[i] for i in self.tap_ids]
+        feats = [self._tap(i, tokens) for i in self.tap_ids]
         taps.values.clear()
         if not self._checked:
             self._check(tokens, logits, feats)
-        return logits, mx.concatenate(feats, axis=-1)
+        return logits, mx.concatenate(feats, axis=-1) if wanted else None
+
+    def _tap(self, i: int, tokens: mx.array) -> mx.array:
+        """Tap `i` of this pass: zeros where another rank of a pipeline runs layer i."""
+        if i not in self.local_taps:
+            return mx.zeros((*tokens.shape[:2], self.hidden_size), dtype=self.dtype)
+        out = self._taps.values[i]
+        return self._final_norm(out) if self._final_norm is not None and i == self.num_layers - 1 else out
 
     def _check(self, tokens, logits, feats):
         """Once: the model reached its head through the adapter and the taps are hidden states."""

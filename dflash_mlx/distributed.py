@@ -1,14 +1,17 @@
 """DFlash on a target sharded across processes with `mx.distributed` (issue 16).
 
 With more than one process in the group, the target is sharded with
-mlx-lm's tensor parallelism (`model.shard(group)`, loaded shard by shard by
-`mlx_lm.utils.sharded_load`; tested for the families in `TENSOR_PARALLEL`); the drafter is small and is loaded whole on
-every rank. Every rank then runs the same loop (`decode.stream_generate`):
-the drafter identically everywhere (drafts need no communication), the
-verify pass is the sharded target's own forward pass (its all_sums are the
-only collectives), and acceptance, greedy or sampled with one seed for all
-ranks, is computed identically on every rank, so all ranks keep identical
-caches. Only rank 0 prints.
+mlx-lm's tensor parallelism (`model.shard(group)`; tested for the families
+in `TENSOR_PARALLEL`) or its pipeline parallelism
+(`model.model.pipeline(group)`; tested for `PIPELINE_PARALLEL`), loaded
+shard by shard by `mlx_lm.utils.sharded_load`; `sharding="auto"` takes
+tensor parallelism where the family has it. The drafter is small and is
+loaded whole on every rank. Every rank then runs the same loop
+(`decode.stream_generate`): the drafter identically everywhere, the verify
+pass is the sharded target's own forward pass, and acceptance, greedy or
+sampled with one seed for all ranks, is computed identically on every rank
+from the logits every rank has, so all ranks keep consistent caches (under
+pipeline parallelism each rank's for its own layers). Only rank 0 prints.
 
 Run with mlx's launcher, e.g. two processes on this machine:
 
@@ -19,9 +22,13 @@ Under tensor parallelism the tapped layer outputs are whole on every rank:
 each decoder layer ends in sharded-to-all projections (attention's o_proj,
 the MLP's down_proj) whose all_sum gives every rank the full residual
 stream, and the embedding, final norm and LM head are not sharded.
-`load_sharded` checks this once (`check_taps_whole`). Pipeline parallelism
-(`model.model.pipeline(group)`, for families with no `shard`) is not
-supported yet.
+`load_sharded` checks this once (`check_taps_whole`).
+
+Under pipeline parallelism each rank runs its own layers only (rank 0 the
+last ones), so it has the taps of its own layers and zeros for the others
+(`TargetAdapter`); `WholeTaps` sums the shares over the ranks where the
+drafter reads them, one all_sum per drafted cycle over the rows committed
+since the last one (exact: each element is non-zero on one rank only).
 """
 
 import argparse
@@ -40,6 +47,8 @@ from .errors import DFlashError
 # Families whose tensor-parallel DFlash output is tested equal to plain
 # decoding of the unsharded model (tests/test_distributed.py).
 TENSOR_PARALLEL = ("qwen3", "llama", "qwen3_moe", "gpt_oss", "qwen3_5")
+PIPELINE_PARALLEL = ("qwen3_5", "qwen3_next")
+SHARDINGS = ("auto", "tensor", "pipeline")
 # For tests: the rank named here raises (or hangs) after loading (a failing rank must end the run).
 FAIL_RANK_ENV = "DFLASH_MLX_TEST_FAIL_RANK"
 HANG_RANK_ENV = "DFLASH_MLX_TEST_HANG_RANK"
@@ -55,11 +64,14 @@ def is_main(g: Optional[mx.distributed.Group] = None) -> bool:
     return (g or group()).rank() == 0
 
 
-def _sharded_loader(g: mx.distributed.Group):
+def _sharded_loader(g: mx.distributed.Group, sharding: str = "auto"):
     """A `load.load` target loader: the target sharded over `g` by mlx-lm's own sharded loading."""
     from mlx_lm.utils import _get_classes, sharded_load
 
     from .target_caches import family_verdict
+
+    if sharding not in SHARDINGS:
+        raise DFlashError(f"--sharding must be one of {', '.join(SHARDINGS)} (got '{sharding}').")
 
     def load_target(path: Path):
         cfg_path = Path(path) / "config.json"
@@ -75,19 +87,22 @@ def _sharded_loader(g: mx.distributed.Group):
             model_cls, _ = _get_classes(config)
         except ValueError as e:
             raise DFlashError(f"Could not load the target from {path}: {str(e).splitlines()[0]}")
-        if not hasattr(model_cls, "shard"):
+        kind = _sharding_kind(model_cls, model_type, sharding, g)
+        tested = TENSOR_PARALLEL if kind == "tensor" else PIPELINE_PARALLEL
+        if model_type not in tested:
             raise DFlashError(
-                f"Target family '{model_type}' cannot be sharded across {g.size()} processes: mlx-lm gives it no "
-                f"tensor parallelism (model.shard) and {_pipeline_note(model_cls)}."
+                f"Target family '{model_type}' is not supported with {kind} parallelism yet (it is tested for "
+                f"{', '.join(tested)}); run it in one process."
             )
-        if model_type not in TENSOR_PARALLEL:
+        if kind == "pipeline" and not (Path(path) / "model.safetensors.index.json").exists():
             raise DFlashError(
-                f"Target family '{model_type}' is not supported sharded yet (tensor parallelism is tested for "
-                f"{', '.join(TENSOR_PARALLEL)}); run it in one process."
+                f"{path} has no model.safetensors.index.json, which mlx-lm's pipeline loading reads to find each "
+                "rank's weights; save the model with mlx_lm.convert (or mlx_lm.utils.save_model)."
             )
+        groups = {"tensor_group": g} if kind == "tensor" else {"pipeline_group": g}
         try:
             model, tokenizer, config = sharded_load(
-                str(path), tensor_group=g, return_config=True, tokenizer_config={"trust_remote_code": False}
+                str(path), **groups, return_config=True, tokenizer_config={"trust_remote_code": False}
             )
         except (ValueError, FileNotFoundError) as e:
             raise DFlashError(f"Could not load the sharded target from {path}: {str(e).splitlines()[0]}")
@@ -96,75 +111,164 @@ def _sharded_loader(g: mx.distributed.Group):
     return load_target
 
 
-def _pipeline_note(model_cls) -> str:
-    """What mlx-lm offers a family without `shard`: pipeline parallelism, or nothing."""
+def _sharding_kind(model_cls, model_type: str, sharding: str, g: mx.distributed.Group) -> str:
+    """"tensor" or "pipeline", what `sharding` asks for and mlx-lm gives the family, or a DFlashError."""
     module = sys.modules.get(model_cls.__module__)
-    if any(isinstance(c, type) and hasattr(c, "pipeline") for c in vars(module).values()):
-        return "its pipeline parallelism (model.model.pipeline) is not supported by dflash-mlx yet (issue 16)"
-    return "no pipeline parallelism either"
+    kinds = [k for k, ok in (
+        ("tensor", hasattr(model_cls, "shard")),
+        ("pipeline", any(isinstance(c, type) and hasattr(c, "pipeline") for c in vars(module).values())),
+    ) if ok]
+    if sharding != "auto" and sharding not in kinds:
+        other = f"; use --sharding {kinds[0]}" if kinds else ""
+        raise DFlashError(f"Target family '{model_type}' cannot be sharded with {sharding} parallelism: mlx-lm "
+                          f"gives it none{other}.")
+    if not kinds:
+        raise DFlashError(
+            f"Target family '{model_type}' cannot be sharded across {g.size()} processes: mlx-lm gives it neither "
+            "tensor parallelism (model.shard) nor pipeline parallelism (model.model.pipeline)."
+        )
+    return kinds[0] if sharding == "auto" else sharding
+
+
+class WholeTaps:
+    """A draft source on a pipelined target: every `hidden` it is handed (the
+    rank's share of the taps, `TargetAdapter`) is made whole first, with one
+    all_sum over the group; the rest is the wrapped source's."""
+
+    def __init__(self, inner, g: mx.distributed.Group):
+        self.inner, self.g = inner, g
+        self._last = None  # (share, whole): `propose` after a `propose_path` that declined sums nothing again
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def whole(self, hidden: Optional[mx.array]) -> Optional[mx.array]:
+        if hidden is None:
+            return None
+        if self._last is not None and self._last[0] is hidden:
+            return self._last[1]
+        out = mx.distributed.all_sum(hidden, group=self.g)
+        # Queued now, before the next pass's send/recv: every rank runs its collectives in the same order
+        # (rank 0's share may not depend on the pass, so the graph alone would not order them).
+        mx.async_eval(out)
+        self._last = (hidden, out)
+        return out
+
+    def add_context(self, state, hidden):
+        self.inner.add_context(state, self.whole(hidden))
+
+    def propose(self, state, last, hidden, width):
+        return self.inner.propose(state, last, self.whole(hidden), width)
+
+    def propose_path(self, state, last, hidden, *args, **kwargs):
+        return self.inner.propose_path(state, last, self.whole(hidden), *args, **kwargs)
 
 
 def check_taps_whole(pair, g: mx.distributed.Group) -> None:
-    """Raise unless the target's taps are whole and identical on every rank.
+    """Raise unless the taps the drafter reads are whole and identical on every rank.
 
     Under tensor parallelism they are: each layer's output is the residual
     stream after the all_sum of its sharded-to-all projections, so every
-    rank holds all `hidden_size` columns, bit for bit the same. The drafter
-    runs on them everywhere, so identical drafts (and so identical caches)
-    depend on it. One short forward pass of the target on a fresh cache.
+    rank holds all `hidden_size` columns, bit for bit the same. Under
+    pipeline parallelism each tap must be computed on exactly one rank (the
+    others' zeros), and the taps are checked after `WholeTaps` sums them. The
+    drafter runs on them everywhere, so identical drafts (and so consistent
+    caches) depend on it. One short forward pass of the target on a fresh cache.
     """
     target = pair.target
     tokens = mx.arange(min(4, target.vocab_size))[None]
-    _, taps = target(tokens, target.make_cache())  # the adapter's own check: taps are hidden-size wide
+    logits, taps = target(tokens, target.make_cache())  # the adapter's own check: taps are hidden-size wide
+    owned = True
+    if target.pipelined:
+        mx.eval(logits, taps)  # the pass and its send/recv and all_gather, as mlx-lm runs them
+        mine = mx.array([i in target.local_taps for i in target.tap_ids], mx.int32)
+        owned = (mx.distributed.all_sum(mine, group=g, stream=mx.cpu) == 1).all().item()
+        taps = pair.draft_source.whole(taps)
     want = target.hidden_size * len(target.tap_ids)
     same = mx.array_equal(mx.distributed.all_max(taps, group=g, stream=mx.cpu),
                           mx.distributed.all_min(taps, group=g, stream=mx.cpu))
-    if taps.shape[-1] != want or not same.item():
+    if taps.shape[-1] != want or not owned or not same.item():
         raise DFlashError(
             "The sharded target's tapped hidden states differ between ranks; the drafter needs them whole "
             "and identical on every rank."
         )
 
 
-def load_sharded(model: str, draft: Optional[str] = None, g: Optional[mx.distributed.Group] = None):
-    """A DFlashPair whose target is sharded over the process group (tensor
-    parallelism) and whose drafter is whole on every rank. In one process it
-    is `load.load`."""
+def load_sharded(model: str, draft: Optional[str] = None, g: Optional[mx.distributed.Group] = None,
+                 sharding: str = "auto"):
+    """A DFlashPair whose target is sharded over the process group (`sharding`:
+    "tensor", "pipeline" or "auto", tensor where the family has it) and whose
+    drafter is whole on every rank. In one process it is `load.load`."""
     from .load import load
 
     g = g or group()
     if g.size() == 1:
         return load(model, draft)
-    pair = load(model, draft, target_loader=_sharded_loader(g))
+    pair = load(model, draft, target_loader=_sharded_loader(g, sharding))
     pair.group = g
+    if pair.target.pipelined:
+        pair.draft_source = WholeTaps(pair.draft_source, g)
     check_taps_whole(pair, g)
     return pair
 
 
+def shard_like(model, pair) -> None:
+    """Shard a fresh mlx-lm `model` over `pair.group` as the pair's target is (e.g. a baseline)."""
+    if pair.target.pipelined:
+        model.model.pipeline(pair.group)
+    else:
+        model.shard(pair.group)
+
+
 def collectives_per_pass(model) -> int:
-    """The all_sums one forward pass of a tensor-parallel model makes: one per
-    sharded-to-all projection (attention's o_proj, the MLP's down_proj, ...)."""
+    """The collectives one forward pass of a sharded model makes: under tensor
+    parallelism one all_sum per sharded-to-all projection (attention's o_proj,
+    the MLP's down_proj, ...); under pipeline parallelism a send/recv between
+    each pair of neighbouring ranks and one all_gather (a drafted cycle adds
+    the taps' all_sum, `WholeTaps`)."""
     import mlx.nn as nn
 
+    size = getattr(getattr(getattr(model, "language_model", model), "model", None), "pipeline_size", 1)
+    if size > 1:
+        return size
     kinds = (nn.ShardedToAllLinear, nn.QuantizedShardedToAllLinear)
     return sum(isinstance(m, kinds) for _, m in model.named_modules())
 
 
+def _pipeline_collectives(x: mx.array, g: mx.distributed.Group) -> mx.array:
+    """What mlx-lm's pipelined forward pass sends around, for a hidden state `x`."""
+    r, n = g.rank(), g.size()
+    if r < n - 1:
+        x = mx.distributed.recv_like(x, r + 1, group=g)
+    if r != 0:
+        x = mx.distributed.send(x, r - 1, group=g)
+    return mx.distributed.all_gather(x, group=g)[: x.shape[0]]
+
+
 def communication_seconds(pair, widths, rounds: int = 5) -> dict:
-    """Seconds the all_sums of one verify pass take at each width, alone: as
-    many chained all_sums of [1, width, hidden] (the target's dtype) as the
-    sharded target makes per pass; the median of `rounds`."""
-    g, n = pair.group, collectives_per_pass(pair.target.model)
+    """Seconds the collectives of one verify pass take at each width, alone, on
+    arrays of the target's dtype; the median of `rounds`. Tensor parallel: as
+    many chained all_sums of [1, width, hidden] as the target makes per pass.
+    Pipeline: its send/recv and all_gather of [1, width, hidden], and (width > 1)
+    the taps' all_sum of [1, width, taps * hidden] (a cycle sums at most that)."""
+    g, target = pair.group, pair.target
+    n = collectives_per_pass(target.model)
     out = {}
     for w in widths:
-        x = mx.zeros((1, w, pair.target.hidden_size), dtype=pair.target.dtype)
+        x = mx.zeros((1, w, target.hidden_size), dtype=target.dtype)
+        taps = mx.zeros((1, w, target.hidden_size * len(target.tap_ids)), dtype=target.dtype)
         times = []
         for _ in range(rounds + 1):  # the first warms up
-            y = x
             tic = time.perf_counter()
-            for _ in range(n):
-                y = mx.distributed.all_sum(y, group=g)
-            mx.eval(y)
+            if target.pipelined:
+                mx.eval(_pipeline_collectives(x, g))
+                if w > 1:
+                    mx.eval(mx.distributed.all_sum(taps, group=g))
+            else:
+                y = x
+                for _ in range(n):
+                    y = mx.distributed.all_sum(y, group=g)
+                mx.eval(y)
             times.append(time.perf_counter() - tic)
         out[w] = sorted(times[1:])[rounds // 2]
     return out
@@ -279,6 +383,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", "-m", type=int, default=256)
     p.add_argument("--block-size", type=int, nargs="+", default=[None],
                    help="fixed widths (default: the drafter's); not 'auto', which would time each rank apart")
+    p.add_argument("--sharding", choices=SHARDINGS, default="auto",
+                   help="mlx-lm's tensor or pipeline parallelism (auto: tensor where the family has it)")
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -301,7 +407,7 @@ def run(args, g: mx.distributed.Group, watchdog: Watchdog) -> None:
     from .sampling import SamplingParams
 
     rank0 = is_main(g)
-    pair = load_sharded(args.model, args.draft, g)
+    pair = load_sharded(args.model, args.draft, g, args.sharding)
     watchdog.beat()
     if os.environ.get(FAIL_RANK_ENV) == str(g.rank()):
         raise RuntimeError(f"rank {g.rank()} was told to fail ({FAIL_RANK_ENV})")

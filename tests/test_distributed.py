@@ -1,13 +1,13 @@
-"""DFlash with the target sharded across processes (issue 16): tensor
-parallelism, two processes started by `mlx.launch` with the ring backend on
-loopback.
+"""DFlash with the target sharded across processes (issue 16): tensor and
+pipeline parallelism, two processes started by `mlx.launch` with the ring
+backend on loopback.
 
 Each launch starts two Python processes that import mlx-lm (about 10 s on
 two CPU cores), so every scenario that ends normally runs in one launch: this
 file, run by each rank, calls the entry point `dflash_mlx.distributed.main`
 for each command line (greedy over prompts and block sizes per family, seeded
-sampling) and then the sharded oracle rollback cases, and writes what each
-rank printed and generated; the tests below assert on that shared result. A
+sampling) and then the sharded oracle rollback cases and the pipelined
+taps, and writes what each rank printed and generated; the tests below assert on that shared result. A
 failing and a hanging rank end their run, so each has a launch of its own
 (`python -m dflash_mlx.distributed`).
 """
@@ -87,7 +87,11 @@ def run_launch(cmd, timeout):
 
 # gpt_oss: sliding windows of 8 (WindowCache) with attention sinks, a routed MoE; qwen3_moe: routed MoE.
 # qwen3_5: Gated DeltaNet heads split across ranks (the tape's output all-summed), attention every third layer.
-ORACLE_CASES = [("qwen3", 8), ("llama", 4), ("qwen3_moe", 8), ("gpt_oss", 8), ("qwen3_5", 8)]
+# Pipelined (mlx-lm's model.model.pipeline): rank 1 runs layers 0-2, rank 0 layers 3-5, each its own caches
+# (Gated DeltaNet tapes and KV caches); qwen3_next has no tensor parallelism, so "auto" pipelines it.
+ORACLE_CASES = [("qwen3", 8, "auto"), ("llama", 4, "auto"), ("qwen3_moe", 8, "auto"), ("gpt_oss", 8, "auto"),
+                ("qwen3_5", 8, "auto"), ("qwen3_5", 8, "pipeline"), ("qwen3_next", 4, "auto")]
+PIPELINED = ("qwen3_5", "qwen3_next")
 
 
 def rank_main(cfg_path):
@@ -97,7 +101,7 @@ def rank_main(cfg_path):
     the indices each of ROLLBACK_SCHEDULES chooses), so verify accepts every prefix length and the sharded caches
     are cropped at every block position; every rank writes what it printed and generated."""
     import dflash_mlx
-    from dflash_mlx.distributed import group, load_sharded, main
+    from dflash_mlx.distributed import WholeTaps, collectives_per_pass, communication_seconds, group, load_sharded, main
     from conftest import OracleSource
 
     cfg = json.loads(Path(cfg_path).read_text())
@@ -110,18 +114,36 @@ def rank_main(cfg_path):
         runs[name] = {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}
     oracle = []
     for i, case in enumerate(cfg["cases"]):
-        pair = load_sharded(case["model"], case["draft"], g)
+        pair = load_sharded(case["model"], case["draft"], g, case["sharding"])
         feature_dim = len(pair.target.tap_ids) * pair.target.hidden_size
         for name, corrupt in ROLLBACK_SCHEDULES.items():
             source = OracleSource(case["prompt"] + case["ref"], pair.target.vocab_size, feature_dim, corrupt)
+            if pair.target.pipelined:
+                source = WholeTaps(source, g)
             out, accepted = [], []
             for ev in dflash_mlx.stream_generate(pair, case["prompt"], max_tokens=len(case["ref"]),
                                                  block_size=case["block_size"], draft_source=source):
                 out += ev.tokens
                 accepted.append(ev.accepted)
             oracle.append({"case": i, "schedule": name, "tokens": out, "accepted": accepted[1:],
-                           "expected": source.expected})
-    Path(cfg["out"].format(rank=g.rank())).write_text(json.dumps({"commands": runs, "oracle": oracle}))
+                           "expected": source.expected, "pipelined": pair.target.pipelined})
+    taps = {}
+    for family, (model, draft) in cfg["taps"].items():
+        # The taps the drafter reads, summed from each rank's share, against one process's.
+        pair, alone = load_sharded(model, draft, g, "pipeline"), dflash_mlx.load(model, draft)
+        tokens = mx.array(cfg["cases"][0]["prompt"])[None]
+        logits, share = pair.target(tokens, pair.target.make_cache())
+        mx.eval(logits, share)
+        ref_logits, ref = alone.target(tokens, alone.target.make_cache())
+        whole = pair.draft_source.whole(share)
+        H = pair.target.hidden_size
+        taps[family] = {
+            "equal": mx.array_equal(whole, ref).item(), "logits_equal": mx.array_equal(logits, ref_logits).item(),
+            "nonzero": [bool(mx.any(share[..., k * H : (k + 1) * H] != 0).item()) for k in range(len(pair.target.tap_ids))],
+            "tap_ids": pair.target.tap_ids, "local": pair.target.local_taps,
+            "collectives": collectives_per_pass(pair.target.model),
+            "seconds": communication_seconds(pair, [1, 4], rounds=1)}
+    Path(cfg["out"].format(rank=g.rank())).write_text(json.dumps({"commands": runs, "oracle": oracle, "taps": taps}))
 
 
 def encode(tokenizer_dir, text):
@@ -138,12 +160,34 @@ def family_path(family, targets, root, tokenizer_dir, vocab):
     return path
 
 
+def indexed_path(family, model, source, root):
+    """The target saved as mlx-lm saves a model (weights and model.safetensors.index.json, which
+    mlx-lm's pipelined loading reads to find each rank's weights)."""
+    from mlx_lm.utils import save_model
+
+    path = root / f"{family}-indexed"
+    if not (path / "model.safetensors.index.json").exists():
+        save_model(path, model)
+        for f in source.iterdir():
+            if not f.name.startswith("model.safetensors"):
+                shutil.copy(f, path / f.name)
+    return path
+
+
 @pytest.fixture(scope="module")
 def sharded(targets, drafters, baselines, root, tokenizer_dir, vocab, tmp_path_factory):
     """One 2-rank launch of every scenario that ends normally; (the cases, each rank's results, the ids dir)."""
     from mlx_lm import load
 
     tmp = tmp_path_factory.mktemp("sharded")
+    V, mask = vocab
+    # Taps on both ranks' layers and the last layer's (HF's final-norm entry) under pipeline parallelism.
+    draft_all = tiny.build_drafter(root / "draft-taps-135", tiny.drafter_config("new", V, 6, mask_token_id=mask,
+                                                                                layer_ids=(1, 3, 5)))
+    models = {f: baselines[f] if f in baselines else load(str(family_path(f, targets, root, tokenizer_dir, vocab)))[0]
+              for f in {f for f, _, _ in ORACLE_CASES}}
+    indexed = {f: indexed_path(f, models[f], family_path(f, targets, root, tokenizer_dir, vocab), root)
+               for f in PIPELINED}
     commands = {}
     for family in ("qwen3", "llama"):
         commands[f"greedy-{family}"] = [
@@ -153,16 +197,24 @@ def sharded(targets, drafters, baselines, root, tokenizer_dir, vocab, tmp_path_f
     commands["sampled-llama"] = [
         "--model", targets["llama"], "--draft", drafters["new"], "--no-chat-template", "--prompt", PROMPTS[0],
         "--prompt", PROMPTS[1], "--max-tokens", 24, "--block-size", 8, "--temp", 1.0, "--seed", 3, "--json",
-        "--ids-out", tmp / "ids-{rank}.json"]
+        "--ids-out", tmp / "ids-llama-{rank}.json"]
+    commands["greedy-qwen3_5-pipeline"] = [
+        "--model", indexed["qwen3_5"], "--draft", draft_all, "--sharding", "pipeline", "--no-chat-template",
+        *sum((["--prompt", p] for p in PROMPTS), []), "--max-tokens", MAX_TOKENS, "--block-size", *BLOCK_SIZES, "--json"]
+    commands["sampled-qwen3_5-pipeline"] = [
+        "--model", indexed["qwen3_5"], "--draft", draft_all, "--sharding", "pipeline", "--no-chat-template",
+        "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens", 24, "--block-size", 4, "--temp", 1.0,
+        "--seed", 3, "--json", "--ids-out", tmp / "ids-qwen3_5-pipeline-{rank}.json"]
     cases = []
     prompt = encode(tokenizer_dir, PROMPTS[0])
-    for family, block_size in ORACLE_CASES:
-        path = family_path(family, targets, root, tokenizer_dir, vocab)
-        model = baselines[family] if family in baselines else load(str(path))[0]
+    for family, block_size, sharding in ORACLE_CASES:
+        path = indexed[family] if family in indexed else family_path(family, targets, root, tokenizer_dir, vocab)
         cases.append(dict(family=family, model=str(path), draft=str(drafters[DRAFTER_LAYOUT.get(family, "new")]),
-                          prompt=prompt, ref=greedy_ref(model, prompt, 40), block_size=block_size))
+                          prompt=prompt, ref=greedy_ref(models[family], prompt, 40), block_size=block_size,
+                          sharding=sharding))
     cfg = tmp / "cases.json"
     cfg.write_text(json.dumps({"commands": {k: list(map(str, v)) for k, v in commands.items()}, "cases": cases,
+                               "taps": {f: (str(indexed[f]), str(draft_all)) for f in PIPELINED},
                                "out": str(tmp / "out-{rank}.json")}))
     output = "".join(run_launch(launch_cmd(__file__, cfg), TIMEOUT))
     if not all((tmp / f"out-{r}.json").exists() for r in (0, 1)):
@@ -180,7 +232,7 @@ def command_run(sharded, name):
     return [json.loads(x) for x in r0["stdout"].splitlines() if x.startswith("{")]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5-pipeline"])
 def test_greedy_equals_unsharded_plain_decoding(family, sharded, baselines, tokenizer_dir):
     runs = command_run(sharded, f"greedy-{family}")
     assert len(runs) == len(PROMPTS) * len(BLOCK_SIZES), runs
@@ -188,33 +240,50 @@ def test_greedy_equals_unsharded_plain_decoding(family, sharded, baselines, toke
         (p, b) for p in PROMPTS for b in BLOCK_SIZES)
     for run in runs:
         assert run["ranks"] == 2
-        want = greedy_ref(baselines[family], encode(tokenizer_dir, run["prompt"]), MAX_TOKENS)
+        want = greedy_ref(baselines[family.split("-")[0]], encode(tokenizer_dir, run["prompt"]), MAX_TOKENS)
         assert run["tokens"] == want, (run["prompt"], run["block_size"])
 
 
-def test_seeded_sampling_is_identical_on_every_rank(sharded):
-    runs = command_run(sharded, "sampled-llama")
+@pytest.mark.parametrize("name", ["llama", "qwen3_5-pipeline"])
+def test_seeded_sampling_is_identical_on_every_rank(sharded, name):
+    runs = command_run(sharded, f"sampled-{name}")
     tmp = sharded[2]
     assert len(runs) == 2, runs
-    ids = [json.loads((tmp / f"ids-{r}.json").read_text()) for r in (0, 1)]
+    ids = [json.loads((tmp / f"ids-{name}-{r}.json").read_text()) for r in (0, 1)]
     assert ids[0] == ids[1] == [r["tokens"] for r in runs]
     assert all(len(t) > 0 for t in ids[0])
     # Drafts were accepted and the caches cropped to them, identically on both ranks.
     assert max(a for r in runs for a in r["acceptance"]) > 1
 
 
-@pytest.mark.parametrize("case", range(len(ORACLE_CASES)), ids=[f"{f}-{b}" for f, b in ORACLE_CASES])
+@pytest.mark.parametrize("case", range(len(ORACLE_CASES)), ids=[f"{f}-{b}-{s}" for f, b, s in ORACLE_CASES])
 def test_sharded_caches_roll_back_at_every_block_position(sharded, case):
     cases, ranks, _ = sharded
     assert ranks[0]["oracle"] == ranks[1]["oracle"]
     c = cases[case]
     results = {r["schedule"]: r for r in ranks[0]["oracle"] if r["case"] == case}
     assert set(results) == set(ROLLBACK_SCHEDULES)
+    assert all(r["pipelined"] == (c["sharding"] == "pipeline" or c["family"] == "qwen3_next") for r in results.values())
     for name, r in results.items():
         assert r["tokens"] == c["ref"], (c["family"], name)
         assert r["accepted"][: len(r["expected"])] == r["expected"], (c["family"], name)
     assert max(results["always full"]["accepted"]) == c["block_size"] - 1  # whole blocks accepted
     assert set(results["cycle through positions"]["expected"]) == set(range(c["block_size"]))  # every length
+
+
+@pytest.mark.parametrize("family", PIPELINED)
+def test_pipelined_taps_are_each_ranks_own_and_sum_to_one_process_taps(sharded, family):
+    """Rank 1 runs layers 0-2, rank 0 layers 3-5 (mlx-lm gives rank 0 the last): each computes
+    the taps of its own layers (the last one normed, HF's entry) and zeros for the others', and
+    their sum, the one all_sum per cycle, equals one process's taps bit for bit."""
+    _, ranks, _ = sharded
+    t0, t1 = (ranks[r]["taps"][family] for r in (0, 1))
+    assert t0["tap_ids"] == [1, 3, 5] and t0["local"] == [3, 5] and t1["local"] == [1]
+    assert t0["nonzero"] == [False, True, True] and t1["nonzero"] == [True, False, False]
+    assert t0["equal"] and t1["equal"] and t0["logits_equal"] and t1["logits_equal"]
+    # A send/recv between the two ranks and an all_gather per pass; timed alone with the taps' all_sum.
+    assert t0["collectives"] == t1["collectives"] == 2
+    assert set(t0["seconds"]) == {"1", "4"} and all(s > 0 for s in t0["seconds"].values())
 
 
 def test_a_failing_rank_ends_the_run(targets, drafters):
@@ -246,17 +315,19 @@ class _Group:
         return self._rank
 
 
-@pytest.mark.parametrize("family,message", [
-    ("qwen3_next", "pipeline parallelism (model.model.pipeline) is not supported by dflash-mlx yet"),
-    ("gemma4_text", "no pipeline parallelism either"),
+@pytest.mark.parametrize("family,sharding,message", [
+    ("gemma4_text", "auto", "mlx-lm gives it neither tensor parallelism (model.shard) nor pipeline parallelism"),
+    ("qwen3_next", "tensor", "cannot be sharded with tensor parallelism: mlx-lm gives it none; use --sharding pipeline"),
+    ("llama", "pipeline", "cannot be sharded with pipeline parallelism: mlx-lm gives it none; use --sharding tensor"),
+    ("qwen3_5", "pipeline", "has no model.safetensors.index.json, which mlx-lm's pipeline loading reads"),
 ])
-def test_families_that_cannot_be_sharded_are_refused(family, message, root, tokenizer_dir, vocab):
+def test_families_that_cannot_be_sharded_are_refused(family, sharding, message, targets, root, tokenizer_dir, vocab):
     from dflash_mlx import DFlashError
     from dflash_mlx.distributed import _sharded_loader
 
-    path = family_path(family, {}, root, tokenizer_dir, vocab)
-    with pytest.raises(DFlashError, match="^Target family") as e:
-        _sharded_loader(_Group())(path)
+    path = family_path(family, targets, root, tokenizer_dir, vocab)  # tiny targets are saved without an index
+    with pytest.raises(DFlashError) as e:
+        _sharded_loader(_Group(), sharding)(path)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -123,3 +123,15 @@ def test_serve_under_mlx_launch_keeps_the_ranks_in_step(targets, drafters):
             p.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_an_unknown_sharding_is_refused(command):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.main import app
+
+    prompt = ["--prompt", "x"] if command == "generate" else []
+    r = CliRunner().invoke(app, [command, "--model", "demo", *prompt, "--sharding", "diagonal"], env={"COLUMNS": "300"})
+    assert r.exit_code == 1
+    assert "--sharding must be one of auto, tensor, pipeline (got 'diagonal')" in r.output
