@@ -2,8 +2,9 @@
 
 Read top to bottom: `prefill`, `draft`, `verify`, `step` (a plain step, for
 width 1), `draft_tree`/`verify_tree`/`accept_tree` (greedy tree
-verification, `tree.py`), then `stream_generate`, which strings them
-together under a block-size policy (`adaptive.py`). Each cycle makes one
+verification, `tree.py`), `launch` (one cycle started on the device), then
+`stream_generate`, which strings them together under a block-size policy
+(`adaptive.py`). Each cycle makes one
 host synchronisation (the accepted count and tokens, fetched together).
 """
 
@@ -84,7 +85,7 @@ def peak_memory_gb() -> float:
 
 
 def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, hold: int = 4096,
-            before_last=None):
+            before_last=None, taps: bool = True):
     """Run the prompt through the target: the first token waits for nothing else.
 
     As mlx-lm does, all but the last prompt token go through in chunks that
@@ -95,14 +96,14 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
     the last layer's output over the prompt) is in the time to first token.
     Rows beyond `hold` are given to the drafter chunk by chunk, so memory
     stays bounded for long prompts. Returns the last position's logits (lazy)
-    and those taps. `before_last(tcache)` is called when only the last token
-    is left.
+    and those taps (none with `taps=False`: no drafter will read them).
+    `before_last(tcache)` is called when only the last token is left.
     """
     held = []
     body = prompt[:-1]
     for s in range(0, body.shape[0], step):
-        _, hidden = target(body[None, s : s + step], tcache, last_only=True)
-        held.append(hidden)
+        _, hidden = target(body[None, s : s + step], tcache, last_only=True, taps=taps)
+        held += [hidden] if taps else []
         given = []
         while sum(h.shape[1] for h in held) > hold:
             source.add_context(dstate, held.pop(0))
@@ -112,9 +113,8 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
         mx.clear_cache()
     if before_last is not None:
         before_last(tcache)
-    logits, hidden = target(prompt[None, -1:], tcache)
-    held.append(hidden)
-    return logits[0, -1], held
+    logits, hidden = target(prompt[None, -1:], tcache, taps=taps)
+    return logits[0, -1], held + [hidden] if taps else []
 
 
 def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copied: Sequence[int] = (),
@@ -157,6 +157,7 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
 
 
 class Verified(NamedTuple):
+    drafts: mx.array  # the tokens verified after `last`
     accepted: mx.array
     token: mx.array  # the target's token after the accepted drafts
     hidden: mx.array  # taps of the block
@@ -200,16 +201,17 @@ def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Opti
         rows = mx.arange(block.shape[0])
         ahead = mx.concatenate([tokens, nxt.reshape(1).astype(tokens.dtype)])
         lps = token_logprobs(logits[0], mx.where(rows == accepted, nxt.astype(tokens.dtype), ahead), top)
-    return Verified(accepted, nxt, hidden, lps)
+    return Verified(tokens, accepted, nxt, hidden, lps)
 
 
 def step(target, tcache, last, params: SamplingParams, record: bool = False, top: Optional[int] = None,
-         proc: Optional[Processed] = None) -> Stepped:
-    """One plain decoding step, as mlx-lm's: the token after `last`, and the taps.
+         proc: Optional[Processed] = None, taps: bool = True) -> Stepped:
+    """One plain decoding step, as mlx-lm's: the token after `last`, and the
+    taps (None with `taps=False`).
 
     The loop records nothing for a rollback: a plain step is never cropped.
     """
-    logits, hidden = target(last[None], tcache, record=record)
+    logits, hidden = target(last[None], tcache, record=record, taps=taps)
     logits = logits[0, -1:] if not proc else proc.row(logits[0, -1:])
     token = pick(logits[0], params)
     return Stepped(token, hidden, None if top is None else token_logprobs(logits, token.reshape(1), top))
@@ -289,11 +291,33 @@ def cycle_parts(pair, n: int, branches: int = 0):
             mx.concatenate([tokens.tokens, v.picks.astype(mx.uint32), tokens.forks.astype(mx.uint32)]).tolist()
             target.crop(tcache, 0, tokens.size)
             return
-        n_acc, nxt = verify(target, tcache, last, tokens, None, greedy)[:2]
+        n_acc, nxt = verify(target, tcache, last, tokens, None, greedy)[1:3]
         mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)]).tolist()
         target.crop(tcache, 0, w)
 
     return run_draft, run_verify
+
+
+def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params: SamplingParams,
+           top: Optional[int] = None, proc: Optional[Processed] = None, branches: int = 0, plain: bool = False):
+    """Start one cycle on the device (`mx.async_eval`): a plain step, or a
+    draft (the drafter first given `taps`, the taps of committed tokens it has
+    not seen) and its verify pass. Returns the cycle in flight and the taps
+    still held back (all of them when the plan does not run the drafter)."""
+    if plan.width == 1:
+        pending = step(target, tcache, last, params, top=top, proc=proc, taps=not plain)
+    else:
+        hidden = None
+        if plan.drafts:
+            hidden = mx.concatenate(taps, axis=1) if len(taps) > 1 else (taps or [None])[0]
+            taps = []
+        if branches and not plan.copied:
+            pending = verify_tree(target, tcache, draft_tree(source, dstate, last, hidden, plan.width, branches), top)
+        else:
+            tokens, q_lp = draft(source, dstate, last, hidden, plan.width, params, offer[: plan.copied], proc)
+            pending = verify(target, tcache, last, tokens, q_lp, params, top=top, proc=proc)
+    mx.async_eval(pending)
+    return pending, taps
 
 
 class _TextStream:
@@ -418,6 +442,10 @@ def stream_generate(
         raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {window} "
                           "(max_position_embeddings); shorten the prompt.")
     eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+    # A request that never drafts and keeps nothing decodes as mlx-lm does:
+    # no taps, no drafter context, no n-gram index.
+    plain = isinstance(policy, FixedWidth) and policy.plan == PLAIN and prompt_cache is None
+    lookup = lookup and not plain
     if params.seed is not None:
         mx.random.seed(params.seed)
     # A seeded request's widths (and so its random draws) depend on nothing
@@ -441,7 +469,7 @@ def stream_generate(
     branches = tree if tree and not logits_processors and target.can_verify_tree(tcache) else 0
     trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
-                           before_last=None if trimmable else keep)
+                           before_last=None if trimmable else keep, taps=not plain)
     proc = Processed(logits_processors, prompt)
     logits = proc.row(logits[None])[0] if proc else logits
     first = pick(logits, params)
@@ -454,7 +482,8 @@ def stream_generate(
     tokens = [first.item()]
     stats.cached_tokens = reused
     stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
-    source.commit(dstate, list(prompt) + tokens)
+    if not plain:
+        source.commit(dstate, list(prompt) + tokens)
     history = list(prompt) + tokens  # the target's cache holds all but the last of these
     tic = time.perf_counter()
 
@@ -472,8 +501,10 @@ def stream_generate(
         if finish is None and left <= 0:
             finish = "length"
 
-        # Launch the next cycle before the host detokenizes and hands text over.
-        pending = None
+        # Launch the next cycle before the host detokenizes and hands text
+        # over; but the prompt's token first: the first drafted cycle may
+        # make the drafter catch up on the whole prompt.
+        pending, deferred = None, False
         if finish is None and ahead is not None:
             pending, plan = ahead, PLAIN  # a plain step already under way
         elif finish is None:
@@ -483,22 +514,10 @@ def stream_generate(
                 plan = sizer.choose(len(prompt) + stats.generation_tokens + len(tokens), offer)
             width = min(plan.width, left)
             plan = Plan(width, min(plan.copied, width - 1, len(offer)))
-            if plan.width == 1:
-                pending = step(target, tcache, last, params, top=logprobs, proc=proc)
-            else:
-                if plan.drafts:  # the drafter catches up on the context it has not seen
-                    hidden = mx.concatenate(taps, axis=1) if len(taps) > 1 else (taps or [None])[0]
-                    taps = []
-                else:
-                    hidden = None
-                if branches and not plan.copied:
-                    d_tree = draft_tree(source, dstate, last, hidden, plan.width, branches)
-                    pending = verify_tree(target, tcache, d_tree, top=logprobs)
-                else:
-                    d_tokens, q_lp = draft(source, dstate, last, hidden, plan.width, params,
-                                           offer[: plan.copied], proc)
-                    pending = verify(target, tcache, last, d_tokens, q_lp, params, top=logprobs, proc=proc)
-            mx.async_eval(pending)
+            cycle = (target, source, dstate, tcache, last, taps, plan, offer, params, logprobs, proc, branches, plain)
+            deferred = stats.cycles == 0 and plan.width > 1
+            if not deferred:
+                pending, taps = launch(*cycle)
 
         segment, kept, stopped = text.add(tokens, final=finish is not None)
         if stopped:  # later tokens, and the cycle in flight, are dropped
@@ -517,6 +536,8 @@ def stream_generate(
                 keep_caches(prompt_cache, target, source, dstate, tcache, history, taps,
                             pending or ahead, plan, at_prompt)
             return
+        if deferred:
+            pending, taps = launch(*cycle)
 
         done, ahead, nxt_plan = plan, None, None
         if plan.width == 1:
@@ -530,7 +551,7 @@ def stream_generate(
                     lookup and source.may_offer(dstate) and sizer.lookup_pays(context)):
                 nxt_plan = sizer.choose(context)
                 if nxt_plan == PLAIN:
-                    ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs, proc=proc)
+                    ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs, proc=proc, taps=not plain)
                     mx.async_eval(ahead)
             if lps is not None:
                 mx.eval(nxt, lps)
@@ -544,7 +565,7 @@ def stream_generate(
             stats.tree_cycles += 1
             stats.branch_cycles += branched
         else:
-            n_acc, nxt, hidden, lps = pending
+            d_tokens, n_acc, nxt, hidden, lps = pending
             out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens,
                                   nxt.reshape(1).astype(d_tokens.dtype)])
             mx.eval(out, lps)  # the cycle's one host synchronisation
@@ -555,12 +576,13 @@ def stream_generate(
             history += tokens
             proc.commit(mx.array(tokens))
             target.crop(tcache, accepted + 1, plan.width)
-        taps.append(hidden[:, : accepted + 1])
+        if not plain:
+            taps.append(hidden[:, : accepted + 1])
+            source.commit(dstate, tokens)
         if len(taps) == 256:  # a long run without the drafter: bound what is held, in one batched projection
             source.add_context(dstate, mx.concatenate(taps, axis=1))
             taps = []
         last = nxt.reshape(1).astype(last.dtype)
-        source.commit(dstate, tokens)
         sizer.update(done, accepted, tokens)
         plan = nxt_plan
         stats.cycles += 1

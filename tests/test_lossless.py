@@ -260,6 +260,67 @@ def test_width_one_then_wider_within_a_request(pairs, baselines, family):
     assert all(b == a + w_acc + 1 for a, b, w_acc in zip(contexts, contexts[1:], [a for _, a in policy.updates]))
 
 
+class TapsWatched:
+    """A target adapter instance's calls, recording whether each asked for taps."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, []
+
+    def __call__(self, *a, taps=True, **kw):
+        self.asked.append(taps)
+        return self.inner(*a, taps=taps, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class Untouched(DFlashDraftSource):
+    """A draft source that fails the test if the loop gives it anything."""
+
+    def add_context(self, state, hidden):
+        raise AssertionError("a block-size-1 request fed the drafter")
+
+    def commit(self, state, tokens):
+        raise AssertionError("a block-size-1 request extended the source's index")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_block_size_one_decodes_as_mlx_lm_without_taps(pairs, baselines, family):
+    """A request that can never draft (block size 1, no prompt cache) asks the
+    target for no taps, in prefill or in any step, and gives the drafter and
+    the n-gram index nothing; the ids are mlx-lm's. A policy that may draft
+    keeps the taps of its plain steps."""
+    import copy
+
+    pair = pairs[family]
+    prompt = pair.tokenizer.encode(PROMPTS[2])
+    ref = greedy_ref(baselines[family], prompt, 300)
+    watched = copy.copy(pair)
+    watched.target = TapsWatched(pair.target)
+    out, events = dflash_tokens(watched, prompt, len(ref), block_size=1,
+                                draft_source=Untouched(pair.drafter, pair.target))
+    assert out == ref and len(ref) > 256  # past the point where held taps would go to the drafter
+    assert len(watched.target.asked) == events[-1].stats.cycles + 2  # the prompt: a chunk, then its last token
+    assert not any(watched.target.asked)
+    watched.target.asked.clear()
+    out, _ = dflash_tokens(watched, prompt, 20, block_size=ScriptedWidths([1]))
+    assert out == ref[:20] and all(watched.target.asked)
+
+
+def test_the_prompts_token_is_handed_over_before_the_first_draft(pairs, baselines):
+    """The first drafted cycle makes the drafter catch up on the whole prompt
+    (on a long prompt a large part of the time to first token): the
+    prompt's own token is yielded before that cycle is even built."""
+    pair = pairs["qwen3"]
+    prompt = pair.tokenizer.encode(PROMPTS[2])
+    source = ContextChecked(pair, prompt + greedy_ref(baselines["qwen3"], prompt, 24))
+    events = dflash_mlx.stream_generate(pair, prompt, max_tokens=24, block_size=8, draft_source=source)
+    first = next(events)
+    assert first.tokens and source.widths == []
+    rest = list(events)
+    assert source.widths[0] == 8 and len(source.widths) == rest[-1].stats.draft_cycles
+
+
 def near_tie(logits):
     """Replace bf16 logits with a near tie: every token 1.5 but EOS (-1) and the
     row's own argmax, one ulp above (1.5078125). Over this vocabulary the bf16 log
