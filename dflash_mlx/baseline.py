@@ -77,7 +77,9 @@ def plain_target(pair) -> nn.Module:
     wrappers = {path for path, m in wrapped.named_modules() if isinstance(m, _Wrapper)}
     weights = [(_unwrapped_key(k, wrappers), v) for k, v in tree_flatten(wrapped.parameters())]
     if getattr(pair, "group", None) is not None:  # sharded as the pair's target is (same names, same slices)
-        model.shard(pair.group)
+        from .distributed import shard_like
+
+        shard_like(model, pair)
     model.load_weights(weights, strict=True)  # same names and shapes, or it raises
     model.eval()
     materialize(model)

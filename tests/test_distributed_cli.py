@@ -68,7 +68,29 @@ def test_bench_under_mlx_launch_compares_with_sharded_plain_decoding(targets, dr
     row = result["prompts"]["custom"][0] if "custom" in result["prompts"] else \
         next(iter(result["prompts"].values()))[0]
     assert all(v["identical"] for v in row["dflash"].values())  # equal to sharded mlx-lm greedy
-    assert err.count("all_sums per target pass") == 1 and "rank 1" not in err
+    assert err.count("collectives per target pass") == 1 and "rank 1" not in err
+
+
+def test_bench_under_pipeline_parallelism(targets, drafters, baselines, root, tmp_path):
+    """`bench --sharding pipeline`: the baseline is mlx-lm's plain decoding of the
+    same pipelined model (each rank loads its own layers); outputs identical."""
+    import json
+
+    from test_distributed import indexed_path
+
+    path = indexed_path("qwen3_5", baselines["qwen3_5"], targets["qwen3_5"], root)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    out = tmp_path / "bench.json"
+    rc, stdout, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--",
+                           CLI, "bench", "--model", str(path), "--draft", str(drafters[DRAFTER_LAYOUT["qwen3_5"]]),
+                           "--sharding", "pipeline", "--prompts", str(prompts), "--max-tokens", "10",
+                           "--block-size", "4", "--out", str(out)])
+    assert rc == 0, stdout + err
+    result = json.loads(out.read_text())
+    assert result["distributed"]["ranks"] == 2 and result["distributed"]["collectives_per_pass"] == 2
+    row = next(iter(result["prompts"].values()))[0]
+    assert all(v["identical"] for v in row["dflash"].values())
 
 
 def test_serve_under_mlx_launch_keeps_the_ranks_in_step(targets, drafters):

@@ -295,7 +295,7 @@ def test_unsupported_caches_are_refused_in_one_line(tmp_path, vocab):
 def test_doctor_lists_the_families():
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from dflash_mlx.cli.main import app
 
     r = CliRunner().invoke(app, ["doctor"])
     assert r.exit_code == 0, r.output
