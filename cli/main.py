@@ -67,10 +67,11 @@ def generate(
         True, "--lookup/--no-lookup",
         help="With --block-size auto, also draft from an n-gram lookup over the prompt and the text so far.",
     ),
-    tree: int = typer.Option(
-        0, "--tree", min=0, max=8,
-        help="Greedy, fixed --block-size: also verify this many branches (the drafter's 2nd/3rd choices) "
-             "in each target pass; attention-only targets (others verify linearly).",
+    tree: Optional[int] = typer.Option(
+        None, "--tree", min=0, max=8,
+        help="Tree verification (greedy, attention-only targets; others verify linearly): with a fixed "
+             "--block-size, also verify this many branches (the drafter's 2nd/3rd choices) in every target "
+             "pass; with auto, the most branches a cycle may use where they pay [default: 2; 0: never].",
     ),
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
     timeout: float = typer.Option(
@@ -118,8 +119,6 @@ def generate(
             enable_thinking = pair.resolved.enable_thinking
         ids = build_prompt(pair.tokenizer, prompt, system, chat_template and not ignore_chat_template,
                            enable_thinking)
-        if tree and block == "auto":
-            raise DFlashError("--tree needs a fixed --block-size (e.g. --block-size 8).")
         if block == "auto":
             _auto_sizer(pair, len(ids))
         if verbose and main_rank:
@@ -593,7 +592,7 @@ def bench(
         d = result["distributed"]
         per_pass = ", ".join(f"width {w}: {s * 1000:.2f} ms" for w, s in d["seconds_per_pass"].items())
         shares = ", ".join(f"{k}: {v:.0%}" for k, v in d["share"].items())
-        err.print(f"{d['ranks']} ranks: {d['collectives_per_pass']} all_sums per target pass ({per_pass} alone); "
+        err.print(f"{d['ranks']} ranks: {d['collectives_per_pass']} collectives per target pass ({per_pass} alone); "
                   f"their share of a step or cycle: {shares}")
     if out:
         tmp = Path(out).with_name(Path(out).name + ".tmp")

@@ -32,6 +32,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from . import tree as trees
+
 CONTEXTS = (64, 1024)
 COST_STEP = 32  # tokens of context growth before a sizer interpolates its costs again
 CURVE_VERSION = 5  # bump when what a curve measures changes
@@ -135,11 +137,13 @@ class CostSamples:
 
 
 class Plan(NamedTuple):
-    """One cycle: its verify width, and how many of its draft positions are copied from a lookup offer
-    (the rest the drafter fills; with `copied == width - 1` no drafter pass runs)."""
+    """One cycle: its verify width, how many of its draft positions are copied from a lookup offer
+    (the rest the drafter fills; with `copied == width - 1` no drafter pass runs), and how many
+    branches are verified beside the drafter's best path in a tree (`tree.py`; none copied then)."""
 
     width: int
     copied: int = 0
+    branches: int = 0
 
     @property
     def drafts(self) -> bool:
@@ -208,18 +212,19 @@ class AcceptanceStats:
 
 
 class FixedWidth:
-    """The block-size policy of a fixed --block-size: the drafter at that width, every cycle."""
+    """The block-size policy of a fixed --block-size: the drafter at that width, every cycle
+    (verified as a tree with `branches` where the loop can)."""
 
-    def __init__(self, width: int):
-        self.plan = Plan(width)
+    def __init__(self, width: int, branches: int = 0):
+        self.plan = Plan(width, 0, branches if width > 1 else 0)
 
-    def start(self, seeded: bool = False) -> "FixedWidth":
+    def start(self, seeded: bool = False, branches: int = 0) -> "FixedWidth":
         return self
 
     def choose(self, context: int, offer: Sequence[int] = ()) -> Plan:
         return self.plan
 
-    def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = ()) -> None:
+    def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = (), missed=None) -> None:
         pass
 
     def lookup_pays(self, context: int) -> bool:
@@ -253,11 +258,22 @@ class BlockSizer:
     request: a request starts from the shared rates, worth `carry`
     observations per position, so that its own outcomes take over within a
     few cycles.
+
+    Where the request allows tree verification (`start(branches=n)`: greedy,
+    a target with plain KV caches), a cycle may also verify the best path
+    with up to n branches, each the drafter's 2nd or 3rd choice at one depth
+    followed by the best path's tokens (`tree.py`). Its gain comes from how
+    often the 2nd and the 3rd choice are the target's token where the best
+    guess was not, learnt per depth from every drafted cycle (the drafter's
+    top 3 are fetched with the cycle's tokens) and drawn from their
+    posteriors as the drafter's rates are; its cost is the drafted cycle at
+    the path's width plus the extra rows of a bare verify (a tree pass costs
+    what a linear pass of as many rows does), within the measured widths only.
     """
 
     def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, lookup_prior: float = 0.5,
                  weight: float = 4.0, decay: float = 0.98, half_life: float = 1024.0, carry: float = 8.0,
-                 stick: float = 1.03, explore: bool = True):
+                 stick: float = 1.03, explore: bool = True, branch_prior: float = 0.2):
         self.curve = curve
         self.explore = explore  # False: choose on the posterior means (no exploring)
         self.rng = np.random.default_rng(0)
@@ -267,14 +283,20 @@ class BlockSizer:
         # The lookup's, per n-gram order of the match (0: offers that name none): a long match is surer.
         self.shared_lookup: Dict[int, AcceptanceStats] = {}
         self.stats, self.lookup = self.shared, self.shared_lookup  # a request's own, once start() made them
+        # Per depth: how often the drafter's 2nd and 3rd choices are the target's token where its best is not.
+        self.branch_prior = branch_prior
+        self.shared_alt = [AcceptanceStats(self.max_width, decay, half_life) for _ in range(2)]
+        self.alt = self.shared_alt
+        self.branches = 0  # tree branches a cycle of this request may verify (0: linear only)
         self.current = 0  # the drafter width chosen last
         self.pending: List[int] = []  # a lookup offer not yet compared with what was committed
         self.pending_order = 0
         self.matched = 0  # how many of its tokens were committed so far
         self._context, self._costs, self._copy = None, [], []
 
-    def start(self, seeded: bool = False) -> "BlockSizer":
-        """A sizer for a new request: this curve, the shared statistics as its prior.
+    def start(self, seeded: bool = False, branches: int = 0) -> "BlockSizer":
+        """A sizer for a new request: this curve, the shared statistics as its prior;
+        cycles may verify trees of up to `branches` branches.
 
         A seeded request starts from the prior alone, and draws its rates from
         a fixed seed (numpy's generator, not MLX's), so that its widths, and with them
@@ -283,11 +305,13 @@ class BlockSizer:
         """
         run = copy.copy(self)  # shares the curve and the shared statistics
         run.rng = np.random.default_rng(0 if seeded else int(self.rng.integers(2**63)))
+        run.branches = branches
         if seeded:
-            run.stats, run.lookup = self._fresh(), {}
+            run.stats, run.lookup, run.alt = self._fresh(), {}, [self._fresh(), self._fresh()]
         else:
             run.stats = self.shared.capped(self.carry)
             run.lookup = {n: st.capped(self.carry) for n, st in self.shared_lookup.items()}
+            run.alt = [st.capped(self.carry) for st in self.shared_alt]
         run.current, run.pending, run.matched, run.pending_order = 0, [], 0, 0
         return run
 
@@ -357,16 +381,64 @@ class BlockSizer:
             out.append(tokens / self._costs[w - 1])
         return out
 
+    @property
+    def learns_branches(self) -> bool:
+        """Whether this request's `update` wants `missed` (trees are allowed)."""
+        return self.branches > 0
+
+    def alt_rates(self) -> List[List[float]]:
+        """Per depth 1..max_width-1, P(the drafter's 2nd / 3rd choice is the target's token | its best is not)."""
+        return [st.rates(self.branch_prior, self.weight) for st in self.alt]
+
+    def sampled_alt_rates(self) -> List[List[float]]:
+        return [st.sample(self.branch_prior, self.weight, self.rng) for st in self.alt]
+
+    def branch_gain(self, width: int, branches: int, alphas: List[float], alt: List[List[float]]) -> float:
+        """Expected tokens `branches` branches add to a best path of `width`: each
+        (depth d, choice c) pays where the path holds to d, fails at d and choice c
+        is right there, plus the best path's tokens it goes on with (`tree.py`)."""
+        length = min(trees.BRANCH_LENGTH, width - 1)
+        reach, values = 1.0, []
+        for d in range(1, width):
+            a = alphas[d - 1]
+            after, run = 1.0, 1.0
+            for k in range(d + 1, min(d + length, width)):
+                run *= alphas[k - 1]
+                after += run
+            values += [reach * (1 - a) * rates[d - 1] * after for rates in alt]
+            reach *= a
+        return sum(sorted(values, reverse=True)[:branches])
+
+    def best_tree(self, alphas: List[float], alt: List[List[float]]) -> Tuple[Plan, float]:
+        """The best tree plan (width and branches) and its rate; (PLAIN, 0) if none fits the measured widths."""
+        plan, rate = PLAIN, 0.0
+        for w in range(3, self.max_width + 1):
+            for b in range(1, self.branches + 1):
+                b, length = trees.shape(w, b, 1 << 30)
+                rows = w + b * length
+                if rows > self.max_width:
+                    break
+                tokens = self.expected_tokens(w, alphas) + self.branch_gain(w, b, alphas, alt)
+                r = tokens / (self._costs[w - 1] + self._copy[rows - 1] - self._copy[w - 1])
+                if r > rate:
+                    plan, rate = Plan(w, 0, b), r
+        return plan, rate
+
     def best(self, context: int, offered: int = 0, alphas: Optional[List[float]] = None,
-             order: int = 0) -> Tuple[Plan, float]:
+             order: int = 0, alt: Optional[List[List[float]]] = None) -> Tuple[Plan, float]:
         """The best plan and its rate, given a lookup offer of `offered` tokens (matched
-        at n-gram `order`) and the drafter's `alphas` (default: their means). Pure: changes nothing."""
+        at n-gram `order`), the drafter's `alphas` and its alternatives' hit rates `alt`
+        (default: their means). Pure: changes nothing."""
         alphas = self.alphas() if alphas is None else alphas
         rates = self.rates(context, alphas)
         w = max(range(self.max_width), key=rates.__getitem__) + 1
         if self.current and rates[self.current - 1] * self.stick >= rates[w - 1]:
             w = self.current  # keep the previous width unless another is clearly better: estimates are noisy
         plan, rate = Plan(w), rates[w - 1]
+        if self.branches:
+            tree, r = self.best_tree(alphas, self.alt_rates() if alt is None else alt)
+            if r > rate * self.stick:
+                plan, rate = tree, r
         m = min(offered, self.max_width - 1)
         if m == 0:
             return plan, rate
@@ -391,8 +463,10 @@ class BlockSizer:
         order = getattr(offer, "order", 0)
         if offer and not self.pending:
             self.pending, self.pending_order = list(offer[: self.max_width - 1]), order
-        plan, _ = self.best(context, len(offer), self.sampled_alphas() if self.explore else None, order)
-        if plan.copied == 0:
+        explore = self.explore
+        plan, _ = self.best(context, len(offer), self.sampled_alphas() if explore else None, order,
+                            self.sampled_alt_rates() if explore and self.branches else None)
+        if plan.copied == 0 and not plan.branches:
             self.current = plan.width
         return plan
 
@@ -400,16 +474,31 @@ class BlockSizer:
         """Whether a full lookup offer (of any order) would be used now (else plain steps may run ahead without asking)."""
         return any(self.best(context, self.max_width - 1, order=n)[0].copied > 0 for n in set(self.lookup) | {0})
 
-    def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = ()) -> None:
-        """Record a cycle: `accepted` of its `width - 1` draft tokens were kept; `tokens` were committed."""
+    def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = (),
+               missed: Optional[Tuple[int, int]] = None) -> None:
+        """Record a cycle: `accepted` of its `width - 1` draft tokens were kept; `tokens` were committed.
+
+        `missed` (asked for where `learns_branches`): the first draft depth d at
+        which the drafter's best guess was not the target's token, and which of
+        the drafter's alternatives was (2 or 3; 0 for neither), or None when
+        every best guess held. For a tree it also says how far the best path held.
+        """
         looks = list(self.lookup.values()) + ([] if self.lookup is self.shared_lookup else
                                               list(self.shared_lookup.values()))
-        for st in self._both(self.stats, self.shared) + looks:
+        alts = self.alt + ([] if self.alt is self.shared_alt else self.shared_alt)
+        for st in self._both(self.stats, self.shared) + looks + alts:
             st.age(len(tokens))
+        if plan.branches:  # the drafter's rates see the best path alone
+            accepted = plan.width - 1 if missed is None else missed[0] - 1
         if plan.drafts and accepted >= plan.copied:  # the drafter's positions were reached
             checked = range(plan.copied + 1, min(accepted + 2, plan.width))
             for st in self._both(self.stats, self.shared):
                 st.add(checked, accepted)
+        if missed is not None and missed[0] < self.max_width:
+            d, choice = missed
+            for c, (own, shared) in enumerate(zip(self.alt, self.shared_alt), start=2):
+                for st in self._both(own, shared):
+                    st.add(range(d, d + 1), d if choice == c else d - 1)
         if self.pending and tokens:
             self._compare(tokens)
 

@@ -118,14 +118,17 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
 
 
 def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copied: Sequence[int] = (),
-          proc: Optional[Processed] = None):
-    """Draft tokens [width - 1] (and their log probabilities when sampling).
+          proc: Optional[Processed] = None, alternatives: bool = False):
+    """Draft tokens [width - 1], their log probabilities when sampling (else
+    None) and, with `alternatives` (greedy, nothing copied), the drafter's 2nd
+    and 3rd choices at each position [width - 1, 2] (else None).
 
     `copied` tokens (a lookup's) take the first positions, each a certain
     draft (a point mass); the drafter fills the rest, and is not run when
     nothing is left to fill. With logits processors (`proc`), each drafter
     position is processed after the drafts before it, so they go one by one.
     """
+    alts = None
     tokens, qs, n = [], [], len(copied)
     if n:
         tokens.append(mx.array(copied, dtype=mx.uint32))
@@ -140,6 +143,8 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
             qs.append(path[1])
     elif n < width - 1:
         logits = source.propose(dstate, last, hidden, width)[n:]
+        if alternatives and params.greedy and not proc and n == 0:
+            alts = trees.alternatives(logits)
         rows = [logits] if not proc else [None] * logits.shape[0]
         for i, row in enumerate(rows):
             if proc:
@@ -152,8 +157,8 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
                 tokens.append(mx.random.categorical(qs[-1]).astype(mx.uint32))
     tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
     if params.greedy:
-        return tokens, None
-    return tokens, qs[0] if len(qs) == 1 else mx.concatenate(qs)
+        return tokens, None, alts
+    return tokens, qs[0] if len(qs) == 1 else mx.concatenate(qs), alts
 
 
 class Verified(NamedTuple):
@@ -162,6 +167,7 @@ class Verified(NamedTuple):
     token: mx.array  # the target's token after the accepted drafts
     hidden: mx.array  # taps of the block
     logprobs: Optional[tuple]  # `token_logprobs` of the block's rows, when asked for
+    alternatives: Optional[mx.array] = None  # the drafter's 2nd and 3rd choices, for the sizer
 
 
 class Stepped(NamedTuple):
@@ -239,16 +245,24 @@ def verify_tree(target, tcache, tree: trees.Tree, top: Optional[int] = None) -> 
 def accept_tree(target, tcache, v: TreeVerified):
     """The cycle's one host synchronisation for a tree, the walk, and the
     caches cut to the accepted branch: (accepted, tokens, taps of the accepted
-    nodes, logprob rows, whether a branch was taken)."""
+    nodes, logprob rows, whether a branch was taken, where the best path
+    failed: `tree.missed`, None if it held)."""
     t = v.tree
-    N, out = t.size, mx.concatenate([t.tokens, v.picks.astype(mx.uint32), t.forks.astype(mx.uint32)])
+    N, B, W = t.size, t.branches, t.width
+    out = mx.concatenate([t.tokens, v.picks.astype(mx.uint32), t.forks.astype(mx.uint32),
+                          t.alternatives.reshape(-1)])
     mx.eval(out, v.logprobs)
     values = out.tolist()
-    path, bonus = trees.walk(t.width, t.length, values[2 * N :], values[:N], values[N : 2 * N])
+    path, bonus = trees.walk(W, t.length, values[2 * N : 2 * N + B], values[:N], values[N : 2 * N])
     target.keep_rows(tcache, path, N)
-    hidden = v.hidden if path[-1] < t.width else mx.take(v.hidden, mx.array(path), axis=1)
+    hidden = v.hidden if path[-1] < W else mx.take(v.hidden, mx.array(path), axis=1)
     lps = v.logprobs and [logprob_rows(v.logprobs, N)[i] for i in path]
-    return len(path) - 1, [values[i] for i in path[1:]] + [bonus], hidden, lps, path[-1] >= t.width
+    held = sum(1 for i in path[1:] if i < W)  # depth the best path held to
+    alts = values[2 * N + B :]
+    k = len(alts) // (W - 1)
+    missed = None if held == W - 1 else trees.missed([alts[i * k : (i + 1) * k] for i in range(W - 1)],
+                                                         held + 1, values[N + held])
+    return len(path) - 1, [values[i] for i in path[1:]] + [bonus], hidden, lps, path[-1] >= W, missed
 
 
 def cycle_parts(pair, n: int, branches: int = 0):
@@ -299,11 +313,14 @@ def cycle_parts(pair, n: int, branches: int = 0):
 
 
 def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params: SamplingParams,
-           top: Optional[int] = None, proc: Optional[Processed] = None, branches: int = 0, plain: bool = False):
+           top: Optional[int] = None, proc: Optional[Processed] = None, plain: bool = False,
+           alternatives: bool = False):
     """Start one cycle on the device (`mx.async_eval`): a plain step, or a
     draft (the drafter first given `taps`, the taps of committed tokens it has
-    not seen) and its verify pass. Returns the cycle in flight and the taps
-    still held back (all of them when the plan does not run the drafter)."""
+    not seen) and its verify pass, linear or as a tree (`plan.branches`).
+    Returns the cycle in flight and the taps still held back (all of them
+    when the plan does not run the drafter). With `alternatives`, a linear
+    cycle also brings the drafter's 2nd and 3rd choices (for the sizer)."""
     if plan.width == 1:
         pending = step(target, tcache, last, params, top=top, proc=proc, taps=not plain)
     else:
@@ -311,11 +328,14 @@ def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params
         if plan.drafts:
             hidden = mx.concatenate(taps, axis=1) if len(taps) > 1 else (taps or [None])[0]
             taps = []
-        if branches and not plan.copied:
-            pending = verify_tree(target, tcache, draft_tree(source, dstate, last, hidden, plan.width, branches), top)
+        if plan.branches:
+            pending = verify_tree(target, tcache, draft_tree(source, dstate, last, hidden, plan.width, plan.branches),
+                                  top)
         else:
-            tokens, q_lp = draft(source, dstate, last, hidden, plan.width, params, offer[: plan.copied], proc)
-            pending = verify(target, tcache, last, tokens, q_lp, params, top=top, proc=proc)
+            tokens, q_lp, alts = draft(source, dstate, last, hidden, plan.width, params, offer[: plan.copied], proc,
+                                       alternatives)
+            pending = verify(target, tcache, last, tokens, q_lp, params, top=top, proc=proc)._replace(
+                alternatives=alts)
     mx.async_eval(pending)
     return pending, taps
 
@@ -367,13 +387,15 @@ class _TextStream:
         return out
 
 
-def block_policy(pair, source, block_size):
-    """The policy that picks each cycle's plan (`adaptive.Plan`: width, and
-    draft positions copied from the source's lookup offer): a size, 'auto'
-    (measured costs and acceptance; needs `pair`) or a policy object
-    (`start(seeded)` returning a run with `choose(context, offer)`,
-    `update(plan, accepted, tokens)` and `lookup_pays(context)`). `choose` is
-    asked once per cycle; after a plain cycle, before that cycle's `update`
+def block_policy(pair, source, block_size, tree: int = 0):
+    """The policy that picks each cycle's plan (`adaptive.Plan`: width, draft
+    positions copied from the source's lookup offer, tree branches): a size
+    (with `tree` branches), 'auto' (measured costs and acceptance; needs
+    `pair`) or a policy object (`start(seeded, branches)` returning a run
+    with `choose(context, offer)`, `update(plan, accepted, tokens)` and
+    `lookup_pays(context)`; a run whose `learns_branches` is true is also
+    given `update(..., missed)`, see `BlockSizer.update`). `choose` is asked
+    once per cycle; after a plain cycle, before that cycle's `update`
     (without an offer: the token it needs is not read yet)."""
     if hasattr(block_size, "start"):
         return block_size
@@ -383,7 +405,10 @@ def block_policy(pair, source, block_size):
     block_size = block_size or source.block_size
     if not isinstance(block_size, int) or block_size < 1:
         raise DFlashError(f"--block-size must be a positive integer or 'auto' (got {block_size}).")
-    return FixedWidth(block_size)
+    return FixedWidth(block_size, tree)
+
+
+AUTO_BRANCHES = 2  # the most tree branches `auto` weighs, unless told (`tree`)
 
 
 def stream_generate(
@@ -399,7 +424,7 @@ def stream_generate(
     prompt_cache: Optional[PromptCache] = None,
     logprobs: Optional[int] = None,
     logits_processors: Sequence = (),
-    tree: int = 0,
+    tree: Optional[int] = None,
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash, yielding one event per verify cycle.
 
@@ -413,24 +438,25 @@ def stream_generate(
     `logits_processors` (mlx-lm's, e.g. `make_logits_processors` penalties and
     logit bias) apply at every position, drafts included, as in mlx-lm.
 
-    `tree=n` (greedy, a fixed block size): each drafted cycle verifies the
-    drafter's best path and n branches in one target pass (`tree.py`). It
-    stays linear, silently, where a tree cannot run: a target with other
-    caches than KV caches (Gated DeltaNet, sliding windows), logits
-    processors, a prompt cache that handed over other caches.
+    Tree verification (`tree.py`, greedy): with a fixed block size and
+    `tree=n`, each drafted cycle verifies the drafter's best path and n
+    branches in one target pass; with 'auto', the sizer verifies trees of up
+    to `tree` branches (default `AUTO_BRANCHES`; 0: never) in the cycles where
+    its costs and acceptance say they pay. Verification stays linear,
+    silently, where a tree cannot run: sampling (with `tree` unset), a target
+    with other caches than KV caches (Gated DeltaNet, sliding windows),
+    logits processors, a prompt cache that handed over other caches.
     """
     params = sampling or SamplingParams()
-    if not isinstance(tree, int) or tree < 0:
+    if tree is not None and (not isinstance(tree, int) or tree < 0):
         raise DFlashError(f"tree must be a number of branches >= 0 (got {tree}).")
     if tree and not params.greedy:
         raise DFlashError("Tree verification is greedy only (temperature 0); use tree=0 to sample.")
-    if tree and block_size is not None and not isinstance(block_size, int):
-        raise DFlashError("Tree verification needs a fixed integer block size for now.")
     if logprobs is not None and logprobs < 0:
         raise DFlashError(f"logprobs must be >= 0 (got {logprobs}).")
     target, tokenizer = pair.target, pair.tokenizer
     source = draft_source or pair.draft_source
-    policy = block_policy(pair, source, block_size)
+    policy = block_policy(pair, source, block_size, tree or 0)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be >= 1 (got {max_tokens}).")
     if isinstance(prompt, str):
@@ -448,9 +474,6 @@ def stream_generate(
     lookup = lookup and not plain
     if params.seed is not None:
         mx.random.seed(params.seed)
-    # A seeded request's widths (and so its random draws) depend on nothing
-    # earlier requests left behind.
-    sizer = policy.start(seeded=params.seed is not None)
 
     stats = GenerationStats(prompt_tokens=len(prompt))
     text = _TextStream(tokenizer, stop)
@@ -466,7 +489,12 @@ def stream_generate(
         nonlocal at_prompt
         at_prompt = (len(prompt) - 1, snapshot(cache))
 
-    branches = tree if tree and not logits_processors and target.can_verify_tree(tcache) else 0
+    can_tree = params.greedy and not logits_processors and target.can_verify_tree(tcache)
+    branches = (AUTO_BRANCHES if tree is None else tree) if can_tree else 0
+    # A seeded request's widths (and so its random draws) depend on nothing
+    # earlier requests left behind.
+    sizer = policy.start(seeded=params.seed is not None, branches=branches)
+    learn = getattr(sizer, "learns_branches", False)
     trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
                            before_last=None if trimmable else keep, taps=not plain)
@@ -513,8 +541,9 @@ def stream_generate(
                 offer = source.offer(dstate, source.block_size - 1) if lookup else []
                 plan = sizer.choose(len(prompt) + stats.generation_tokens + len(tokens), offer)
             width = min(plan.width, left)
-            plan = Plan(width, min(plan.copied, width - 1, len(offer)))
-            cycle = (target, source, dstate, tcache, last, taps, plan, offer, params, logprobs, proc, branches, plain)
+            copied = min(plan.copied, width - 1, len(offer))
+            plan = Plan(width, copied, min(plan.branches, branches) if width > 1 and not copied else 0)
+            cycle = (target, source, dstate, tcache, last, taps, plan, offer, params, logprobs, proc, plain, learn)
             deferred = stats.cycles == 0 and plan.width > 1
             if not deferred:
                 pending, taps = launch(*cycle)
@@ -539,7 +568,7 @@ def stream_generate(
         if deferred:
             pending, taps = launch(*cycle)
 
-        done, ahead, nxt_plan = plan, None, None
+        done, ahead, nxt_plan, missed = plan, None, None, None
         if plan.width == 1:
             # Plain decoding runs one step ahead, as mlx-lm's generate_step
             # does: the next step is launched before the host reads this token,
@@ -559,20 +588,25 @@ def stream_generate(
             accepted, tokens = 0, [nxt.item()]  # the cycle's one host synchronisation
             history += tokens
         elif isinstance(pending, TreeVerified):
-            accepted, tokens, hidden, lps, branched = accept_tree(target, tcache, pending)
+            accepted, tokens, hidden, lps, branched, missed = accept_tree(target, tcache, pending)
             nxt = mx.array(tokens[-1])
             history += tokens
             stats.tree_cycles += 1
             stats.branch_cycles += branched
         else:
-            d_tokens, n_acc, nxt, hidden, lps = pending
-            out = mx.concatenate([n_acc.reshape(1).astype(d_tokens.dtype), d_tokens,
-                                  nxt.reshape(1).astype(d_tokens.dtype)])
+            d_tokens, n_acc, nxt, hidden, lps, alts = pending
+            n, dt = d_tokens.shape[0], d_tokens.dtype
+            out = mx.concatenate([n_acc.reshape(1).astype(dt), d_tokens, nxt.reshape(1).astype(dt)]
+                                 + ([] if alts is None else [alts.reshape(-1).astype(dt)]))
             mx.eval(out, lps)  # the cycle's one host synchronisation
             values = out.tolist()
             accepted = values[0]
             lps = lps and logprob_rows(lps, accepted + 1)
-            tokens = values[1 : 1 + accepted] + [values[-1]]
+            tokens = values[1 : 1 + accepted] + [values[n + 1]]
+            if alts is not None and accepted < n:
+                k = alts.shape[1]
+                rows = [values[n + 2 + i * k : n + 2 + (i + 1) * k] for i in range(n)]
+                missed = trees.missed(rows, accepted + 1, tokens[-1])
             history += tokens
             proc.commit(mx.array(tokens))
             target.crop(tcache, accepted + 1, plan.width)
@@ -583,7 +617,10 @@ def stream_generate(
             source.add_context(dstate, mx.concatenate(taps, axis=1))
             taps = []
         last = nxt.reshape(1).astype(last.dtype)
-        sizer.update(done, accepted, tokens)
+        if learn:
+            sizer.update(done, accepted, tokens, missed)
+        else:
+            sizer.update(done, accepted, tokens)
         plan = nxt_plan
         stats.cycles += 1
         stats.draft_cycles += done.width > 1

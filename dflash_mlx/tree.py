@@ -41,6 +41,7 @@ class Tree:
     mask: mx.array  # [N, N] bool: node i attends to node j (its ancestors and itself)
     width: int  # W: the best path's nodes, the root included
     length: int  # nodes per branch
+    alternatives: mx.array  # [W - 1, CHOICES] the drafter's 2nd and 3rd choices at each depth
 
     @property
     def branches(self) -> int:
@@ -62,22 +63,33 @@ def shape(width: int, branches: int, vocab_size: int) -> Tuple[int, int]:
     return branches, min(BRANCH_LENGTH, width - 1)
 
 
+def ranked(logits: mx.array, k: int) -> Tuple[mx.array, mx.array]:
+    """Each row's k most likely tokens [n, k], best first, and their log probabilities (lazy)."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    order = mx.argsort(-mx.take_along_axis(lp, top, axis=-1), axis=-1)
+    top = mx.take_along_axis(top, order, axis=-1)
+    return top, mx.take_along_axis(lp, top, axis=-1)
+
+
+def alternatives(logits: mx.array) -> mx.array:
+    """The drafter's 2nd and 3rd choices [n, CHOICES] at each position (fewer with a tiny vocabulary)."""
+    return ranked(logits, min(CHOICES, logits.shape[-1] - 1) + 1)[0][:, 1:].astype(mx.uint32)
+
+
 def build(last: mx.array, logits: mx.array, branches: int) -> Tree:
     """The tree after `last` [1] from the drafter's logits [W - 1, V] (lazy)."""
     n, V = logits.shape
     W = n + 1
     B, L = shape(W, branches, V)
     k = min(CHOICES, V - 1) + 1
-    lp = logits.astype(mx.float32)
-    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
-    order = mx.argsort(-mx.take_along_axis(lp, top, axis=-1), axis=-1)
-    top = mx.take_along_axis(top, order, axis=-1)
-    top_lp = mx.take_along_axis(lp, top, axis=-1)
+    top, top_lp = ranked(logits, k)
     best = top[:, 0].astype(mx.uint32)
+    alts = top[:, 1:].astype(mx.uint32)
     if B == 0:
         return Tree(mx.concatenate([last.astype(mx.uint32), best]), mx.zeros((0,), mx.int32),
-                    mx.tril(mx.ones((W, W), dtype=mx.bool_)), W, L)
+                    mx.tril(mx.ones((W, W), dtype=mx.bool_)), W, L, alts)
     # log P(the best path holds before depth d) + log P(choice c at d), per (d, c).
     holds = mx.cumsum(top_lp[:, 0]) - top_lp[:, 0]
     score = (holds[:, None] + top_lp[:, 1:]).reshape(-1)
@@ -88,7 +100,7 @@ def build(last: mx.array, logits: mx.array, branches: int) -> Tree:
     after = mx.minimum(row[:, None] + mx.arange(1, L)[None], n - 1)
     branch = mx.concatenate([top[row, choice][:, None].astype(mx.uint32), best[after]], axis=1)
     tokens = mx.concatenate([last.astype(mx.uint32), best, branch.reshape(-1)])
-    return Tree(tokens, forks, tree_mask(forks, W, L), W, L)
+    return Tree(tokens, forks, tree_mask(forks, W, L), W, L, alts)
 
 
 @functools.lru_cache(maxsize=64)
@@ -129,3 +141,10 @@ def walk(width: int, length: int, forks: Sequence[int], tokens: Sequence[int],
             break
         path.append(node)
     return path, picks[node]
+
+
+def missed(alternatives: Sequence[Sequence[int]], depth: int, token: int) -> Tuple[int, int]:
+    """(depth, which alternative was `token` there: 2 or 3, 0 for neither), for a
+    best guess that failed at draft `depth` (1-based) where the target chose `token`."""
+    alts = list(alternatives[depth - 1])
+    return depth, (alts.index(token) + 2 if token in alts else 0)

@@ -319,6 +319,108 @@ def test_choice_sticks_unless_clearly_better():
     assert s.choose(64).width == first
 
 
+def feed_misses(sizer, width, accept, hit2, hit3, cycles, rnd):
+    """Linear cycles at `width`: best guesses hold i.i.d. with `accept`; where one
+    fails, the drafter's 2nd choice is right with `hit2`, else its 3rd with `hit3`."""
+    for _ in range(cycles):
+        a = 0
+        while a < width - 1 and rnd.random() < accept:
+            a += 1
+        missed = None
+        if a < width - 1:
+            u = rnd.random()
+            missed = (a + 1, 2 if u < hit2 else 3 if u < hit2 + hit3 else 0)
+        sizer.update(Plan(width), a, [0] * (a + 1), missed)
+
+
+def test_alternatives_are_learnt_per_depth_from_linear_cycles():
+    run = BlockSizer(cycle_curve([[1.0] * 16]), 16, decay=0.995, half_life=0).start(branches=2)
+    assert run.learns_branches and not BlockSizer(cycle_curve([[1.0] * 16]), 16).start().learns_branches
+    feed_misses(run, 16, 0.5, 0.6, 0.2, 3000, random.Random(0))
+    h2, h3 = run.alt_rates()
+    assert h2[0] == pytest.approx(0.6, abs=0.08) and h3[0] == pytest.approx(0.2, abs=0.08)
+    assert h2[2] == pytest.approx(0.6, abs=0.12)  # depth 3 fails in an eighth of the cycles
+    assert run.alphas()[0] == pytest.approx(0.5, abs=0.08)
+
+
+def simulated_tree_tokens(width, forks, accept, hits, rnd, n=20000):
+    """Mean tokens a tree cycle commits (Monte Carlo): the best path holds i.i.d.;
+    where it first fails (depth d), a branch forked at (d, c) is taken if choice c
+    is the right one, then goes on with the best path's tokens, each right with
+    `accept`, for its length (tree.BRANCH_LENGTH) within the width."""
+    from dflash_mlx.tree import BRANCH_LENGTH
+
+    length, total = min(BRANCH_LENGTH, width - 1), 0
+    for _ in range(n):
+        d = 1
+        while d < width and rnd.random() < accept:
+            d += 1
+        tokens = d  # the held guesses and the target's own token
+        if d < width:
+            u = rnd.random()
+            right = 2 if u < hits[2] else 3 if u < hits[2] + hits[3] else 0
+            if (d, right) in forks:
+                k = 1
+                while k < length and d + k < width and rnd.random() < accept:
+                    k += 1
+                tokens += k
+        total += tokens
+    return total / n
+
+
+@pytest.mark.parametrize("width, branches", [(5, 1), (5, 2), (8, 3)])
+def test_branch_gain_is_what_the_best_forks_add(width, branches):
+    """The sizer's expected tokens for a tree equal a simulation of the best
+    choice of forks, and no other choice of forks does better."""
+    import itertools
+
+    s = BlockSizer(cycle_curve([[1.0] * 16]), 16)
+    accept, hits = 0.7, {2: 0.5, 3: 0.2}
+    alphas, alt = [accept] * 15, [[hits[2]] * 15, [hits[3]] * 15]
+    want = s.expected_tokens(width, alphas) + s.branch_gain(width, branches, alphas, alt)
+    pairs = [(d, c) for d in range(1, width) for c in (2, 3)]
+    sims = {f: simulated_tree_tokens(width, set(f), accept, hits, random.Random(1))
+            for f in itertools.combinations(pairs, branches)}
+    assert max(sims.values()) == pytest.approx(want, rel=0.02)
+    assert s.branch_gain(width, branches, alphas, alt) > 0
+
+
+def test_trees_are_chosen_only_where_they_pay():
+    """A tree costs a drafted cycle at its path's width plus the extra rows of a
+    bare verify: where rows are nearly free (a GPU's curve) branches pay and are
+    chosen; where each row costs its share (a CPU's), they are not; never beyond
+    the measured widths, and never unless the request allows them."""
+    rnd = random.Random(0)
+    flat = BlockSizer(cycle_curve([FLAT]), 16, explore=False).start(branches=2)
+    feed_misses(flat, 16, 0.6, 0.6, 0.2, 400, rnd)
+    plan = flat.best(64)[0]
+    assert plan.branches > 0 and plan.width + plan.branches * min(4, plan.width - 1) <= 16
+    assert BlockSizer(cycle_curve([FLAT]), 16, explore=False).best(64)[0].branches == 0  # not allowed
+    rows_cost = BlockSizer(cycle_curve([[1.0 + 0.3 * (w - 1) for w in range(1, 17)]]), 16,
+                           explore=False).start(branches=2)
+    feed_misses(rows_cost, 16, 0.6, 0.6, 0.2, 400, rnd)
+    assert rows_cost.best(64)[0].branches == 0 and rows_cost.best(64)[0].width > 1
+    narrow = BlockSizer(cycle_curve([FLAT[:3]]), 3, explore=False).start(branches=2)
+    feed_misses(narrow, 3, 0.6, 0.9, 0.05, 400, rnd)
+    assert narrow.best(64)[0].branches == 0  # the smallest tree (3 + 2 rows) is wider than measured
+    wrong = BlockSizer(cycle_curve([FLAT]), 16, explore=False).start(branches=2)
+    feed_misses(wrong, 16, 0.6, 0.0, 0.0, 400, rnd)  # the alternatives are never right
+    assert wrong.best(64)[0].branches == 0
+
+
+def test_a_tree_cycle_teaches_the_best_path_alone():
+    """After a tree cycle the drafter's rates count the best path's held depth
+    (a branch's tokens are not its guesses), and the alternative that was right."""
+    run = BlockSizer(cycle_curve([FLAT]), 16, half_life=0).start(branches=2)
+    before = run.stats.tried[:], run.stats.accepted[:]
+    run.update(Plan(8, 0, 2), 5, [0] * 6, (2, 2))  # best path held to depth 1; a branch at 2 took it to 5
+    tried, acc = run.stats.tried, run.stats.accepted
+    assert tried[1] > before[0][1] and acc[1] > before[1][1]  # depth 1: held
+    assert tried[2] > before[0][2] and acc[2] == pytest.approx(before[1][2] * run.stats.decay)  # depth 2: failed
+    assert tried[3] == before[0][3]  # not reached by the best path
+    assert run.alt[0].accepted[2] > 0 and run.alt[1].accepted[2] == 0
+
+
 FLAT = [1.0 + 0.01 * (w - 1) for w in range(1, 17)]  # drafting always pays
 STEEP = [1.0 * w for w in range(1, 17)]  # a w-token verify costs w tokens: it never does
 

@@ -104,8 +104,9 @@ def test_branch_accepted_at_every_fork_keeps_only_its_rows(pairs, baselines, fam
         target(mx.array([seq[:m]]), cache)
         d_tree = draft_tree(Forked(), None, mx.array(seq[m : m + 1]), None, W, tree)
         v = verify_tree(target, cache, d_tree)
-        accepted, tokens, hidden, _, branched = accept_tree(target, cache, v)
+        accepted, tokens, hidden, _, branched, missed = accept_tree(target, cache, v)
         assert branched and accepted == min(fork + L - 1, W - 1), fork
+        assert missed == (fork, 2)  # for the sizer: the best path failed there, the 2nd choice was right
         assert tokens == seq[m + 1 : m + accepted + 2]
         ref_cache = target.make_cache()
         _, ref_taps = target(mx.array([seq[: m + accepted + 1]]), ref_cache)
@@ -135,6 +136,38 @@ def test_branches_through_the_loop_are_lossless(pairs, baselines, family):
     drafted = source.forks[: stats.tree_cycles]
     assert stats.branch_cycles == sum(f is not None for f in drafted) >= 4
     assert set(f for f in drafted if f) == set(range(1, W))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_auto_verifies_trees_where_they_pay(pairs, baselines, family, monkeypatch):
+    """`auto` on a curve where extra verify rows are nearly free, with a drafter
+    whose best guess fails at depth 2 where its second choice is right: the
+    sizer learns that from its linear cycles (the drafter's alternatives come
+    with each cycle's tokens) and verifies trees, losslessly. `tree=0` keeps
+    it linear; a hybrid target (Gated DeltaNet) always verifies linearly."""
+    from test_adaptive import cycle_curve
+
+    from dflash_mlx.adaptive import BlockSizer
+
+    pair = pairs[family]
+    prompt = pair.tokenizer.encode(PROMPTS[0])
+    n, W = 40, 16
+    ref = greedy_ref(baselines[family], prompt, n)
+    flat = [1.0 + 0.01 * (w - 1) for w in range(1, W + 1)]
+    monkeypatch.setattr(pair, "_sizer", BlockSizer(cycle_curve([flat]), W))
+    runs = {}
+    for tree in (None, 0):
+        source = ForkOracle(pair.target, prompt + ref, lambda c, w: min(2, w - 1))
+        source.block_size = W
+        out, stats = tokens_of(pair, prompt, n, block_size="auto", draft_source=source, tree=tree)
+        assert out == ref, tree
+        runs[tree] = stats
+    if family == "qwen3":
+        assert runs[None].branch_cycles > 0 and runs[None].branch_cycles == runs[None].tree_cycles
+        assert runs[None].cycles < runs[0].cycles  # each tree cycle commits past the failed guess
+    else:
+        assert runs[None].tree_cycles == 0
+    assert runs[0].tree_cycles == 0
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -208,8 +241,6 @@ def test_where_a_tree_is_refused_or_left_out(pairs, baselines):
     prompt = pair.tokenizer.encode(PROMPTS[1])
     with pytest.raises(DFlashError, match="greedy only"):
         tokens_of(pair, prompt, 4, block_size=4, tree=1, sampling=SamplingParams(temp=0.7))
-    with pytest.raises(DFlashError, match="fixed integer block size"):
-        tokens_of(pair, prompt, 4, block_size="auto", tree=1)
     with pytest.raises(DFlashError, match="branches"):
         tokens_of(pair, prompt, 4, block_size=4, tree=-1)
     assert pair.target.can_verify_tree([KVCache()]) and not pair.target.can_verify_tree([QuantizedKVCache()])
@@ -269,5 +300,5 @@ def test_generate_takes_tree_from_the_command_line(targets, drafters, baselines)
     linear = CliRunner().invoke(app, args + ["--block-size", "8"])
     assert tree.exit_code == 0 and linear.exit_code == 0, tree.output + linear.output
     assert tree.stdout == linear.stdout and "tree cycles" in tree.output  # same text, verified as trees
-    refused = CliRunner().invoke(app, args + ["--tree", "2"])
-    assert refused.exit_code == 1 and "--tree needs a fixed --block-size" in refused.output
+    refused = CliRunner().invoke(app, args + ["--block-size", "8", "--tree", "2", "--temp", "0.7"])
+    assert refused.exit_code == 1 and "greedy only" in refused.output
