@@ -36,7 +36,7 @@ from . import tree as trees
 
 CONTEXTS = (64, 1024)
 COST_STEP = 32  # tokens of context growth before a sizer interpolates its costs again
-CURVE_VERSION = 5  # bump when what a curve measures changes
+CURVE_VERSION = 6  # bump when what a curve measures changes
 
 
 @dataclass

@@ -220,11 +220,7 @@ class DFlash2DraftSource(DFlashDraftSource):
 
     def draft_logits(self, state, last: mx.array, hidden: Optional[mx.array], width: int):
         """The drafter's hidden states [width - 1, D] and draft logits [width - 1, V]."""
-        block = mx.concatenate([last, mx.full((width - 1,), self.mask_token_id, last.dtype)])
-        emb = self.target.embed(block[None])
-        if self.scale != 1.0:
-            emb = emb * self.scale
-        h = self.drafter(emb, hidden, state)[:, 1:]
+        h = self.draft_states(state, last, hidden, width)
         return h[0], self.drafter.finish_logits(self.target.head(h))[0]
 
     def propose(self, state, last, hidden, width):

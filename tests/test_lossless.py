@@ -307,6 +307,31 @@ def test_block_size_one_decodes_as_mlx_lm_without_taps(pairs, baselines, family)
     assert out == ref[:20] and all(watched.target.asked)
 
 
+def test_the_drafter_fills_its_trained_block_at_every_width(pairs):
+    """However few positions a cycle verifies, the drafter drafts its whole
+    trained block (its guesses at the first positions are those of a full
+    block); with `fill_block` off it drafts only the verified positions, as
+    z-lab's `dflash_generate` does, and its guesses differ."""
+    pair = pairs["qwen3"]
+    source = DFlashDraftSource(pair.drafter, pair.target)
+    B = source.block_size
+    prompt = pair.tokenizer.encode(PROMPTS[2])
+    _, taps = pair.target(mx.array([prompt]), pair.target.make_cache())
+    last = mx.array(prompt[-1:])
+
+    def proposal(width, fill=True):
+        source.fill_block = fill
+        state = source.new_state()
+        source.add_context(state, taps)
+        return source.propose(state, last, None, width)
+
+    full = proposal(B)
+    for w in (2, 4, B - 1):
+        assert proposal(w).shape[0] == w - 1 and mx.allclose(proposal(w), full[: w - 1], atol=1e-5).item(), w
+    assert not mx.allclose(proposal(4, fill=False), full[:3], atol=1e-3).item()
+    assert mx.allclose(proposal(B, fill=False), full, atol=1e-5).item()
+
+
 def test_the_prompts_token_is_handed_over_before_the_first_draft(pairs, baselines):
     """The first drafted cycle makes the drafter catch up on the whole prompt
     (on a long prompt a large part of the time to first token): the
