@@ -71,7 +71,8 @@ def generate(
         None, "--tree", min=0, max=8,
         help="Tree verification (greedy, attention-only targets; others verify linearly): with a fixed "
              "--block-size, also verify this many branches (the drafter's 2nd/3rd choices) in every target "
-             "pass; with auto, the most branches a cycle may use where they pay [default: 2; 0: never].",
+             "pass; with auto, the most branches a cycle may use where the sizer finds they pay "
+             "[default: none].",
     ),
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
     timeout: float = typer.Option(

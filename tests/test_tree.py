@@ -142,9 +142,10 @@ def test_branches_through_the_loop_are_lossless(pairs, baselines, family):
 def test_auto_verifies_trees_where_they_pay(pairs, baselines, family, monkeypatch):
     """`auto` on a curve where extra verify rows are nearly free, with a drafter
     whose best guess fails at depth 2 where its second choice is right: the
-    sizer learns that from its linear cycles (the drafter's alternatives come
-    with each cycle's tokens) and verifies trees, losslessly. `tree=0` keeps
-    it linear; a hybrid target (Gated DeltaNet) always verifies linearly."""
+    sizer, allowed 2 branches, learns that from its linear cycles (the
+    drafter's alternatives come with each cycle's tokens) and verifies trees,
+    losslessly. `tree=0` keeps it linear; a hybrid target (Gated DeltaNet)
+    always verifies linearly."""
     from test_adaptive import cycle_curve
 
     from dflash_mlx.adaptive import BlockSizer
@@ -156,17 +157,17 @@ def test_auto_verifies_trees_where_they_pay(pairs, baselines, family, monkeypatc
     flat = [1.0 + 0.01 * (w - 1) for w in range(1, W + 1)]
     monkeypatch.setattr(pair, "_sizer", BlockSizer(cycle_curve([flat]), W))
     runs = {}
-    for tree in (None, 0):
+    for tree in (2, 0):
         source = ForkOracle(pair.target, prompt + ref, lambda c, w: min(2, w - 1))
         source.block_size = W
         out, stats = tokens_of(pair, prompt, n, block_size="auto", draft_source=source, tree=tree)
         assert out == ref, tree
         runs[tree] = stats
     if family == "qwen3":
-        assert runs[None].branch_cycles > 0 and runs[None].branch_cycles == runs[None].tree_cycles
-        assert runs[None].cycles < runs[0].cycles  # each tree cycle commits past the failed guess
+        assert runs[2].branch_cycles > 0 and runs[2].branch_cycles == runs[2].tree_cycles
+        assert runs[2].cycles < runs[0].cycles  # each tree cycle commits past the failed guess
     else:
-        assert runs[None].tree_cycles == 0
+        assert runs[2].tree_cycles == 0
     assert runs[0].tree_cycles == 0
 
 
