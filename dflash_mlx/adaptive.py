@@ -36,7 +36,11 @@ from . import tree as trees
 
 CONTEXTS = (64, 1024)
 COST_STEP = 32  # tokens of context growth before a sizer interpolates its costs again
-CURVE_VERSION = 6  # bump when what a curve measures changes
+# After choosing plain decoding, the sizer holds it for this many steps without asking
+# again (unless a lookup offer comes): its per-step Python work, and the probes its
+# draws make where drafting does not pay, are paid once per run of steps.
+PLAIN_HOLD = 2
+CURVE_VERSION = 7  # bump when what a curve measures changes
 
 
 @dataclass
@@ -293,6 +297,8 @@ class BlockSizer:
         self.pending_order = 0
         self.matched = 0  # how many of its tokens were committed so far
         self._context, self._costs, self._copy = None, [], []
+        self.held = 0  # plain steps still to run without asking again (`PLAIN_HOLD`)
+        self._lookup_pays: Optional[bool] = None
 
     def start(self, seeded: bool = False, branches: int = 0) -> "BlockSizer":
         """A sizer for a new request: this curve, the shared statistics as its prior;
@@ -313,6 +319,7 @@ class BlockSizer:
             run.lookup = {n: st.capped(self.carry) for n, st in self.shared_lookup.items()}
             run.alt = [st.capped(self.carry) for st in self.shared_alt]
         run.current, run.pending, run.matched, run.pending_order = 0, [], 0, 0
+        run.held, run._lookup_pays = 0, None
         return run
 
     def explain(self, context: int) -> Optional[str]:
@@ -463,16 +470,24 @@ class BlockSizer:
         order = getattr(offer, "order", 0)
         if offer and not self.pending:
             self.pending, self.pending_order = list(offer[: self.max_width - 1]), order
+        if self.held and not offer:
+            self.held -= 1
+            return PLAIN
         explore = self.explore
         plan, _ = self.best(context, len(offer), self.sampled_alphas() if explore else None, order,
                             self.sampled_alt_rates() if explore and self.branches else None)
         if plan.copied == 0 and not plan.branches:
             self.current = plan.width
+        self.held, self._lookup_pays = (PLAIN_HOLD - 1 if plan == PLAIN else 0), None
         return plan
 
     def lookup_pays(self, context: int) -> bool:
-        """Whether a full lookup offer (of any order) would be used now (else plain steps may run ahead without asking)."""
-        return any(self.best(context, self.max_width - 1, order=n)[0].copied > 0 for n in set(self.lookup) | {0})
+        """Whether a full lookup offer (of any order) would be used now (else plain steps may run
+        ahead without asking); asked once per run of held plain steps."""
+        if self._lookup_pays is None or not self.held:
+            self._lookup_pays = any(self.best(context, self.max_width - 1, order=n)[0].copied > 0
+                                    for n in set(self.lookup) | {0})
+        return self._lookup_pays
 
     def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = (),
                missed: Optional[Tuple[int, int]] = None) -> None:
@@ -578,7 +593,7 @@ def finished(rounds: List[List[float]], min_rounds: int, max_rounds: int, tolera
     return len(rounds) >= max_rounds or (len(rounds) >= min_rounds and settled(rounds, tolerance))
 
 
-# (draft(width) -> tokens, verify(width, tokens) -> None) for a context of n tokens
+# (draft(width) -> tokens, verify(width, tokens) -> how many cycles it ran: None for one) for a context of n tokens
 CycleParts = Tuple[Callable[[int], mx.array], Callable[[int, mx.array], None]]
 
 
@@ -653,12 +668,12 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
                 tokens = run_draft(w)
                 mx.eval(tokens)
                 mid = time.perf_counter()
-                run_verify(w, tokens)
-                times[0][w - 1] = time.perf_counter() - mid
+                steps = run_verify(w, tokens) or 1
+                times[0][w - 1] = (time.perf_counter() - mid) / steps
                 times[1][w - 1] = mid - tic if w > 1 else 0.0
             tic = time.perf_counter()
-            run_verify(w, run_draft(w))
-            times[2][w - 1] = time.perf_counter() - tic
+            steps = run_verify(w, run_draft(w)) or 1
+            times[2][w - 1] = (time.perf_counter() - tic) / steps
         if record:
             rounds.append(times[2])
             samples.copy[i].append(copied)

@@ -265,15 +265,23 @@ def accept_tree(target, tcache, v: TreeVerified):
     return len(path) - 1, [values[i] for i in path[1:]] + [bonus], hidden, lps, path[-1] >= W, missed
 
 
+PLAIN_STEPS = 4  # plain steps a width-1 timing runs back to back
+
+
 def cycle_parts(pair, n: int, branches: int = 0):
     """The two halves of a greedy cycle over n tokens of random context, for timing.
 
     `draft(w)` returns lazy draft tokens, committing first the taps of about
     as many rows as a cycle of that width commits (as in the loop); `verify(w,
-    tokens)` runs the verify pass (a plain step for width 1), fetches its
-    result (the cycle's one host synchronisation) and crops the caches back,
-    so every call sees the same context. With `branches` (a target that
-    `supports_tree`), drafted cycles are trees with that many branches.
+    tokens)` runs the verify pass, fetches its result (the cycle's one host
+    synchronisation) and crops the caches back, so every call sees the same
+    context. Width 1 is timed as the loop runs plain steps: `PLAIN_STEPS`
+    steps, each launched before the host reads the one before (a step that
+    waited for its own read would cost more than the loop pays, and make
+    drafting look cheaper than it is); it returns how many steps it ran, and
+    trimmable caches are trimmed back (a recurrent state just goes on). With
+    `branches` (a target that `supports_tree`), drafted cycles are trees with
+    that many branches.
     """
     target, source = pair.target, pair.draft_source
     greedy = SamplingParams()
@@ -297,9 +305,18 @@ def cycle_parts(pair, n: int, branches: int = 0):
 
     def run_verify(w, tokens):
         if w == 1:
-            step(target, tcache, last, greedy, record=True)[0].item()
-            target.crop(tcache, 0, 1)
-            return
+            ahead = step(target, tcache, last, greedy)
+            mx.async_eval(ahead)
+            for _ in range(PLAIN_STEPS - 1):
+                nxt = step(target, tcache, ahead.token.reshape(1), greedy)
+                mx.async_eval(nxt)
+                ahead.token.item()
+                ahead = nxt
+            ahead.token.item()
+            for c in tcache:
+                if c.is_trimmable():
+                    c.trim(PLAIN_STEPS)
+            return PLAIN_STEPS
         if branches:
             v = verify_tree(target, tcache, tokens)
             mx.concatenate([tokens.tokens, v.picks.astype(mx.uint32), tokens.forks.astype(mx.uint32)]).tolist()

@@ -9,6 +9,7 @@ import pytest
 
 import dflash_mlx
 from dflash_mlx import adaptive
+from dflash_mlx import decode as decode_mod
 from dflash_mlx.adaptive import PLAIN, BlockSizer, CostCurve, FixedWidth, Plan
 from dflash_mlx.sampling import SamplingParams
 
@@ -606,17 +607,33 @@ def test_stop_string_ends_the_count_too(pairs):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_timed_cycles_leave_the_context_as_they_found_it(pairs, family):
     """The cost curve repeats cycles on one context: each draft commits taps as the
-    loop does and is rewound, each verify is cropped back."""
-    from dflash_mlx.decode import cycle_parts
+    loop does and is rewound, each verify is cropped back; width 1 runs
+    PLAIN_STEPS pipelined steps (as the loop's plain steps run) and says so,
+    and the KV caches are trimmed back after them."""
+    from dflash_mlx.decode import PLAIN_STEPS, cycle_parts
 
-    run_draft, run_verify = cycle_parts(pairs[family], 24)
-    first = {w: run_draft(w) for w in (2, 4, 8)}
-    for w in (1, 8, 4, 2, 1, 4):
-        tokens = run_draft(w)
-        if w > 1:
-            assert mx.array_equal(tokens, first[w])  # same drafter context every time
-        run_verify(w, tokens)
-    assert all(mx.array_equal(run_draft(w), first[w]) for w in first)
+    offsets = []
+    real_step = decode_mod.step
+
+    def watched(target, tcache, *a, **kw):
+        offsets.append([c.offset for c in tcache if c.is_trimmable()])
+        return real_step(target, tcache, *a, **kw)
+
+    decode_mod.step = watched
+    try:
+        run_draft, run_verify = cycle_parts(pairs[family], 24)
+        first = {w: run_draft(w) for w in (2, 4, 8)}
+        for w in (1, 8, 4, 2, 1, 4):
+            tokens = run_draft(w)
+            if w > 1:
+                assert mx.array_equal(tokens, first[w])  # same drafter context every time
+            assert run_verify(w, tokens) == (PLAIN_STEPS if w == 1 else None)
+        assert all(mx.array_equal(run_draft(w), first[w]) for w in first)
+    finally:
+        decode_mod.step = real_step
+    # Both width-1 timings start from the same context, and each step follows the one before.
+    assert len(offsets) == 2 * PLAIN_STEPS and offsets[0] == offsets[PLAIN_STEPS]
+    assert all(b == [o + 1 for o in a] for a, b in zip(offsets, offsets[1:PLAIN_STEPS]))
 
 
 def test_refining_runs_measure_a_round_even_when_one_exceeds_their_budget(monkeypatch, tmp_path):
