@@ -420,8 +420,8 @@ class BlockSizer:
         """The best tree plan (width and branches) and its rate; (PLAIN, 0) if none fits the measured widths."""
         plan, rate = PLAIN, 0.0
         for w in range(3, self.max_width + 1):
-            for b in range(1, self.branches + 1):
-                b, length = trees.shape(w, b, 1 << 30)
+            for asked in range(1, self.branches + 1):
+                b, length = trees.shape(w, asked, 1 << 30)
                 rows = w + b * length
                 if rows > self.max_width:
                     break

@@ -4,8 +4,8 @@ Read top to bottom: `prefill`, `draft`, `verify`, `step` (a plain step, for
 width 1), `draft_tree`/`verify_tree`/`accept_tree` (greedy tree
 verification, `tree.py`), `launch` (one cycle started on the device), then
 `stream_generate`, which strings them together under a block-size policy
-(`adaptive.py`). Each cycle makes one
-host synchronisation (the accepted count and tokens, fetched together).
+(`adaptive.py`). Each cycle makes one host synchronisation (the accepted
+count and tokens, fetched together).
 """
 
 import time
@@ -114,7 +114,7 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
     if before_last is not None:
         before_last(tcache)
     logits, hidden = target(prompt[None, -1:], tcache, taps=taps)
-    return logits[0, -1], held + [hidden] if taps else []
+    return logits[0, -1], (held + [hidden] if taps else [])
 
 
 def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copied: Sequence[int] = (),
@@ -259,9 +259,7 @@ def accept_tree(target, tcache, v: TreeVerified):
     lps = v.logprobs and [logprob_rows(v.logprobs, N)[i] for i in path]
     held = sum(1 for i in path[1:] if i < W)  # depth the best path held to
     alts = values[2 * N + B :]
-    k = len(alts) // (W - 1)
-    missed = None if held == W - 1 else trees.missed([alts[i * k : (i + 1) * k] for i in range(W - 1)],
-                                                         held + 1, values[N + held])
+    missed = None if held == W - 1 else trees.missed(alts, len(alts) // (W - 1), held + 1, values[N + held])
     return len(path) - 1, [values[i] for i in path[1:]] + [bonus], hidden, lps, path[-1] >= W, missed
 
 
@@ -624,9 +622,7 @@ def stream_generate(
             lps = lps and logprob_rows(lps, accepted + 1)
             tokens = values[1 : 1 + accepted] + [values[n + 1]]
             if alts is not None and accepted < n:
-                k = alts.shape[1]
-                rows = [values[n + 2 + i * k : n + 2 + (i + 1) * k] for i in range(n)]
-                missed = trees.missed(rows, accepted + 1, tokens[-1])
+                missed = trees.missed(values[n + 2 :], alts.shape[1], accepted + 1, tokens[-1])
             history += tokens
             proc.commit(mx.array(tokens))
             target.crop(tcache, accepted + 1, plan.width)

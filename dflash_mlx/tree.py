@@ -143,8 +143,9 @@ def walk(width: int, length: int, forks: Sequence[int], tokens: Sequence[int],
     return path, picks[node]
 
 
-def missed(alternatives: Sequence[Sequence[int]], depth: int, token: int) -> Tuple[int, int]:
+def missed(alternatives: Sequence[int], k: int, depth: int, token: int) -> Tuple[int, int]:
     """(depth, which alternative was `token` there: 2 or 3, 0 for neither), for a
-    best guess that failed at draft `depth` (1-based) where the target chose `token`."""
-    alts = list(alternatives[depth - 1])
+    best guess that failed at draft `depth` (1-based) where the target chose `token`;
+    `alternatives` are the drafter's k alternatives per depth, row after row."""
+    alts = list(alternatives[(depth - 1) * k : depth * k])
     return depth, (alts.index(token) + 2 if token in alts else 0)
