@@ -219,7 +219,7 @@ def step(target, tcache, last, params: SamplingParams, record: bool = False, top
     """
     logits, hidden = target(last[None], tcache, record=record, taps=taps)
     logits = logits[0, -1:] if not proc else proc.row(logits[0, -1:])
-    token = pick(logits[0], params)
+    token = pick(logits, params)[0]
     return Stepped(token, hidden, None if top is None else token_logprobs(logits, token.reshape(1), top))
 
 
@@ -518,7 +518,7 @@ def stream_generate(
                            before_last=None if trimmable else keep, taps=not plain)
     proc = Processed(logits_processors, prompt)
     logits = proc.row(logits[None])[0] if proc else logits
-    first = pick(logits, params)
+    first = pick(logits[None], params)[0]
     last = first.reshape(1)
     proc.commit(last)
     lps = None if logprobs is None else token_logprobs(logits[None], last, logprobs)

@@ -285,6 +285,7 @@ class JobChannel:
 
     def __init__(self, g: mx.distributed.Group):
         self.g = g
+        self._word: Optional[mx.array] = None  # rank 0's word after the last event, in flight
 
     def _share(self, values) -> mx.array:
         x = values if is_main(self.g) else mx.zeros_like(values)
@@ -292,6 +293,7 @@ class JobChannel:
 
     def send(self, request: Optional[dict]) -> None:
         """Rank 0: the next request (None: the server stops)."""
+        self._word = None
         data = b"" if request is None else json.dumps(request).encode()
         self._share(mx.array([len(data) if request is not None else -1], mx.int32)).item()
         if data:
@@ -299,6 +301,7 @@ class JobChannel:
 
     def receive(self) -> Optional[dict]:
         """The other ranks: the next request rank 0 sent (None: stop)."""
+        self._word = None
         n = self._share(mx.zeros((1,), mx.int32)).item()
         if n < 0:
             return None
@@ -306,8 +309,17 @@ class JobChannel:
         return json.loads(bytes(data.tolist()).decode())
 
     def keep_going(self, stop: bool = False) -> bool:
-        """After each event, on every rank: whether rank 0 goes on (`stop` is rank 0's word)."""
-        return self._share(mx.array([int(stop)], mx.int32)).item() == 0
+        """After each event, on every rank: whether to go on (`stop` is rank 0's word).
+
+        Rank 0's word is shared in the background and read after the next event,
+        by when it has long arrived: reading it at once would wait for the cycle
+        the loop launched before handing this event over, which is the loop's
+        overlap lost. So every rank stops one event after rank 0 said so, all at
+        the same one.
+        """
+        heard, self._word = self._word, self._share(mx.array([int(stop)], mx.int32))
+        mx.async_eval(self._word)
+        return heard is None or heard.item() == 0
 
 
 def follow(pair, channel: JobChannel, block_size, prompt_cache=None) -> None:

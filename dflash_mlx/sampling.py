@@ -6,11 +6,12 @@ the drafter's q, so DFlash samples from exactly the distribution mlx-lm's
 sampler would. Acceptance itself lives in `kernels/verify_accept.py`.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from .errors import DFlashError
 
@@ -65,11 +66,16 @@ def greedy_log_probs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+@functools.lru_cache(maxsize=32)
+def _sampler(temp: float, top_p: float, min_p: float, top_k: int):
+    return make_sampler(temp, top_p, min_p, top_k=top_k)
+
+
 def pick(logits: mx.array, params: SamplingParams) -> mx.array:
-    """One token per row: mlx-lm's greedy argmax, or a draw from the filtered distribution."""
-    if params.greedy:
-        return mx.argmax(greedy_log_probs(logits), axis=-1)
-    return mx.random.categorical(log_probs(logits, params))
+    """One token per row of `logits` [1, V], as mlx-lm's `generate_step` picks
+    it: its own sampler on `greedy_log_probs(logits)`. A seeded plain step so
+    draws what mlx-lm would (the draws depend on the shape: [1, V] as mlx-lm's)."""
+    return _sampler(params.temp, params.top_p, params.min_p, params.top_k)(greedy_log_probs(logits))
 
 
 class Processed:

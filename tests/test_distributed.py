@@ -338,5 +338,17 @@ def test_one_process_is_not_distributed():
     assert group().size() == 1 and is_main()
 
 
+def test_the_word_to_stop_is_heard_one_event_later_on_every_rank():
+    """Rank 0's word after an event is read after the next one (so no rank
+    waits for the cycle in flight), and a new request starts with none pending."""
+    from dflash_mlx.distributed import JobChannel
+
+    channel = JobChannel(mx.distributed.init())
+    assert [channel.keep_going(stop) for stop in (False, True, False, False)] == [True, True, False, True]
+    channel.keep_going(True)
+    channel.send({"prompt": [1]})
+    assert channel.keep_going() is True and channel.keep_going() is True
+
+
 if __name__ == "__main__":  # one rank of the shared launch (the `sharded` fixture)
     rank_main(sys.argv[1])

@@ -187,6 +187,25 @@ def test_the_check_catches_a_wrong_acceptance_rule(small_pair, monkeypatch):
     assert gof_pvalue(counts, seqs, probs, n) < ALPHA
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temp=1.0, seed=7), SamplingParams(temp=0.7, top_p=0.9, top_k=3, seed=8),
+                                    SamplingParams(temp=1.2, min_p=0.1, seed=9)])
+def test_seeded_plain_decoding_draws_mlx_lms_samples(small_pair, params):
+    """At block size 1 a seeded request samples token for token what mlx-lm's
+    generate_step does with its own sampler after the same mx.random.seed."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    pair, model = small_pair
+    prompt = [1, 3, 2, 0, 4, 1]
+    ours = [t for ev in dflash_mlx.stream_generate(pair, prompt, max_tokens=24, sampling=params, block_size=1)
+            for t in ev.tokens]
+    mx.random.seed(params.seed)
+    sampler = make_sampler(params.temp, params.top_p, params.min_p, top_k=params.top_k)
+    theirs = [t.item() if hasattr(t, "item") else t
+              for t, _ in generate_step(mx.array(prompt), model, max_tokens=24, sampler=sampler)]
+    assert ours == theirs and len(set(ours)) > 1
+
+
 def test_invalid_sampling_settings():
     for kw in [dict(temp=-0.1), dict(top_p=0.0), dict(top_p=1.2), dict(top_k=-1), dict(min_p=1.5)]:
         with pytest.raises(dflash_mlx.DFlashError):

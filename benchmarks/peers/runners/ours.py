@@ -3,7 +3,8 @@
 Settings: "default" = block_size "auto" (the adaptive sizer, its cost curve measured once
 and cached under ~/.cache/dflash-mlx/costs, with lookup drafts), "no-lookup" = "auto"
 without lookup drafts (the drafter only), "block4" / "block8" = fixed block sizes (the
-drafter alone, every cycle), "block1" = plain decoding through this loop (width 1 every cycle).
+drafter alone, every cycle), "block1" = plain decoding through this loop (width 1 every cycle), "tree2" = "auto" also
+weighing tree verification with up to 2 branches (`tree=2`).
 Acceptance: GenerationStats.cycles (target passes after the prefill, plain width-1 steps
 included) and GenerationStats.acceptance_lengths (tokens each cycle committed).
 """
@@ -13,7 +14,9 @@ import mlx.core as mx
 from _common import float_dtypes, serve
 
 BLOCKS = {"default": ("auto", True), "no-lookup": ("auto", False), "block4": (4, False), "block8": (8, False),
-          "t1-default": ("auto", True), "t1-block16": (16, False), "block1": (1, False)}
+          "t1-default": ("auto", True), "t1-block16": (16, False), "block1": (1, False),
+          "tree2": ("auto", True)}
+TREES = {"tree2": 2}  # `auto` also weighing trees of up to 2 branches
 TEMPS = {"t1-default": 1.0, "t1-block16": 1.0}  # sampled settings (temperature 1, a fresh seed per request)
 _requests = [0]
 
@@ -33,7 +36,7 @@ def load(args):
                   "settings": {"default": "block_size='auto'", "no-lookup": "block_size='auto', lookup=False",
                                "block4": "block_size=4", "block8": "block_size=8",
                                "t1-default": "block_size='auto', temp=1.0", "t1-block16": "block_size=16, temp=1.0",
-                               "block1": "block_size=1"}}
+                               "block1": "block_size=1", "tree2": "block_size='auto', tree=2"}}
 
 
 def generate(pair, prompt_ids, max_tokens, setting):
@@ -44,7 +47,7 @@ def generate(pair, prompt_ids, max_tokens, setting):
     _requests[0] += 1
     params = SamplingParams(temp=TEMPS.get(setting, 0.0), seed=_requests[0] if setting in TEMPS else None)
     for ev in stream_generate(pair, prompt_ids, max_tokens=max_tokens, sampling=params,
-                              block_size=block_size, lookup=lookup):
+                              block_size=block_size, lookup=lookup, tree=TREES.get(setting)):
         stats = ev.stats
         yield ev.tokens
     return {"cycles": stats.cycles, "cycle_tokens": sum(stats.acceptance_lengths),
