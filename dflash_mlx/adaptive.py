@@ -170,37 +170,54 @@ class AcceptanceStats:
 
     def __init__(self, n: int, decay: float = 0.98, half_life: float = 1024.0):
         self.decay, self.half_life = decay, half_life
-        self.tried = [0.0] * n  # times draft position k (index k, 1-based) was checked
-        self.accepted = [0.0] * n
+        self._tried = [0.0] * n  # times draft position k (index k, 1-based) was checked
+        self._accepted = [0.0] * n
+        self._unaged = 0  # tokens committed since the counts were last aged
+
+    @property
+    def tried(self) -> List[float]:
+        self._age_now()
+        return self._tried
+
+    @property
+    def accepted(self) -> List[float]:
+        self._age_now()
+        return self._accepted
 
     def add(self, checked: range, accepted: int) -> None:
         """Positions in `checked` were checked; those up to `accepted` were accepted."""
+        tried, acc = self.tried, self.accepted
         for k in checked:
-            self.tried[k] = self.tried[k] * self.decay + 1
-            self.accepted[k] = self.accepted[k] * self.decay + (k <= accepted)
+            tried[k] = tried[k] * self.decay + 1
+            acc[k] = acc[k] * self.decay + (k <= accepted)
 
     def age(self, tokens: int) -> None:
-        if tokens and self.half_life:
-            f = 0.5 ** (tokens / self.half_life)
-            self.tried = [t * f for t in self.tried]
-            self.accepted = [a * f for a in self.accepted]
+        """`tokens` were committed; applied when the counts are next read (a plain step's update stays O(1))."""
+        self._unaged += tokens
+
+    def _age_now(self) -> None:
+        if self._unaged and self.half_life:
+            f = 0.5 ** (self._unaged / self.half_life)
+            self._tried = [t * f for t in self._tried]
+            self._accepted = [a * f for a in self._accepted]
+        self._unaged = 0
 
     def capped(self, weight: float) -> "AcceptanceStats":
         """The same rates, each worth at most `weight` observations."""
-        out = AcceptanceStats(len(self.tried), self.decay, self.half_life)
-        for k, t in enumerate(self.tried):
+        out = AcceptanceStats(len(self._tried), self.decay, self.half_life)
+        for k, (t, a) in enumerate(zip(self.tried, self.accepted)):
             if t > 0:
-                out.tried[k] = min(t, weight)
-                out.accepted[k] = out.tried[k] * self.accepted[k] / t
+                out._tried[k] = min(t, weight)
+                out._accepted[k] = out._tried[k] * a / t
         return out
 
     def posteriors(self, prior: float, weight: float) -> List[Tuple[float, float]]:
         """Beta(a, b) of alpha_k for k = 1..n-1: the counts plus `weight` observations
         at a prior mean, which is the previous depth's mean (depth 1's is `prior`)."""
-        out, prev = [], prior
-        for k in range(1, len(self.tried)):
-            a = self.accepted[k] + weight * prev
-            b = max(0.0, self.tried[k] - self.accepted[k]) + weight * (1 - prev)
+        out, prev, tried, accepted = [], prior, self.tried, self.accepted
+        for k in range(1, len(tried)):
+            a = accepted[k] + weight * prev
+            b = max(0.0, tried[k] - accepted[k]) + weight * (1 - prev)
             out.append((a, b))
             prev = a / (a + b)
         return out
