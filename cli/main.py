@@ -368,6 +368,13 @@ def serve(
             err.print("writing the prompt cache to disk ...")
         if disk_bytes or sharded:  # the other ranks stop when the engine does
             server.engine.close()
+    # All is written and closed. Leave without the native libraries' exit-time
+    # teardown: with torch loaded (transformers imports it where installed) it
+    # aborted now and then ("terminate called without an active exception"),
+    # which a service manager reports as a failed stop.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _bytes(text: str, option: str) -> int:

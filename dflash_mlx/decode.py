@@ -84,8 +84,26 @@ def peak_memory_gb() -> float:
     return peak / 1e9
 
 
+def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None, prompt_rows: int = 0):
+    """(start, end, read) chunks of `n` prompt tokens, `step` at most: mlx-lm's
+    chunks, unless a `horizon` (first, last) leaves rows no draft will read
+    (after the first `first` of the `prompt_rows` context rows, behind the last
+    `last`), which get chunks of their own with `read` False."""
+    a = b = n
+    if horizon is not None:
+        first, last = horizon
+        a = min(first, n)
+        b = max(a, min(n, prompt_rows - last))
+    if b == a:
+        a = b = n
+    out = []
+    for lo, hi, read in ((0, a, True), (a, b, False), (b, n, True)):
+        out += [(s, min(s + step, hi), read) for s in range(lo, hi, step)]
+    return out
+
+
 def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, hold: int = 4096,
-            before_last=None, taps: bool = True):
+            before_last=None, taps: bool = True, skip: bool = False):
     """Run the prompt through the target: the first token waits for nothing else.
 
     As mlx-lm does, all but the last prompt token go through in chunks that
@@ -97,14 +115,24 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
     Rows beyond `hold` are given to the drafter chunk by chunk, so memory
     stays bounded for long prompts. Returns the last position's logits (lazy)
     and those taps (none with `taps=False`: no drafter will read them).
-    `before_last(tcache)` is called when only the last token is left.
+    `before_last(tcache)` is called when only the last token is left. With
+    `skip` (the drafter's context starts empty here), prompt rows no draft
+    will read (`DraftSource.horizon`) are skipped: their taps, and what only
+    they need, are never computed.
     """
     held = []
     body = prompt[:-1]
-    for s in range(0, body.shape[0], step):
-        _, hidden = target(body[None, s : s + step], tcache, last_only=True, taps=taps)
-        held += [hidden] if taps else []
+    horizon = source.horizon(dstate) if skip and taps else None
+    for s, e, read in prefill_chunks(body.shape[0], step, horizon, prompt.shape[0]):
+        _, hidden = target(body[None, s:e], tcache, last_only=True, taps=taps and read)
         given = []
+        if not read:  # the rows before these first, in order
+            for h in held:
+                source.add_context(dstate, h)
+            source.skip(dstate, e - s)
+            held, given = [], source.arrays(dstate)
+        elif taps:
+            held.append(hidden)
         while sum(h.shape[1] for h in held) > hold:
             source.add_context(dstate, held.pop(0))
             given = source.arrays(dstate)
@@ -515,7 +543,7 @@ def stream_generate(
     learn = getattr(sizer, "learns_branches", False)
     trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
-                           before_last=None if trimmable else keep, taps=not plain)
+                           before_last=None if trimmable else keep, taps=not plain, skip=prompt_cache is None)
     proc = Processed(logits_processors, prompt)
     logits = proc.row(logits[None])[0] if proc else logits
     first = pick(logits[None], params)[0]

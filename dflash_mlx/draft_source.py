@@ -8,7 +8,7 @@ which the block-size policy may use instead of, or before, the model's.
 """
 
 import copy
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -28,6 +28,16 @@ class DraftSource:
     def arrays(self, state) -> list:
         """Arrays of `state` to evaluate during prefill."""
         return []
+
+    def horizon(self, state) -> Optional[Tuple[int, int]]:
+        """(first, last): a draft reads at most the first `first` and the last `last`
+        committed context rows, so rows between them that have fallen behind the
+        last `last` may be `skip`ped; None: it may read any row."""
+        return None
+
+    def skip(self, state, n: int) -> None:
+        """Commit n context rows that no draft will read (see `horizon`), without their taps."""
+        raise NotImplementedError
 
     def propose(self, state, last: mx.array, hidden: Optional[mx.array], width: int) -> mx.array:
         """Logits [width - 1, V] for the block after `last`, committing `hidden` first."""
@@ -108,6 +118,13 @@ class DFlashDraftSource(DraftSource):
 
     def add_context(self, state, hidden):
         self.drafter.add_context(hidden, state)
+
+    def horizon(self, state):
+        return self.drafter.horizon
+
+    def skip(self, state, n):
+        for c in state:
+            c.skip(n)
 
     def arrays(self, state):
         return [(c.keys, c.values) for c in state if c.keys is not None]

@@ -88,6 +88,15 @@ class DraftCache:
     def length(self):
         return self.start + self.offset
 
+    def skip(self, n: int) -> None:
+        """n committed rows no block will read: their positions are taken, their keys
+        and values never computed (zeros where the buffer holds them)."""
+        if self.keys is None:
+            self.start += n
+            return
+        self._reserve(self.keys, self.values, n)
+        self.offset += n
+
     def trim(self, n: int) -> None:
         """Forget the last n committed rows (no copy)."""
         self.offset -= min(n, self.offset)
@@ -244,6 +253,16 @@ class DFlashDrafter(nn.Module):
     def context_bound(self) -> Optional[Tuple[int, int]]:
         """(sinks, recent) context rows each block sees, or None for all of them."""
         return self.__dict__.get("_bound")
+
+    @property
+    def horizon(self) -> Optional[Tuple[int, int]]:
+        """(first, last): a block reads at most the first `first` and the last `last`
+        committed context rows (the context bound, or every layer's sliding
+        window); None when it may read any of them."""
+        if self.context_bound is not None:
+            return self.context_bound
+        windows = [l.self_attn.window for l in self.layers]
+        return None if None in windows else (0, max(windows))
 
     def make_cache(self) -> List[DraftCache]:
         return [DraftCache(layer.self_attn.window, self.context_bound) for layer in self.layers]

@@ -99,6 +99,12 @@ class WithLookup(DraftSource):
     def arrays(self, state):
         return self.inner.arrays(state["inner"])
 
+    def horizon(self, state):
+        return self.inner.horizon(state["inner"])
+
+    def skip(self, state, n):
+        self.inner.skip(state["inner"], n)
+
     def propose(self, state, last, hidden, width):
         return self.inner.propose(state["inner"], last, hidden, width)
 

@@ -73,3 +73,62 @@ def test_a_bounded_drafter_context_keeps_output_exact(pairs, baselines):
     bounded = other.bound_context(16)
     restore_bound(other, before)
     assert not bounded or all(l.self_attn.window is None for l in other.layers)
+
+
+def test_rows_no_draft_reads_are_skipped_and_the_drafts_stay_the_same(pairs, baselines):
+    """Without a prompt cache, a long prompt's rows behind the drafter's bound
+    (after its first rows) are skipped in prefill: never projected, their taps
+    never computed. Every cycle drafts and accepts what a run that projected
+    them all does, and the output is plain greedy."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.decode import DFlashDraftSource, prefill_chunks
+    from dflash_mlx.prompt_cache import PromptCache
+
+    class Counted(DFlashDraftSource):
+        def __init__(self, pair, skips):
+            super().__init__(pair.drafter, pair.target)
+            self.added, self.skipped, self.skips, self.positions = 0, 0, skips, []
+
+        def horizon(self, state):
+            return super().horizon(state) if self.skips else None
+
+        def add_context(self, state, hidden):  # rows given to the drafter, here or with a draft
+            self.added += hidden.shape[1]
+            super().add_context(state, hidden)
+
+        def draft_states(self, state, last, hidden, width):
+            rows = 0 if hidden is None else hidden.shape[1]
+            self.added += rows
+            self.positions.append(state[0].length + rows)  # the block's position
+            return super().draft_states(state, last, hidden, width)
+
+        def skip(self, state, n):
+            self.skipped += n
+            super().skip(state, n)
+
+    assert prefill_chunks(10, 4) == [(0, 4, True), (4, 8, True), (8, 10, True)]  # mlx-lm's, where nothing is skipped
+    assert prefill_chunks(20, 8, (2, 5), 21) == [(0, 2, True), (2, 10, False), (10, 16, False), (16, 20, True)]
+    assert prefill_chunks(20, 8, (2, 25), 21) == prefill_chunks(20, 8)
+    pair = pairs["qwen3"]
+    prompt = pair.tokenizer.encode("Once upon a time there was a tiny language model that could count " * 8)
+    before = pair.drafter.context_bound
+    assert pair.drafter.bound_context(16, 2)
+    try:
+        runs = []
+        for skips in (True, False):
+            source = Counted(pair, skips)
+            events = [(e.tokens, e.accepted) for e in dflash_mlx.stream_generate(
+                pair, prompt, max_tokens=24, block_size=4, draft_source=source, prefill_step=32)]
+            runs.append((events, source.added, source.skipped, source.positions))
+        source = Counted(pair, True)  # a prompt cache may later need any row: none is skipped
+        list(dflash_mlx.stream_generate(pair, prompt, max_tokens=4, block_size=4, draft_source=source,
+                                        prompt_cache=PromptCache(pair)))
+        assert source.skipped == 0
+    finally:
+        restore_bound(pair.drafter, before)
+    (skipping, added, skipped, at), (full, added_all, none, at_all) = runs
+    assert skipped == len(prompt) - 16 - 2 and none == 0
+    assert added + skipped == added_all  # every row accounted for, in either form
+    assert skipping == full and at == at_all
+    assert [t for ts, _ in skipping for t in ts] == plain_greedy(baselines["qwen3"], prompt, 24)
