@@ -40,7 +40,11 @@ COST_STEP = 32  # tokens of context growth before a sizer interpolates its costs
 # again (unless a lookup offer comes): its per-step Python work, and the probes its
 # draws make where drafting does not pay, are paid once per run of steps.
 PLAIN_HOLD = 2
-CURVE_VERSION = 7  # bump when what a curve measures changes
+# The drafter's one-time catch-up on the context it has not seen (a long prompt's)
+# is spread over the tokens left, but over at most this many: a request rarely
+# runs its whole budget.
+CATCH_UP_SPREAD = 512
+CURVE_VERSION = 8  # bump when what a curve measures changes
 
 
 @dataclass
@@ -50,6 +54,7 @@ class CostCurve:
     draft: List[List[float]]  # [context][width - 1] seconds (0 for width 1)
     cycle: Optional[List[List[float]]] = None  # [context][width - 1] whole cycle, seconds
     copy: Optional[List[List[float]]] = None  # [context][width - 1] a cycle without a drafter pass (a lookup's)
+    catch_up: float = 0.0  # seconds per context row the drafter catches up on (the taps' own work, its projection)
 
     @property
     def max_width(self) -> int:
@@ -110,7 +115,8 @@ class CostCurve:
             cycle.append(both[:W])
             copies.append(both[:1] + both[W:] if len(both) > W else None)
         copies = None if any(c is None for c in copies) else copies
-        return cls([samples.contexts[i] for i in n], verify, draft, cycle, copies)
+        catch_up = next((c for c in reversed(samples.catch_up) if c > 0), 0.0)  # the longest context's
+        return cls([samples.contexts[i] for i in n], verify, draft, cycle, copies, catch_up)
 
 
 @dataclass
@@ -123,9 +129,11 @@ class CostSamples:
     copy: List[List[List[float]]] = field(default_factory=list)  # [context][round][width - 2]: copied widths 2..
     parts: List[List[List[List[float]]]] = field(default_factory=list)  # [context][round][verify, draft][width - 1]
     setup_per_token: float = 0.0  # seconds to set a context up (its prefill), per token
+    catch_up: List[float] = field(default_factory=list)  # [context] seconds per row of the drafter's catch-up
 
     def __post_init__(self):
         self.cycle = self.cycle or [[] for _ in self.contexts]
+        self.catch_up = self.catch_up or [0.0 for _ in self.contexts]
         self.copy = self.copy or [[] for _ in self.contexts]
         self.parts = self.parts or [[] for _ in self.contexts]
 
@@ -242,7 +250,7 @@ class FixedWidth:
     def start(self, seeded: bool = False, branches: int = 0) -> "FixedWidth":
         return self
 
-    def choose(self, context: int, offer: Sequence[int] = ()) -> Plan:
+    def choose(self, context: int, offer: Sequence[int] = (), unseen: int = 0, left: int = 0) -> Plan:
         return self.plan
 
     def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = (), missed=None) -> None:
@@ -393,8 +401,9 @@ class BlockSizer:
         if self._context is None or abs(context - self._context) >= COST_STEP:
             self._context, self._costs, self._copy = context, self.curve.costs(context), self.curve.copy_costs(context)
 
-    def rates(self, context: int, alphas: Optional[List[float]] = None) -> List[float]:
-        """Expected committed tokens per second of the drafter at widths 1..max_width."""
+    def rates(self, context: int, alphas: Optional[List[float]] = None, owed: float = 0.0) -> List[float]:
+        """Expected committed tokens per second of the drafter at widths 1..max_width; a
+        drafted cycle also pays `owed` seconds per token it commits (a catch-up spread)."""
         self._at(context)
         alphas = self.alphas() if alphas is None else alphas
         out, tokens, run = [], 1.0, 1.0
@@ -402,7 +411,7 @@ class BlockSizer:
             if w > 1:
                 run *= a
                 tokens += run
-            out.append(tokens / self._costs[w - 1])
+            out.append(tokens / (self._costs[w - 1] + (owed * tokens if w > 1 else 0.0)))
         return out
 
     @property
@@ -433,7 +442,7 @@ class BlockSizer:
             reach *= a
         return sum(sorted(values, reverse=True)[:branches])
 
-    def best_tree(self, alphas: List[float], alt: List[List[float]]) -> Tuple[Plan, float]:
+    def best_tree(self, alphas: List[float], alt: List[List[float]], owed: float = 0.0) -> Tuple[Plan, float]:
         """The best tree plan (width and branches) and its rate; (PLAIN, 0) if none fits the measured widths."""
         plan, rate = PLAIN, 0.0
         for w in range(3, self.max_width + 1):
@@ -443,24 +452,25 @@ class BlockSizer:
                 if rows > self.max_width:
                     break
                 tokens = self.expected_tokens(w, alphas) + self.branch_gain(w, b, alphas, alt)
-                r = tokens / (self._costs[w - 1] + self._copy[rows - 1] - self._copy[w - 1])
+                r = tokens / (self._costs[w - 1] + self._copy[rows - 1] - self._copy[w - 1] + owed * tokens)
                 if r > rate:
                     plan, rate = Plan(w, 0, b), r
         return plan, rate
 
     def best(self, context: int, offered: int = 0, alphas: Optional[List[float]] = None,
-             order: int = 0, alt: Optional[List[List[float]]] = None) -> Tuple[Plan, float]:
+             order: int = 0, alt: Optional[List[List[float]]] = None, owed: float = 0.0) -> Tuple[Plan, float]:
         """The best plan and its rate, given a lookup offer of `offered` tokens (matched
         at n-gram `order`), the drafter's `alphas` and its alternatives' hit rates `alt`
-        (default: their means). Pure: changes nothing."""
+        (default: their means); plans that run the drafter also pay `owed` seconds per
+        token they commit. Pure: changes nothing."""
         alphas = self.alphas() if alphas is None else alphas
-        rates = self.rates(context, alphas)
+        rates = self.rates(context, alphas, owed)
         w = max(range(self.max_width), key=rates.__getitem__) + 1
         if self.current and rates[self.current - 1] * self.stick >= rates[w - 1]:
             w = self.current  # keep the previous width unless another is clearly better: estimates are noisy
         plan, rate = Plan(w), rates[w - 1]
         if self.branches:
-            tree, r = self.best_tree(alphas, self.alt_rates() if alt is None else alt)
+            tree, r = self.best_tree(alphas, self.alt_rates() if alt is None else alt, owed)
             if r > rate * self.stick:
                 plan, rate = tree, r
         m = min(offered, self.max_width - 1)
@@ -476,14 +486,20 @@ class BlockSizer:
         for w in range(m + 2, self.max_width + 1):  # all of it, then the drafter's guesses
             drun *= alphas[w - 2]
             tail += drun
-            r = (head + run * tail) / self._costs[w - 1]
+            r = (head + run * tail) / (self._costs[w - 1] + owed * (head + run * tail))
             if r > rate:
                 plan, rate = Plan(w, m), r
         return plan, rate
 
-    def choose(self, context: int, offer: Sequence[int] = ()) -> Plan:
+    def choose(self, context: int, offer: Sequence[int] = (), unseen: int = 0, left: int = 0) -> Plan:
         """The plan of the next cycle, given the source's lookup `offer` (its `order`, if
-        it has one, is the n-gram order of the match)."""
+        it has one, is the n-gram order of the match), the `unseen` context rows the
+        drafter would first catch up on and the `left` tokens of the budget.
+
+        The catch-up (a long prompt's, before the first drafted cycle) is paid once,
+        so it is spread over the tokens left (at most `CATCH_UP_SPREAD`): drafting must
+        pay for it over the rest of the request, not within one cycle.
+        """
         order = getattr(offer, "order", 0)
         if offer and not self.pending:
             self.pending, self.pending_order = list(offer[: self.max_width - 1]), order
@@ -491,8 +507,10 @@ class BlockSizer:
             self.held -= 1
             return PLAIN
         explore = self.explore
+        spread = min(left, CATCH_UP_SPREAD)
+        owed = self.curve.catch_up * unseen / spread if unseen and spread > 0 else 0.0
         plan, _ = self.best(context, len(offer), self.sampled_alphas() if explore else None, order,
-                            self.sampled_alt_rates() if explore and self.branches else None)
+                            self.sampled_alt_rates() if explore and self.branches else None, owed)
         if plan.copied == 0 and not plan.branches:
             self.current = plan.width
         self.held, self._lookup_pays = (PLAIN_HOLD - 1 if plan == PLAIN else 0), None
@@ -610,7 +628,8 @@ def finished(rounds: List[List[float]], min_rounds: int, max_rounds: int, tolera
     return len(rounds) >= max_rounds or (len(rounds) >= min_rounds and settled(rounds, tolerance))
 
 
-# (draft(width) -> tokens, verify(width, tokens) -> how many cycles it ran: None for one) for a context of n tokens
+# (draft(width) -> tokens, verify(width, tokens) -> how many cycles it ran: None for one) for a context
+# of n tokens, optionally with the seconds per row the drafter took to catch up on that context
 CycleParts = Tuple[Callable[[int], mx.array], Callable[[int, mx.array], None]]
 
 
@@ -622,7 +641,9 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
 
     `make_cycle(n)` sets up a context of n tokens and returns its two halves:
     `draft(w)` (lazy draft tokens) and `verify(w, tokens)` (the verify pass,
-    the cycle's one host synchronisation and the crop back). Widths are
+    the cycle's one host synchronisation and the crop back), and optionally
+    the seconds per row the drafter took to catch up on the context (kept as
+    the curve's `catch_up`). Widths are
     interleaved within each round in alternating order, and rounds are
     normalised before their median is taken (`profile`), so drift of the
     machine's overall speed does not bend the shape.
@@ -656,7 +677,10 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
     def one_round(i: int) -> None:
         if i not in runners:
             tic = time.perf_counter()
-            runners[i] = make_cycle(samples.contexts[i])
+            parts = make_cycle(samples.contexts[i])
+            runners[i] = parts[:2]
+            if len(parts) > 2:
+                samples.catch_up[i] = parts[2]
             samples.setup_per_token = max(samples.setup_per_token,
                                           (time.perf_counter() - tic) / samples.contexts[i])
             if not runners.keys() - {i} and not samples.cycle[i]:

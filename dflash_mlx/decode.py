@@ -307,15 +307,21 @@ def cycle_parts(pair, n: int, branches: int = 0):
     drafting look cheaper than it is); it returns how many steps it ran, and
     trimmable caches are trimmed back (a recurrent state just goes on). With
     `branches` (a target that `supports_tree`), drafted cycles are trees with
-    that many branches.
+    that many branches. The third item returned is the seconds per row the
+    drafter took to catch up on the context once the target's caches were
+    made (as after a prefill): the taps' own work (e.g. a tapped last layer)
+    and the drafter's projection.
     """
     target, source = pair.target, pair.draft_source
     greedy = SamplingParams()
     prompt = mx.random.randint(0, target.vocab_size, (n,), key=mx.random.key(n))
     tcache, dstate = target.make_cache(), source.new_state()
     _, taps = target(prompt[None], tcache, last_only=True)
+    mx.eval([c.state for c in tcache])
+    tic = time.perf_counter()
     source.add_context(dstate, taps)
-    mx.eval([c.state for c in tcache], source.arrays(dstate))
+    mx.eval(source.arrays(dstate))
+    catch_up = (time.perf_counter() - tic) / n
     last = prompt[-1:]
 
     def run_draft(w):
@@ -352,7 +358,7 @@ def cycle_parts(pair, n: int, branches: int = 0):
         mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)]).tolist()
         target.crop(tcache, 0, w)
 
-    return run_draft, run_verify
+    return run_draft, run_verify, catch_up
 
 
 def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params: SamplingParams,
@@ -585,7 +591,8 @@ def stream_generate(
             offer = []
             if plan is None:
                 offer = source.offer(dstate, source.block_size - 1) if lookup else []
-                plan = sizer.choose(len(prompt) + stats.generation_tokens + len(tokens), offer)
+                plan = sizer.choose(len(prompt) + stats.generation_tokens + len(tokens), offer,
+                                    unseen=sum(t.shape[1] for t in taps), left=left)
             width = min(plan.width, left)
             copied = min(plan.copied, width - 1, len(offer))
             plan = Plan(width, copied, min(plan.branches, branches) if width > 1 and not copied else 0)
@@ -624,7 +631,8 @@ def stream_generate(
             context = len(prompt) + stats.generation_tokens + 1
             if max_tokens - stats.generation_tokens > 1 and not (
                     lookup and source.may_offer(dstate) and sizer.lookup_pays(context)):
-                nxt_plan = sizer.choose(context)
+                nxt_plan = sizer.choose(context, unseen=sum(t.shape[1] for t in taps) + 1,
+                                        left=max_tokens - stats.generation_tokens - 1)
                 if nxt_plan == PLAIN:
                     ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs, proc=proc, taps=not plain)
                     mx.async_eval(ahead)

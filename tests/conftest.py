@@ -268,7 +268,7 @@ class ScriptedWidths:
         self.chosen, self.updates, self.offers, self.plans = [], [], [], []
         return self
 
-    def choose(self, context, offer=()):
+    def choose(self, context, offer=(), unseen=0, left=0):
         plan = self.widths[len(self.chosen) % len(self.widths)]
         self.chosen.append((context, plan.width))
         self.offers.append(list(offer))

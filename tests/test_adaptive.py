@@ -163,6 +163,29 @@ def test_plain_decoding_keeps_learning_what_it_does_not_try():
     assert s.best(64)[0].width >= 6
 
 
+def test_a_long_catch_up_is_paid_for_over_the_tokens_left():
+    """Before its first drafted cycle the drafter catches up on the prompt, once.
+    Where drafting pays per cycle, the sizer drafts if the tokens left can pay for
+    that catch-up, and decodes plainly if they cannot."""
+    flat = [1.0 + 0.1 * (w - 1) for w in range(1, 17)]  # drafting pays at the prior
+    s = BlockSizer(curve(flat), 16, explore=False)
+    s.curve.catch_up = 0.05  # a row costs a twentieth of a plain step
+    assert s.start().choose(64).width > 1
+    assert s.start().choose(64, unseen=2048, left=8) == PLAIN  # 100 steps for 8 tokens: no
+    assert s.start().choose(64, unseen=2048, left=4096).width > 1  # spread over 512 tokens: yes
+    assert s.start().choose(64, unseen=16, left=8).width > 1  # a few rows: yes
+    s.curve.catch_up = 0.0  # not measured: nothing is owed
+    assert s.start().choose(64, unseen=2048, left=8).width > 1
+
+
+def test_the_curve_keeps_the_longest_contexts_catch_up(tmp_path):
+    samples = adaptive.CostSamples([64, 1024], 4, cycle=[[[1.0, 2.0, 3.0, 4.0]] * 3] * 2,
+                                   catch_up=[0.002, 0.0005])
+    assert CostCurve.from_samples(samples).catch_up == 0.0005
+    samples.catch_up = [0.002, 0.0]  # the long context not measured yet
+    assert CostCurve.from_samples(samples).catch_up == 0.002
+
+
 def unlucky_start(sizer, rnd, tokens=256, accept_prob=0.9, rejected=2):
     """A request whose first `rejected` drafted cycles are rejected outright, then
     drafts are accepted i.i.d. with accept_prob; returns (tokens, cost, drafted cycles)."""
@@ -621,7 +644,8 @@ def test_timed_cycles_leave_the_context_as_they_found_it(pairs, family):
 
     decode_mod.step = watched
     try:
-        run_draft, run_verify = cycle_parts(pairs[family], 24)
+        run_draft, run_verify, catch_up = cycle_parts(pairs[family], 24)
+        assert catch_up > 0  # seconds per row of the drafter's catch-up on the context
         first = {w: run_draft(w) for w in (2, 4, 8)}
         for w in (1, 8, 4, 2, 1, 4):
             tokens = run_draft(w)

@@ -266,7 +266,7 @@ def test_tree_logprobs_are_those_of_linear_verification(pairs):
 def test_cycle_parts_time_trees(pairs):
     """The cost measurement's halves of a tree cycle (for a sizer): a tree of
     the width's shape is drafted and verified, and each call starts again."""
-    run_draft, run_verify = cycle_parts(pairs["qwen3"], 40, branches=2)
+    run_draft, run_verify, _ = cycle_parts(pairs["qwen3"], 40, branches=2)
     for w in (2, 6, 6):
         tree = run_draft(w)
         B, L = trees.shape(w, 2, pairs["qwen3"].target.vocab_size)
