@@ -579,12 +579,25 @@ def blas_name() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
-    # Only libraries MLX can resolve BLAS symbols from count: numpy's own
-    # bundled OpenBLAS (numpy.libs/, scipy_openblas) is private to numpy.
-    libs = {line.split()[-1] for line in maps.splitlines() if "/" in line}
-    libs = [l.lower() for l in libs if "numpy" not in l.lower() and "scipy_openblas" not in l.lower()]
+    return _blas_of(line.split()[-1] for line in maps.splitlines() if "/" in line)
+
+
+def _blas_of(paths) -> str:
+    """The BLAS among loaded library `paths`. Only libraries MLX can resolve BLAS
+    symbols from count (numpy's bundled OpenBLAS is private to numpy), and only
+    by the library's own name or folder: MLX's JIT-compiled kernels are loaded
+    too, and their names spell out ops ("...MinimumKL..." holds "mkl")."""
+    found = set()
+    for path in paths:
+        p = Path(path.lower())
+        if not p.name.startswith("lib") or ".so" not in p.name or "numpy" in path.lower():
+            continue
+        if "openblas" in p.name or "openblas" in p.parent.name:  # Debian's: openblas-pthread/libblas.so.3
+            found.add("openblas")
+        elif p.name.startswith(("libmkl", "libblis")):
+            found.add(p.name[3:].split("_")[0].split(".")[0].split("-")[0])
     for name in ("openblas", "mkl", "blis"):
-        if any(name in l for l in libs):
+        if name in found:
             return name
     return "reference (stock mlx[cpu])"
 

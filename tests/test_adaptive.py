@@ -675,3 +675,15 @@ def test_refining_runs_measure_a_round_even_when_one_exceeds_their_budget(monkey
         counts.append(len(json.loads(path.read_text())["cycle"][0]))
         assert clock.now < 2 * 0.1 * (sum(range(1, 5)) + sum(range(2, 5)))  # one round (and a warm-up), no more
     assert counts == [3, 4, 5, 6, 6, 6]
+
+
+def test_the_blas_is_read_from_library_names_not_from_kernel_names():
+    """Cost curves and the prompt cache's disk folders are keyed by the BLAS: MLX's
+    JIT-compiled kernels (loaded as libraries whose names spell out their ops) and
+    numpy's private OpenBLAS must not change it."""
+    stock = ["/x/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0", "/x/numpy.libs/libscipy_openblas64_-32a4b2a6.so",
+             "/tmp/mlx/0.32.4/cpu/libGf4ISubtractABHf4IMinimumKLNf4IMultiplyHMOf4_contiguous.so"]
+    assert adaptive._blas_of(stock) == "reference (stock mlx[cpu])"
+    assert adaptive._blas_of(stock + ["/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"]) == "openblas"
+    assert adaptive._blas_of(stock + ["/opt/intel/oneapi/lib/libmkl_rt.so.2"]) == "mkl"
+    assert adaptive._blas_of(stock + ["/usr/lib/libblis.so.4"]) == "blis"
