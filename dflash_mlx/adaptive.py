@@ -594,8 +594,10 @@ def _blas_of(paths) -> str:
             continue
         if "openblas" in p.name or "openblas" in p.parent.name:  # Debian's: openblas-pthread/libblas.so.3
             found.add("openblas")
-        elif p.name.startswith(("libmkl", "libblis")):
-            found.add(p.name[3:].split("_")[0].split(".")[0].split("-")[0])
+        elif p.name.startswith("libmkl"):
+            found.add("mkl")
+        elif p.name.startswith("libblis"):
+            found.add("blis")
     for name in ("openblas", "mkl", "blis"):
         if name in found:
             return name

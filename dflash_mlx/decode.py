@@ -567,7 +567,9 @@ def stream_generate(
     history = list(prompt) + tokens  # the target's cache holds all but the last of these
     tic = time.perf_counter()
 
-    # `taps`: target taps of committed tokens not yet given to the drafter (the prompt's first)
+    # `taps`: target taps of committed tokens not yet given to the drafter (the prompt's first),
+    # `unseen` rows of them (what the drafter's first drafted cycle catches up on)
+    unseen = sum(t.shape[1] for t in taps)
     accepted, ahead, plan = 0, None, None
     while True:
         # Commit this cycle's tokens: stop on EOS or the budget.
@@ -592,7 +594,7 @@ def stream_generate(
             if plan is None:
                 offer = source.offer(dstate, source.block_size - 1) if lookup else []
                 plan = sizer.choose(len(prompt) + stats.generation_tokens + len(tokens), offer,
-                                    unseen=sum(t.shape[1] for t in taps), left=left)
+                                    unseen=unseen, left=left)
             width = min(plan.width, left)
             copied = min(plan.copied, width - 1, len(offer))
             plan = Plan(width, copied, min(plan.branches, branches) if width > 1 and not copied else 0)
@@ -600,6 +602,7 @@ def stream_generate(
             deferred = stats.cycles == 0 and plan.width > 1
             if not deferred:
                 pending, taps = launch(*cycle)
+                unseen = unseen if taps else 0
 
         segment, kept, stopped = text.add(tokens, final=finish is not None)
         if stopped:  # later tokens, and the cycle in flight, are dropped
@@ -620,6 +623,7 @@ def stream_generate(
             return
         if deferred:
             pending, taps = launch(*cycle)
+            unseen = unseen if taps else 0
 
         done, ahead, nxt_plan, missed = plan, None, None, None
         if plan.width == 1:
@@ -631,7 +635,7 @@ def stream_generate(
             context = len(prompt) + stats.generation_tokens + 1
             if max_tokens - stats.generation_tokens > 1 and not (
                     lookup and source.may_offer(dstate) and sizer.lookup_pays(context)):
-                nxt_plan = sizer.choose(context, unseen=sum(t.shape[1] for t in taps) + 1,
+                nxt_plan = sizer.choose(context, unseen=unseen + 1,
                                         left=max_tokens - stats.generation_tokens - 1)
                 if nxt_plan == PLAIN:
                     ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs, proc=proc, taps=not plain)
@@ -664,10 +668,11 @@ def stream_generate(
             target.crop(tcache, accepted + 1, plan.width)
         if not plain:
             taps.append(hidden[:, : accepted + 1])
+            unseen += accepted + 1
             source.commit(dstate, tokens)
         if len(taps) == 256:  # a long run without the drafter: bound what is held, in one batched projection
             source.add_context(dstate, mx.concatenate(taps, axis=1))
-            taps = []
+            taps, unseen = [], 0
         last = nxt.reshape(1).astype(last.dtype)
         if learn:
             sizer.update(done, accepted, tokens, missed)

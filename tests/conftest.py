@@ -265,13 +265,14 @@ class ScriptedWidths:
         self.widths = [w if isinstance(w, Plan) else Plan(w) for w in widths]
 
     def start(self, seeded=False, branches=0):
-        self.chosen, self.updates, self.offers, self.plans = [], [], [], []
+        self.chosen, self.updates, self.offers, self.plans, self.unseen = [], [], [], [], []
         return self
 
     def choose(self, context, offer=(), unseen=0, left=0):
         plan = self.widths[len(self.chosen) % len(self.widths)]
         self.chosen.append((context, plan.width))
         self.offers.append(list(offer))
+        self.unseen.append(unseen)
         return plan
 
     def update(self, plan, accepted, tokens=()):

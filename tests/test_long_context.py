@@ -132,3 +132,39 @@ def test_rows_no_draft_reads_are_skipped_and_the_drafts_stay_the_same(pairs, bas
     assert added + skipped == added_all  # every row accounted for, in either form
     assert skipping == full and at == at_all
     assert [t for ts, _ in skipping for t in ts] == plain_greedy(baselines["qwen3"], prompt, 24)
+
+
+def test_the_sizer_is_told_how_many_rows_the_drafter_has_not_seen(pairs):
+    """At every choice the loop reports the context rows whose taps the drafter
+    has not been given yet (what a drafted cycle would first catch up on): the
+    whole prompt before the first draft, then what plain steps added since."""
+    from conftest import ScriptedWidths
+
+    from dflash_mlx.decode import DFlashDraftSource
+
+    pair = pairs["qwen3"]
+
+    class Given(DFlashDraftSource):
+        rows = 0
+
+        def add_context(self, state, hidden):
+            self.rows += hidden.shape[1]
+            super().add_context(state, hidden)
+
+        def draft_states(self, state, last, hidden, width):
+            self.rows += 0 if hidden is None else hidden.shape[1]
+            return super().draft_states(state, last, hidden, width)
+
+    source = Given(pair.drafter, pair.target)
+
+    class Watched(ScriptedWidths):
+        def choose(self, context, offer=(), unseen=0, left=0):
+            self.given.append(context - 1 - source.rows)  # rows with taps (all but the last token's) not given
+            return super().choose(context, offer, unseen, left)
+
+    policy = Watched([1, 1, 4, 1, 1, 1, 3])
+    policy.given = []
+    prompt = pair.tokenizer.encode("Once upon a time there was a tiny language model that could count")
+    list(dflash_mlx.stream_generate(pair, prompt, max_tokens=32, block_size=policy, draft_source=source))
+    assert policy.unseen == policy.given
+    assert policy.unseen[0] == len(prompt) and max(policy.unseen[3:]) > 1 and 0 < min(policy.unseen)
