@@ -477,4 +477,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        # A failed rank leaves at once: its interpreter's teardown (the models, the ring's sockets) can
+        # outlast the other ranks' noticing, and mlx.launch then kills it and reports a signal instead.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

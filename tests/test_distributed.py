@@ -291,9 +291,31 @@ def test_a_failing_rank_ends_the_run(targets, drafters):
                           "--max-tokens", 8, "--json", env=["DFLASH_MLX_TEST_FAIL_RANK=1"], timeout=120)
     assert runs == []
     assert "dflash-mlx (rank 1 of 2): rank 1 was told to fail" in output
-    assert "dflash-mlx (rank 0 of 2): a collective failed" in output
-    # mlx.launch 0.32 exits 0 whatever its ranks do; it reports their exit codes.
+    # mlx.launch 0.32 exits 0 whatever its ranks do; it reports their exit codes. The failed rank
+    # leaves at once with its own code; the other either sees the collective fail first or is ended
+    # by mlx.launch (which of the two is a race), never left waiting.
     assert "Node with rank 1 exited with code 1" in output
+    assert ("dflash-mlx (rank 0 of 2): a collective failed" in output
+            or "Node with rank 0 exited with code -15" in output)
+
+
+@pytest.mark.parametrize("error,line", [
+    (RuntimeError("[ring] Socket 3 was closed by the peer\nmore"),
+     "a collective failed ([ring] Socket 3 was closed by the peer): another rank has probably stopped; "
+     "its error is above"),
+    (RuntimeError("out of memory\nmore"), "out of memory"),
+])
+def test_a_rank_says_in_one_line_why_it_stopped(monkeypatch, capsys, error, line):
+    """What rank 0 prints when the other rank's exit breaks a collective (the launch above may end it
+    before it can, a race), and any other error: one line, code 1."""
+    from dflash_mlx import distributed
+
+    def fail(args, g, watchdog):
+        raise error
+
+    monkeypatch.setattr(distributed, "run", fail)
+    assert distributed.main(["--model", "m", "--prompt", "p"]) == 1
+    assert capsys.readouterr().err == f"dflash-mlx (rank 0 of 1): {line}\n"
 
 
 def test_a_hanging_rank_ends_the_run_after_the_timeout(targets, drafters):
