@@ -74,6 +74,12 @@ def generate(
              "pass; with auto, the most branches a cycle may use where the sizer finds they pay "
              "[default: none].",
     ),
+    proposal_scale: str = typer.Option(
+        "auto", "--proposal-scale",
+        help="When sampling: how much flatter (>1) or sharper (<1) than the drafter's own distribution its "
+             "drafts are drawn (exact either way; 1: as z-lab's loop), or 'auto' to learn it per draft "
+             "position from the acceptance each scale would have had.",
+    ),
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
     timeout: float = typer.Option(
         600.0, "--timeout", min=0.0,
@@ -93,7 +99,7 @@ def generate(
     from dflash_mlx.prompt import build_prompt
     from dflash_mlx.sampling import SamplingParams
 
-    block, sharding = _one_block_size(block_size), _sharding(sharding)
+    block, sharding, scale = _one_block_size(block_size), _sharding(sharding), _proposal_scale(proposal_scale)
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             fail("give a prompt with --prompt, or pipe it on stdin.")
@@ -130,7 +136,8 @@ def generate(
                 f"prompt {len(ids)} tokens, block size {block}, {params}"
             )
         for event in dflash_mlx.stream_generate(
-            pair, ids, max_tokens=max_tokens, sampling=params, block_size=block, lookup=lookup, tree=tree
+            pair, ids, max_tokens=max_tokens, sampling=params, block_size=block, lookup=lookup, tree=tree,
+            proposal_scale=scale,
         ):
             watchdog.beat()
             out.write(event.text)
@@ -152,6 +159,8 @@ def generate(
     if verbose:
         hist = Counter(stats.acceptance_lengths)
         err.print("acceptance histogram: " + ", ".join(f"{k}:{hist[k]}" for k in sorted(hist)))
+        if stats.proposal_scales:
+            err.print(stats.proposal_scales)
     err.print(stats.line() if not sharded else f"[{g.size()} ranks] {stats.line()}")
 
 
@@ -434,6 +443,18 @@ def _sharding(text: str) -> str:
     if text not in SHARDINGS:
         fail(f"--sharding must be one of {', '.join(SHARDINGS)} (got '{text}').")
     return text
+
+
+def _proposal_scale(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        fail(f"--proposal-scale takes a number > 0 or 'auto' (got '{text}').")
+    return value
 
 
 def _one_block_size(text: str):

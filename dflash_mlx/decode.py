@@ -21,6 +21,7 @@ from .errors import DFlashError
 from .kernels import verify_accept
 from .lookup import point_masses
 from .prompt_cache import PromptCache, can_trim, snapshot
+from .proposal import FixedScale, ProposalScales, reached_gains, rescale
 from .sampling import Processed, SamplingParams, greedy_log_probs, log_probs, pick
 
 
@@ -34,6 +35,7 @@ class GenerationStats:
     cycles: int = 0
     draft_cycles: int = 0  # cycles that verified a draft (width > 1)
     lookup_cycles: int = 0  # draft cycles whose first tokens came from the n-gram lookup
+    proposal_scales: Optional[str] = None  # the learned scales when the request ended (sampling, 'auto')
     tree_cycles: int = 0  # draft cycles verified as a tree
     branch_cycles: int = 0  # tree cycles that accepted a branch's token
     acceptance_lengths: List[int] = field(default_factory=list)
@@ -146,7 +148,7 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
 
 
 def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copied: Sequence[int] = (),
-          proc: Optional[Processed] = None, alternatives: bool = False):
+          proc: Optional[Processed] = None, alternatives: bool = False, scales: Optional[Sequence[float]] = None):
     """Draft tokens [width - 1], their log probabilities when sampling (else
     None) and, with `alternatives` (greedy, nothing copied), the drafter's 2nd
     and 3rd choices at each position [width - 1, 2] (else None).
@@ -155,6 +157,7 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
     draft (a point mass); the drafter fills the rest, and is not run when
     nothing is left to fill. With logits processors (`proc`), each drafter
     position is processed after the drafts before it, so they go one by one.
+    When sampling, drafter position i is drawn at `scales[i]` (`proposal.py`).
     """
     alts = None
     tokens, qs, n = [], [], len(copied)
@@ -164,7 +167,8 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
             qs.append(point_masses(tokens[0], source.vocab_size))
     path = None
     if n < width - 1:
-        path = source.propose_path(dstate, last, hidden, width, params, copied, proc.row if proc else None)
+        path = source.propose_path(dstate, last, hidden, width, params, copied, proc.row if proc else None,
+                                   scales)
     if path is not None:  # the source drew each position after the ones before it
         tokens.append(path[0])
         if not params.greedy:
@@ -181,7 +185,8 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
             if params.greedy:
                 tokens.append(mx.argmax(row, axis=-1).astype(mx.uint32))
             else:
-                qs.append(log_probs(row, params))
+                lp = log_probs(row, params)
+                qs.append(lp if scales is None else rescale(lp, scales[n + i]))
                 tokens.append(mx.random.categorical(qs[-1]).astype(mx.uint32))
     tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
     if params.greedy:
@@ -196,6 +201,8 @@ class Verified(NamedTuple):
     hidden: mx.array  # taps of the block
     logprobs: Optional[tuple]  # `token_logprobs` of the block's rows, when asked for
     alternatives: Optional[mx.array] = None  # the drafter's 2nd and 3rd choices, for the sizer
+    logits: Optional[mx.array] = None  # the block's rows and what the drafts were drawn from, kept
+    q_lp: Optional[mx.array] = None  # when the proposal scales learn from this cycle (`proposal.py`)
 
 
 class Stepped(NamedTuple):
@@ -223,9 +230,10 @@ def logprob_rows(values, n: int):
 
 
 def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Optional[int] = None,
-           proc: Optional[Processed] = None) -> Verified:
+           proc: Optional[Processed] = None, keep: bool = False) -> Verified:
     """One target pass over [last, tokens]: accepted count, next token, taps
-    (and with `top`, the log probabilities of the tokens it commits)."""
+    (and with `top`, the log probabilities of the tokens it commits; with
+    `keep`, the block's logits and `q_lp`)."""
     block = mx.concatenate([last, tokens])
     logits, hidden = target(block[None], tcache, record=True)
     logits = logits[None, 0] if not proc else proc(logits[0], tokens)[None]
@@ -235,6 +243,8 @@ def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Opti
         rows = mx.arange(block.shape[0])
         ahead = mx.concatenate([tokens, nxt.reshape(1).astype(tokens.dtype)])
         lps = token_logprobs(logits[0], mx.where(rows == accepted, nxt.astype(tokens.dtype), ahead), top)
+    if keep:
+        return Verified(tokens, accepted, nxt, hidden, lps, logits=logits[0], q_lp=q_lp)
     return Verified(tokens, accepted, nxt, hidden, lps)
 
 
@@ -363,13 +373,15 @@ def cycle_parts(pair, n: int, branches: int = 0):
 
 def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params: SamplingParams,
            top: Optional[int] = None, proc: Optional[Processed] = None, plain: bool = False,
-           alternatives: bool = False):
+           alternatives: bool = False, scales: Optional[Sequence[float]] = None, keep: bool = False):
     """Start one cycle on the device (`mx.async_eval`): a plain step, or a
     draft (the drafter first given `taps`, the taps of committed tokens it has
     not seen) and its verify pass, linear or as a tree (`plan.branches`).
     Returns the cycle in flight and the taps still held back (all of them
     when the plan does not run the drafter). With `alternatives`, a linear
-    cycle also brings the drafter's 2nd and 3rd choices (for the sizer)."""
+    cycle also brings the drafter's 2nd and 3rd choices (for the sizer). When
+    sampling, drafter position i draws at `scales[i]`, and with `keep` the
+    cycle keeps what the proposal scales learn from (`Verified.logits`)."""
     if plan.width == 1:
         pending = step(target, tcache, last, params, top=top, proc=proc, taps=not plain)
     else:
@@ -382,9 +394,9 @@ def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params
                                   top)
         else:
             tokens, q_lp, alts = draft(source, dstate, last, hidden, plan.width, params, offer[: plan.copied], proc,
-                                       alternatives)
-            pending = verify(target, tcache, last, tokens, q_lp, params, top=top, proc=proc)._replace(
-                alternatives=alts)
+                                       alternatives, scales)
+            pending = verify(target, tcache, last, tokens, q_lp, params, top=top, proc=proc,
+                             keep=keep and scales is not None)._replace(alternatives=alts)
     mx.async_eval(pending)
     return pending, taps
 
@@ -477,6 +489,7 @@ def stream_generate(
     logprobs: Optional[int] = None,
     logits_processors: Sequence = (),
     tree: Optional[int] = None,
+    proposal_scale: Union[str, float, object] = "auto",
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash, yielding one event per verify cycle.
 
@@ -498,6 +511,12 @@ def stream_generate(
     silently, where a tree cannot run: sampling (with `tree` unset), a target
     with other caches than KV caches (Gated DeltaNet, sliding windows),
     logits processors, a prompt cache that handed over other caches.
+
+    When sampling, the drafter's drafts are drawn from its distribution made
+    flatter or sharper by `proposal_scale` (`proposal.py`; any proposal is
+    exact): 'auto' learns the best scale per draft position from the
+    acceptance each would have had; a number fixes it (1: the drafter's own q);
+    a `ProposalScales` object learns into that object.
     """
     params = sampling or SamplingParams()
     if tree is not None and (not isinstance(tree, int) or tree < 0):
@@ -506,6 +525,9 @@ def stream_generate(
         raise DFlashError("Tree verification is greedy only (temperature 0); use tree=0 to sample.")
     if logprobs is not None and logprobs < 0:
         raise DFlashError(f"logprobs must be >= 0 (got {logprobs}).")
+    if not (proposal_scale == "auto" or hasattr(proposal_scale, "start")
+            or isinstance(proposal_scale, (int, float)) and proposal_scale > 0):
+        raise DFlashError(f"--proposal-scale must be 'auto' or a number > 0 (got {proposal_scale}).")
     target, tokenizer = pair.target, pair.tokenizer
     source = draft_source or pair.draft_source
     policy = block_policy(pair, source, block_size, tree or 0)
@@ -547,6 +569,17 @@ def stream_generate(
     # earlier requests left behind.
     sizer = policy.start(seeded=params.seed is not None, branches=branches)
     learn = getattr(sizer, "learns_branches", False)
+    scaler = None
+    if not params.greedy and not plain:
+        if hasattr(proposal_scale, "start"):
+            scaler = proposal_scale
+        elif proposal_scale != "auto":
+            scaler = FixedScale(proposal_scale)
+        elif source is pair.draft_source:
+            scaler = pair.proposal_scales(params)  # the pair's drafter keeps them across requests
+        else:
+            scaler = ProposalScales(source.block_size - 1)
+        scaler = scaler.start(seeded=params.seed is not None)
     trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
                            before_last=None if trimmable else keep, taps=not plain, skip=prompt_cache is None)
@@ -570,7 +603,7 @@ def stream_generate(
     # `taps`: target taps of committed tokens not yet given to the drafter (the prompt's first),
     # `unseen` rows of them (what the drafter's first drafted cycle catches up on)
     unseen = sum(t.shape[1] for t in taps)
-    accepted, ahead, plan = 0, None, None
+    accepted, ahead, plan, scales, learned = 0, None, None, None, None
     while True:
         # Commit this cycle's tokens: stop on EOS or the budget.
         finish = None
@@ -598,7 +631,11 @@ def stream_generate(
             width = min(plan.width, left)
             copied = min(plan.copied, width - 1, len(offer))
             plan = Plan(width, copied, min(plan.branches, branches) if width > 1 and not copied else 0)
-            cycle = (target, source, dstate, tcache, last, taps, plan, offer, params, logprobs, proc, plain, learn)
+            scales = None
+            if scaler is not None and plan.drafts and not plan.branches:
+                scales = scaler.choose(plan.width - 1)
+            cycle = (target, source, dstate, tcache, last, taps, plan, offer, params, logprobs, proc, plain, learn,
+                     scales, scales is not None and scaler.learning())
             deferred = stats.cycles == 0 and plan.width > 1
             if not deferred:
                 pending, taps = launch(*cycle)
@@ -615,6 +652,8 @@ def stream_generate(
         stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 else 0.0
         stats.peak_memory_gb = peak_memory_gb()
         stats.finish_reason = finish
+        if finish is not None and scaler is not None:
+            stats.proposal_scales = scaler.describe()
         yield GenerationEvent(segment, tokens, accepted, stats, finish, lps)
         if finish is not None:
             if prompt_cache is not None:
@@ -652,13 +691,21 @@ def stream_generate(
             stats.tree_cycles += 1
             stats.branch_cycles += branched
         else:
-            d_tokens, n_acc, nxt, hidden, lps, alts = pending
+            d_tokens, n_acc, nxt, hidden, lps, alts = pending[:6]
             n, dt = d_tokens.shape[0], d_tokens.dtype
             out = mx.concatenate([n_acc.reshape(1).astype(dt), d_tokens, nxt.reshape(1).astype(dt)]
                                  + ([] if alts is None else [alts.reshape(-1).astype(dt)]))
-            mx.eval(out, lps)  # the cycle's one host synchronisation
+            mx.eval(out, lps, None if learned is None else learned[1])  # the cycle's one host synchronisation
             values = out.tolist()
             accepted = values[0]
+            if learned is not None:  # an earlier cycle's, computed by now
+                scaler.update(*learned)
+                learned = None
+            if pending.logits is not None and accepted >= plan.copied:
+                # What each scale would have had accepted at the drafter's positions this verify
+                # reached, computed behind the next cycle and read at its synchronisation.
+                learned = reached_gains(pending, plan.copied, accepted, scales, params)
+                mx.async_eval(learned[1])
             lps = lps and logprob_rows(lps, accepted + 1)
             tokens = values[1 : 1 + accepted] + [values[n + 1]]
             if alts is not None and accepted < n:

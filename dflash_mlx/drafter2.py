@@ -20,6 +20,7 @@ import mlx.nn as nn
 from .config import DrafterConfig
 from .draft_source import DFlashDraftSource
 from .drafter import DecoderLayer, DFlashDrafter
+from .proposal import rescale
 from .sampling import SamplingParams, log_probs
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -229,10 +230,12 @@ class DFlash2DraftSource(DFlashDraftSource):
         return spread(cand, scores, logits.shape[-1])
 
     def propose_path(self, state, last, hidden, width: int, params: SamplingParams,
-                     prefix: Sequence[int] = (), process: Optional[Callable] = None):
+                     prefix: Sequence[int] = (), process: Optional[Callable] = None,
+                     scales: Optional[Sequence[float]] = None):
         """Draft tokens [width - 1 - len(prefix)] after `prefix` (tokens already
         drafted at the first positions, e.g. a lookup's) and, when sampling,
-        the log probabilities [same, V] each was drawn from.
+        the log probabilities [same, V] each was drawn from (position i at
+        `scales[i]`, when given).
 
         `process(row [1, V], drafts before it)` (the loop's logits processors)
         is applied to each position's row, -inf outside the candidates, before
@@ -251,6 +254,8 @@ class DFlash2DraftSource(DFlashDraftSource):
             if params.greedy:
                 return mx.argmax(scores, axis=-1), scores
             row = log_probs(scores, params)
+            if scales is not None:
+                row = rescale(row, scales[n + len(path)])
             return mx.random.categorical(row), row
 
         tokens, cand, rows = self.drafter.candidate_selector.walk(h[n:], logits[n:], anchor, choose)

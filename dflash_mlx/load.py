@@ -4,7 +4,7 @@ import hashlib
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +19,8 @@ from .errors import DFlashError
 from .decode import cycle_parts
 from .draft_source import DraftSource
 from .lookup import WithLookup
+from .proposal import ProposalScales
+from .sampling import SamplingParams
 from .hub import Resolved, cache_root, check_name, fetch, resolve
 
 
@@ -33,6 +35,7 @@ class DFlashPair:
     resolved: Optional[Resolved] = None
     group: Any = None  # the mx.distributed group the target is sharded over (None: one process)
     _sizer: Optional[BlockSizer] = field(default=None, repr=False)
+    _scales: Dict[tuple, ProposalScales] = field(default_factory=dict, repr=False)
 
     def cost_curve(self, budget: float = 10.0, progress=lambda done, total: None) -> CostCurve:
         """This machine's cycle costs per width, measured within `budget` seconds on first use, then cached."""
@@ -45,6 +48,12 @@ class DFlashPair:
             self._sizer = BlockSizer(self.cost_curve(progress=progress), self.draft_source.block_size)
         return self._sizer
 
+    def proposal_scales(self, params: SamplingParams) -> ProposalScales:
+        """The drafter's learned proposal scales at these sampling settings; they last across requests."""
+        key = (params.temp, params.top_p, params.top_k, params.min_p)
+        if key not in self._scales:
+            self._scales[key] = ProposalScales(self.draft_source.block_size - 1)
+        return self._scales[key]
 
 
 

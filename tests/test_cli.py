@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx.cli.main import app
 from dflash_mlx.hub import aliases, resolve
+from dflash_mlx.proposal import SCALES
 
 runner = CliRunner()
 
@@ -69,6 +70,24 @@ def test_bad_block_size_is_one_clear_line():
     for value in ["0", "big", "65"]:
         r = run_cli("--model", "x", "-p", "hi", "--block-size", value)
         assert r.exit_code == 1 and "--block-size takes" in r.stderr
+
+
+def test_bad_proposal_scale_is_one_clear_line():
+    for value in ["0", "-1", "flat"]:
+        r = run_cli("--model", "x", "-p", "hi", "--proposal-scale", value)
+        assert r.exit_code == 1 and "--proposal-scale takes a number > 0 or 'auto'" in r.stderr
+
+
+def test_verbose_sampling_shows_the_learned_proposal_scales(targets, drafters):
+    r = run_cli("--model", str(targets["qwen3"]), "--draft", str(drafters["old"]), "-p", "hi", "--no-chat-template",
+                "-m", "24", "--temp", "1", "--block-size", "4", "--seed", "3", "--verbose")
+    assert r.exit_code == 0, r.output
+    scales = re.search(r"proposal scales per position: ([\d. ]+)", r.stderr).group(1).split()
+    assert len(scales) == 7 and all(float(s) in SCALES for s in scales)  # the drafter's 8-token block
+    fixed = run_cli("--model", str(targets["qwen3"]), "--draft", str(drafters["old"]), "-p", "hi",
+                    "--no-chat-template", "-m", "24", "--temp", "1", "--block-size", "4", "--seed", "3",
+                    "--verbose", "--proposal-scale", "1")
+    assert fixed.exit_code == 0 and "proposal scales" not in fixed.stderr
 
 
 def test_bad_top_p_is_one_clear_line(targets, drafters):

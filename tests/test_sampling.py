@@ -20,6 +20,7 @@ from dflash_mlx import decode as gen
 from dflash_mlx.adaptive import Plan
 from dflash_mlx.drafter import DFlashDrafter
 from dflash_mlx.decode import DFlashDraftSource, DraftSource
+from dflash_mlx.proposal import SCALES, ProposalScales, rescale
 from dflash_mlx.sampling import SamplingParams, log_probs
 
 V, N_TOKENS, BLOCK, SAMPLES, ALPHA = conftest.SMALL_V, 4, 4, 2000, 1e-3
@@ -269,3 +270,96 @@ def test_penalties_keep_sampling_exact(small_pair):
                                      logits_processors=make_logits_processors(**settings))
     assert accepted > 0.3  # drafts are accepted, so processed rows after drafts are exercised
     assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+
+class SureTarget(TemperedTarget):
+    """A drafter surer than the target: q = softmax(3 * logits) along the target's greedy path."""
+
+    def propose(self, state, last, hidden, width):
+        return super().propose(state, last, hidden, width) * 6.0
+
+
+def first_acceptance(model, source, params, scale):
+    """E[sum_x min(p(x), q_scale(x))] at the first draft position, over the prompt's sampled token."""
+    p1 = mx.exp(log_probs(model(mx.array([PROMPT]))[0, -1], params))
+    total = 0.0
+    for t1 in range(V):
+        p2 = mx.exp(log_probs(model(mx.array([PROMPT + [t1]]))[0, -1], params))
+        q2 = mx.exp(rescale(log_probs(source.propose(None, mx.array([t1]), None, 2)[0], params), scale))
+        total += p1[t1].item() * mx.minimum(p2, q2).sum().item()
+    return total
+
+
+@pytest.mark.parametrize("scale", [0.5])  # flatter scales: the learned test below
+def test_drafts_at_any_fixed_scale_sample_the_target_distribution(small_pair, scale):
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0, top_k=4)
+    seqs, probs = exact_distribution(model, params)
+    counts, _ = sample_counts(pair, params, SAMPLES, proposal_scale=scale)
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+
+def test_learned_scales_sample_exactly_and_flatten_a_drafter_surer_than_the_target(small_pair):
+    """`auto` scales learn that a too-sure drafter is accepted more when flattened; the
+    drafts stay exact, and the first is accepted at the learned scale's exact rate."""
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0, top_k=4)
+    source = SureTarget(model)
+    seqs, probs = exact_distribution(model, params)
+    learned = ProposalScales(BLOCK - 1)
+    counts, rate = sample_counts(pair, params, SAMPLES, source, proposal_scale=learned)
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+    chosen = learned.choose(1)[0]
+    rates = {s: first_acceptance(model, source, params, s) for s in SCALES}
+    assert chosen > 1 and rates[chosen] > rates[1.0] + 0.05
+    assert rates[chosen] >= max(rates.values()) - 0.02  # the best scale, or all but
+    sigma = math.sqrt(rates[chosen] * (1 - rates[chosen]) / SAMPLES)
+    assert abs(rate - rates[chosen]) < 4 * sigma + 0.01  # the first requests drafted at 1 while it learned
+    assert rate > rates[1.0] + 4 * sigma
+
+
+def test_the_scales_learn_from_the_drafters_positions_each_verify_reached(small_pair):
+    """With one looked-up token first (the target's own greedy pick), the drafter's positions
+    are 1 and 2 of a width-4 block: each cycle teaches positions 1 .. min(accepted, 2) (the
+    first rejected included), one cycle later (read at the next cycle's one synchronisation)."""
+    pair, model = small_pair
+
+    class GreedyLookup(TemperedTarget):
+        """Offers the target's greedy next token; drafts after it along the greedy path."""
+
+        history, vocab_size = [], V
+
+        def commit(self, state, tokens):
+            self.history = self.history + list(tokens)
+
+        def offer(self, state, limit):
+            return [mx.argmax(model(mx.array([self.history]))[0, -1]).item()]
+
+        def may_offer(self, state):
+            return True
+
+        def propose(self, state, last, hidden, width):
+            seq, rows = list(self.history), []
+            for _ in range(width - 1):
+                row = model(mx.array([seq]))[0, -1]
+                rows.append(row * 0.5)
+                seq.append(mx.argmax(row).item())
+            return mx.stack(rows)
+
+    class Recording(ProposalScales):
+        def update(self, start, gains):
+            self.seen.append((start, len(gains)))
+            super().update(start, gains)
+
+    rec = Recording(BLOCK - 1)
+    rec.seen = []
+    mx.random.seed(5)
+    events = list(dflash_mlx.stream_generate(pair, PROMPT, max_tokens=60, sampling=SamplingParams(temp=0.5),
+                                             block_size=ScriptedWidths([Plan(4, 1)]),
+                                             draft_source=GreedyLookup(model),
+                                             proposal_scale=rec))
+    # Fewer cycles than LEARN_ALWAYS: each is learned from. The last cycles are narrowed to the
+    # tokens left; the one after the last is never learned from.
+    reached = [(1, min(ev.accepted, 2)) for ev in events[1:-3] if ev.accepted >= 1]
+    assert len(reached) > 10 and any(n == 2 for _, n in reached) and any(n == 1 for _, n in reached)
+    assert rec.seen[: len(reached)] == reached
