@@ -3,9 +3,11 @@
 A `PromptCache` belongs to one pair. After a request it keeps the target's
 caches and the drafter's committed context, keyed by the tokens they hold;
 the next request starts from the longest kept prefix of its prompt and
-prefills only the rest. Storage, the prefix search, trimming and the byte
-bound are mlx-lm's `LRUPromptCache`; an entry is the target's cache list
-followed by the draft source's saved context (`DraftSource.save`).
+prefills only the rest. The prefix search is mlx-lm's `PromptTrie`, with its
+`LRUPromptCache`'s choice of entry (`_reach`) and trimming; the bound (entries
+and bytes, least recently stored or used first) is `_Lru`'s, which also hands
+what it evicts to the disk tier. An entry is the target's cache list followed
+by the draft source's saved context (`DraftSource.save`).
 
 Attention caches are trimmed to any shorter prefix. Recurrent states (Gated
 DeltaNet) cannot be trimmed, so for such targets a snapshot is kept where a
@@ -22,12 +24,12 @@ shutdown), so a restarted server starts from what an earlier one kept.
 """
 
 import copy
+from collections import OrderedDict
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import (LRUPromptCache, PromptTrie, RotatingKVCache, can_trim_prompt_cache,
-                                 trim_prompt_cache)
+from mlx_lm.models.cache import PromptTrie, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from .errors import DFlashError
 from .hub import cache_root
@@ -80,22 +82,9 @@ def snapshot(cache: List) -> List:
     return out
 
 
-class _EvictingTrie(PromptTrie):
-    """mlx-lm's trie; an entry the LRU evicts (`pop`) is also kept in `evicted`."""
-
-    def __init__(self, evicted: list):
-        super().__init__()
-        self.evicted = evicted
-
-    def pop(self, model, tokens):
-        value = super().pop(model, tokens)
-        self.evicted.append((model, list(tokens), value))
-        return value
-
-
 def _reach(trie: PromptTrie, model, tokens: List[int], trimmable):
     """(tokens reused, tokens of the entry used) for `tokens` by the choice
-    `LRUPromptCache.fetch_nearest_cache` makes over `trie`."""
+    mlx-lm's `LRUPromptCache.fetch_nearest_cache` makes over `trie`."""
     r = trie.search(model, tokens)
     if r.exact is not None:
         return len(tokens), r.exact
@@ -103,6 +92,64 @@ def _reach(trie: PromptTrie, model, tokens: List[int], trimmable):
     if r.longer is not None and r.common_prefix > short and trimmable(trie.get(model, r.longer)):
         return min(len(tokens) - 1, r.common_prefix), r.longer
     return (short, r.shorter) if short else (0, None)
+
+
+class _Entry(NamedTuple):
+    cache: list
+    nbytes: int
+    kind: str  # "user": kept at the end of a prompt; "assistant": at the end of an answer
+
+
+class _Lru:
+    """Entries in a `PromptTrie`, at most `max_entries` of them and `max_bytes`;
+    the least recently stored or used go first, into `evicted` as (model,
+    tokens, entry). A trimmable entry replaces the entries of its prefixes,
+    which it serves as well."""
+
+    def __init__(self, max_entries: int, max_bytes: int, evicted: list):
+        self.max_entries, self.max_bytes, self.evicted = max_entries, max_bytes, evicted
+        self.trie = PromptTrie()
+        self.order = OrderedDict()  # (model, tuple of tokens), least recent first
+        self.nbytes = 0
+
+    def __len__(self):
+        return len(self.order)
+
+    def insert(self, model, tokens: List[int], cache: list, kind: str = "assistant") -> None:
+        entry = _Entry(cache, sum(c.nbytes for c in cache), kind)
+        prev = self.trie.add(model, tokens, entry)
+        if prev is not None:
+            self.nbytes -= prev.nbytes
+        self.nbytes += entry.nbytes
+        self.order[(model, tuple(tokens))] = None
+        self.order.move_to_end((model, tuple(tokens)))
+        if can_trim_prompt_cache(cache):
+            for n, old in self.trie.pop_prefixes(model, tokens):
+                self.nbytes -= old.nbytes
+                del self.order[(model, tuple(tokens[:n]))]
+        self.trim_to(self.max_entries, self.max_bytes)
+
+    def trim_to(self, entries: int, nbytes: int) -> None:
+        while self.order and (len(self.order) > entries or self.nbytes > nbytes):
+            (model, tokens), _ = self.order.popitem(last=False)
+            entry = self.trie.pop(model, list(tokens))
+            self.nbytes -= entry.nbytes
+            self.evicted.append((model, list(tokens), entry))
+
+    def holds(self, model, tokens: List[int]) -> bool:
+        return (model, tuple(tokens)) in self.order
+
+    def nearest(self, model, tokens: List[int]):
+        """(a copy of the cache of the nearest entry, trimmed to the prefix it serves, the
+        tokens left to run), or (None, tokens)."""
+        n, found = _reach(self.trie, model, tokens, lambda e: can_trim_prompt_cache(e.cache))
+        if found is None:
+            return None, tokens
+        self.order.move_to_end((model, tuple(found)))
+        cache = copy.deepcopy(self.trie.get(model, found).cache)
+        if len(found) > n:
+            trim_prompt_cache(cache, len(found) - n)
+        return cache, tokens[n:]
 
 
 class PromptCache:
@@ -120,8 +167,7 @@ class PromptCache:
                  disk_dir: Optional[str] = None):
         self.pair_target = pair.target
         self._evicted = []
-        self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
-        self._lru._trie = _EvictingTrie(self._evicted)
+        self._lru = _Lru(max_entries, max_bytes, self._evicted)
         self._n_target = len(pair.target.make_cache())
         self._sources = {}  # keeps the draft sources keyed by id alive
         self.hits = 0
@@ -146,20 +192,20 @@ class PromptCache:
         return self.disk is not None and key == id(self._disk_source)
 
     def _nearest(self, key, query: List[int]):
-        """`fetch_nearest_cache` over both tiers: a longer prefix on disk is read into memory first."""
+        """`_Lru.nearest` over both tiers: a longer prefix on disk is read into memory first."""
         if self._on_disk(key):
-            ram, _ = _reach(self._lru._trie, key, query, lambda e: can_trim_prompt_cache(e.prompt_cache))
+            ram, _ = _reach(self._lru.trie, key, query, lambda e: can_trim_prompt_cache(e.cache))
             n, tokens = _reach(self.disk.trie, self.disk.key, query, lambda f: f.trimmable)
             if n > ram:
                 loaded = self.disk.load(tokens)
                 if loaded is not None:
-                    objs, cache_type = loaded
+                    objs, kind = loaded
                     if sum(o.nbytes for o in objs) > self._lru.max_bytes:  # too big to keep in memory
-                        lru = LRUPromptCache(max_size=1)
-                        lru.insert_cache(key, tokens, objs)
-                        return lru.fetch_nearest_cache(key, query)
-                    self._lru.insert_cache(key, tokens, objs, cache_type=cache_type)
-        return self._lru.fetch_nearest_cache(key, query)
+                        alone = _Lru(1, sum(o.nbytes for o in objs), [])
+                        alone.insert(key, tokens, objs)
+                        return alone.nearest(key, query)
+                    self._lru.insert(key, tokens, objs, kind)
+        return self._lru.nearest(key, query)
 
     def _key(self, target, source):
         if target is not self.pair_target:
@@ -201,8 +247,8 @@ class PromptCache:
             rows = [copy.copy(r) for r in saved]
             for r in rows:
                 r.trim(len(tokens) - n)
-            self._lru.insert_cache(key, list(tokens[:n]), _keep(early) + rows, cache_type="user")
-        self._lru.insert_cache(key, list(tokens), _keep(cache) + list(saved), cache_type="assistant")
+            self._lru.insert(key, list(tokens[:n]), _keep(early) + rows, "user")
+        self._lru.insert(key, list(tokens), _keep(cache) + list(saved), "assistant")
         self.flush()
         return True
 
@@ -215,20 +261,13 @@ class PromptCache:
         evicted, self._evicted[:] = list(self._evicted), []
         written = 0
         for key, tokens, entry in evicted:
-            if self._on_disk(key) and self._lru_lacks(key, tokens):
-                written += self.disk.save(tokens, entry.prompt_cache, entry.cache_type)
+            if self._on_disk(key) and not self._lru.holds(key, tokens):  # not kept again since
+                written += self.disk.save(tokens, entry.cache, entry.kind)
         return written
 
     def spill(self) -> int:
         """Move every entry in memory to disk (e.g. when the server stops); how many were written."""
         if self.disk is None:
             return 0
-        self._lru.trim_to(n_sequences=0)
+        self._lru.trim_to(0, 0)
         return self.flush()
-
-    def _lru_lacks(self, key, tokens) -> bool:
-        try:
-            self._lru._trie.get(key, tokens)
-            return False  # evicted, then kept again since
-        except KeyError:
-            return True

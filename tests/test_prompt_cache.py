@@ -174,3 +174,41 @@ def test_sliding_window_and_other_families_reuse_exact_prefixes(root, tokenizer_
     assert warm == plain_greedy(model, branch, 24) and stats.cached_tokens == 0
     again, stats = run(pair, branch, cache)
     assert again == warm and stats.cached_tokens == len(branch) - 1
+
+
+class _Rows:
+    """A stand-in layer cache: its size, and whether it can be trimmed (`trim` counts rows)."""
+
+    def __init__(self, nbytes, trimmable=True):
+        self.nbytes, self.trimmable, self.trimmed = nbytes, trimmable, 0
+
+    def is_trimmable(self):
+        return self.trimmable
+
+    def trim(self, n):
+        self.trimmed += n
+        return n
+
+
+def test_the_bound_evicts_the_least_recently_stored_or_used_and_hands_it_over():
+    from dflash_mlx.prompt_cache import _Lru
+
+    evicted = []
+    lru = _Lru(max_entries=3, max_bytes=100, evicted=evicted)
+    for t in ([1, 2], [5, 6], [7, 8]):
+        lru.insert("m", t, [_Rows(10, trimmable=False)])
+    cache, rest = lru.nearest("m", [1, 2, 3])  # a use: [1, 2] is now the most recent
+    assert rest == [3] and cache[0].nbytes == 10
+    lru.insert("m", [9], [_Rows(10, trimmable=False)])
+    assert [t for _, t, _ in evicted] == [[5, 6]] and len(lru) == 3 and lru.nbytes == 30
+    assert lru.holds("m", [1, 2]) and not lru.holds("m", [5, 6])
+    lru.insert("m", [4], [_Rows(85, trimmable=False)])  # over both bounds: oldest first until it fits
+    assert [t for _, t, _ in evicted] == [[5, 6], [7, 8], [1, 2]] and lru.nbytes == 95
+    # A trimmable entry replaces its prefixes' entries (it serves them), which are not handed over.
+    lru.insert("m", [4, 1], [_Rows(5)])
+    assert not lru.holds("m", [4]) and lru.nbytes == 15 and len(evicted) == 3
+    # A longer entry serves a shorter prompt, trimmed to the common prefix (its last token runs again).
+    cache, rest = lru.nearest("m", [4])
+    assert rest == [4] and cache[0].trimmed == 2
+    lru.trim_to(0, 0)
+    assert len(lru) == 0 and lru.nbytes == 0 and evicted[-1][1] == [4, 1]
