@@ -13,6 +13,7 @@ import mlx.core as mx
 from .draft_source import DraftSource
 
 ORDERS = (6, 5, 4, 3)
+BULK = 64  # tokens from which `NgramIndex.extend` indexes by slices
 
 
 class Offer(list):
@@ -41,15 +42,35 @@ class NgramIndex:
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams the new tokens complete: each n-gram T[j - n : j] maps to j
+        (it was last followed by T[j]). A cycle's few tokens go one by one; a prompt's
+        many are indexed from shifted slices at C speed (later occurrences overwrite
+        earlier ones, as one by one: a 64k-token prompt in about half the time)."""
         T, low = self.tokens, self.orders[-1]
-        for t in tokens:
-            j = len(T)
-            for n in self.orders:
-                if j >= n:
-                    self.follow[n][tuple(T[j - n : j])] = j  # this n-gram was followed by T[j]
-            if j >= low:
-                self.heads.add(tuple(T[j - low : j - 1]))
-            T.append(int(t))
+        if len(tokens) < BULK:
+            for t in tokens:
+                j = len(T)
+                for n in self.orders:
+                    if j >= n:
+                        self.follow[n][tuple(T[j - n : j])] = j
+                if j >= low:
+                    self.heads.add(tuple(T[j - low : j - 1]))
+                T.append(int(t))
+            return
+        start = len(T)
+        T.extend(int(t) for t in tokens)
+        end = len(T)
+
+        def grams(n, first, stop):  # (T[j - n : j] for j in first .. stop - 1)
+            return zip(*(T[first - n + i : stop - n + i] for i in range(n))) if n else [()]
+
+        for n in self.orders:
+            first = max(start, n)
+            if first < end:
+                self.follow[n].update(zip(grams(n, first, end), range(first, end)))
+        first = max(start, low)
+        if first < end:  # T[j - low : j - 1] for each new j
+            self.heads.update(grams(low - 1, first - 1, end - 1))
 
     def propose(self, k: int) -> Offer:
         """Up to k tokens that followed the longest recurring suffix last time (an

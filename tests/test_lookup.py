@@ -8,7 +8,7 @@ from test_lossless import PROMPTS, ContextChecked, dflash_tokens
 
 import dflash_mlx
 from dflash_mlx.adaptive import BlockSizer, CostCurve, Plan
-from dflash_mlx.lookup import NgramIndex, WithLookup
+from dflash_mlx.lookup import BULK, NgramIndex, WithLookup
 
 
 def brute_propose(tokens, k, orders, with_order=False):
@@ -40,6 +40,25 @@ def test_index_matches_a_rescan_token_by_token():
             assert index.may_propose_next() == any(
                 brute_propose(stream[:t] + [x], 1, (2,)) for x in range(alphabet))
             index.extend([stream[t]])
+
+
+@pytest.mark.parametrize("orders", [(6, 5, 4, 3), (5, 3, 2, 1), (2,), (1,)])
+def test_an_index_built_in_bulk_equals_one_built_token_by_token(orders):
+    """A prompt's tokens (BULK or more at once) are indexed from slices; chunks of every
+    size after any start give the same index as one token at a time."""
+    rnd = random.Random(len(orders))
+    for trial in range(40):
+        stream = [rnd.randrange(3 if trial % 2 else 50) for _ in range(rnd.randrange(0, 400))]
+        one = NgramIndex(orders=orders)
+        for t in stream:
+            one.extend([t])
+        bulk, i = NgramIndex(orders=orders), 0
+        while i < len(stream):
+            k = rnd.choice([1, 2, BULK - 1, BULK, 150])
+            bulk.extend(stream[i : i + k])
+            i += k
+        assert (bulk.tokens, bulk.follow, bulk.heads) == (one.tokens, one.follow, one.heads)
+        assert bulk.propose(5) == one.propose(5) and bulk.may_propose_next() == one.may_propose_next()
 
 
 def test_index_prefers_long_and_recent_matches_and_copies_periodic_text():
