@@ -86,15 +86,17 @@ def peak_memory_gb() -> float:
     return peak / 1e9
 
 
-def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None, prompt_rows: int = 0):
+def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None, prompt_rows: int = 0,
+                   before: int = 0):
     """(start, end, read) chunks of `n` prompt tokens, `step` at most: mlx-lm's
     chunks, unless a `horizon` (first, last) leaves rows no draft will read
-    (after the first `first` of the `prompt_rows` context rows, behind the last
-    `last`), which get chunks of their own with `read` False."""
+    (after the first `first` context rows, `before` of which the drafter holds
+    already, and behind the last `last` of the `prompt_rows` to come), which get
+    chunks of their own with `read` False."""
     a = b = n
     if horizon is not None:
         first, last = horizon
-        a = min(first, n)
+        a = min(max(first - before, 0), n)
         b = max(a, min(n, prompt_rows - last))
     if b == a:
         a = b = n
@@ -105,7 +107,7 @@ def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None,
 
 
 def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, hold: int = 4096,
-            before_last=None, taps: bool = True, skip: bool = False):
+            before_last=None, taps: bool = True, skip: bool = False, before: int = 0):
     """Run the prompt through the target: the first token waits for nothing else.
 
     As mlx-lm does, all but the last prompt token go through in chunks that
@@ -118,14 +120,14 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
     stays bounded for long prompts. Returns the last position's logits (lazy)
     and those taps (none with `taps=False`: no drafter will read them).
     `before_last(tcache)` is called when only the last token is left. With
-    `skip` (the drafter's context starts empty here), prompt rows no draft
-    will read (`DraftSource.horizon`) are skipped: their taps, and what only
-    they need, are never computed.
+    `skip`, prompt rows no draft will read (`DraftSource.horizon`; `before`:
+    the context rows the drafter holds already, a prompt cache's) are skipped:
+    their taps, and what only they need, are never computed.
     """
     held = []
     body = prompt[:-1]
     horizon = source.horizon(dstate) if skip and taps else None
-    for s, e, read in prefill_chunks(body.shape[0], step, horizon, prompt.shape[0]):
+    for s, e, read in prefill_chunks(body.shape[0], step, horizon, prompt.shape[0], before):
         _, hidden = target(body[None, s:e], tcache, last_only=True, taps=taps and read)
         given = []
         if not read:  # the rows before these first, in order
@@ -582,7 +584,7 @@ def stream_generate(
         scaler = scaler.start(seeded=params.seed is not None)
     trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
-                           before_last=None if trimmable else keep, taps=not plain, skip=prompt_cache is None)
+                           before_last=None if trimmable else keep, taps=not plain, skip=True, before=reused)
     proc = Processed(logits_processors, prompt)
     logits = proc.row(logits[None])[0] if proc else logits
     first = pick(logits[None], params)[0]

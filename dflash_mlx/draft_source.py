@@ -39,6 +39,13 @@ class DraftSource:
         """Commit n context rows that no draft will read (see `horizon`), without their taps."""
         raise NotImplementedError
 
+    def reusable(self, state, n: int, total: int) -> int:
+        """How many of the n committed context rows of `state` (a prompt cache
+        entry's) to keep when the context grows to `total` rows before the first
+        draft: at most n, and no kept row a draft then reads may be one `state`
+        lacks (a long prompt's prefill skipped it, or a window dropped it)."""
+        return n
+
     def propose(self, state, last: mx.array, hidden: Optional[mx.array], width: int) -> mx.array:
         """Logits [width - 1, V] for the block after `last`, committing `hidden` first."""
         raise NotImplementedError
@@ -91,11 +98,7 @@ class ContextRows:
         return True
 
     def trim(self, n: int) -> int:
-        c = self.cache
-        if n > c.offset:  # rows a sliding window dropped: keep the position, lose the context
-            c.start, c.offset = c.length - n, 0
-        else:
-            c.trim(n)
+        self.cache.trim(n)
         return n
 
     @property
@@ -126,6 +129,16 @@ class DFlashDraftSource(DraftSource):
     def skip(self, state, n):
         for c in state:
             c.skip(n)
+
+    def reusable(self, state, n, total):
+        if self.drafter.horizon is None:
+            return n
+        first, last = self.drafter.horizon
+        # A draft at `total` reads rows [0, first) and [total - last, total); those before n come from
+        # `state`: keep rows up to the first it lacks (the rest run again).
+        gaps = [r for c in state for r in (c.absent(0, min(first, n)), c.absent(max(first, total - last), n))
+                if r is not None]
+        return min(gaps + [n])
 
     def arrays(self, state):
         return [(c.keys, c.values) for c in state if c.keys is not None]

@@ -39,6 +39,7 @@ class DraftCache:
         self.values = None
         self.offset = 0  # committed rows in the buffer
         self.start = 0  # absolute position of buffer row 0
+        self.holes = ()  # (from, to) absolute positions of skipped rows (zeros in the buffer)
 
     def _reserve(self, k: mx.array, v: mx.array, n: int):
         need = self.offset + n
@@ -94,12 +95,28 @@ class DraftCache:
         if self.keys is None:
             self.start += n
             return
+        a = self.length
         self._reserve(self.keys, self.values, n)
         self.offset += n
+        if self.holes and self.holes[-1][1] == a:
+            self.holes = self.holes[:-1] + ((self.holes[-1][0], a + n),)
+        else:
+            self.holes = self.holes + ((a, a + n),)
 
     def trim(self, n: int) -> None:
-        """Forget the last n committed rows (no copy)."""
-        self.offset -= min(n, self.offset)
+        """Forget the last n committed rows (no copy); beyond the buffer (rows a window
+        dropped), keep the position and lose the context."""
+        if n > self.offset:
+            self.start, self.offset = self.length - n, 0
+        else:
+            self.offset -= n
+        end = self.length
+        self.holes = tuple((a, min(b, end)) for a, b in self.holes if a < end)
+
+    def absent(self, lo: int, hi: int) -> Optional[int]:
+        """The first row in [lo, hi) this cache lacks (before its buffer, or skipped), or None."""
+        gaps = [max(a, lo) for a, b in ((0, self.start), *self.holes) if a < hi and b > lo]
+        return min(gaps) if gaps else None
 
 
 class Attention(nn.Module):

@@ -126,6 +126,9 @@ class WithLookup(DraftSource):
     def skip(self, state, n):
         self.inner.skip(state["inner"], n)
 
+    def reusable(self, state, n, total):
+        return self.inner.reusable(state["inner"], n, total)
+
     def propose(self, state, last, hidden, width):
         return self.inner.propose(state["inner"], last, hidden, width)
 

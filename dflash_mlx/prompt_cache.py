@@ -229,10 +229,21 @@ class PromptCache:
             self.misses += 1
             return target.make_cache(), source.new_state(), 0
         reused = len(query) - len(rest)
+        target_cache = [c.cache if isinstance(c, _Exact) else c for c in entry[: self._n_target]]
+        state = source.restore(entry[self._n_target :])
+        # Rows a long prompt's prefill skipped are missing from the drafter's context: where the
+        # first draft would read them, the prefix is cut back and they run again.
+        m = source.reusable(state, reused, len(prompt))
+        if m < reused and can_trim(target_cache):
+            if m == 0:
+                self.misses += 1
+                return target.make_cache(), source.new_state(), 0
+            trim_prompt_cache(target_cache, reused - m)
+            source.rewind(state, reused - m)
+            reused = m
         self.hits += 1
         self.cached_tokens += reused
-        target_cache = [c.cache if isinstance(c, _Exact) else c for c in entry[: self._n_target]]
-        return target_cache, source.restore(entry[self._n_target :]), reused
+        return target_cache, state, reused
 
     def store(self, target, source, state, tokens: Sequence[int], cache: List, at_prompt=None) -> bool:
         """Keep `cache` (the rows of `tokens`) with the source's context, and

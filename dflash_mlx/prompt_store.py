@@ -88,7 +88,8 @@ def encode(objs: Sequence, exact: type) -> Optional[Tuple[dict, list]]:
             c = o.cache
             if c.keys is not None:  # the whole buffer, as the memory tier keeps it
                 arrays[f"{i}.keys"], arrays[f"{i}.values"] = c.keys, c.values
-            layers.append({"rows": [c.window, c.bound, c.offset, c.start], "arrays": c.keys is not None})
+            layers.append({"rows": [c.window, c.bound, c.offset, c.start, [list(h) for h in c.holes]],
+                           "arrays": c.keys is not None})
             continue
         whole = isinstance(o, exact)
         c = o.cache if whole else o
@@ -116,8 +117,9 @@ def decode(arrays: dict, layers: list, exact: type) -> list:
     for i, layer in enumerate(layers):
         mine = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.split(".", 1)[0] == str(i)}
         if "rows" in layer:
-            window, bound, offset, start = layer["rows"]
+            window, bound, offset, start, *holes = layer["rows"]
             c = DraftCache(window, tuple(bound) if bound is not None else None)
+            c.holes = tuple(tuple(h) for h in holes[0]) if holes else ()
             if layer["arrays"]:
                 c.keys, c.values = mine["keys"], mine["values"]
             c.offset, c.start = offset, start

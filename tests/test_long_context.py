@@ -1,5 +1,8 @@
 """Long prompts: the model's window is enforced with a clear error."""
 
+import json
+
+import numpy as np
 import pytest
 
 import dflash_mlx
@@ -76,14 +79,13 @@ def test_a_bounded_drafter_context_keeps_output_exact(pairs, baselines):
 
 
 def test_rows_no_draft_reads_are_skipped_and_the_drafts_stay_the_same(pairs, baselines):
-    """Without a prompt cache, a long prompt's rows behind the drafter's bound
-    (after its first rows) are skipped in prefill: never projected, their taps
-    never computed. Every cycle drafts and accepts what a run that projected
-    them all does, and the output is plain greedy."""
+    """A long prompt's rows behind the drafter's bound (after its first rows)
+    are skipped in prefill: never projected, their taps never computed. Every
+    cycle drafts and accepts what a run that projected them all does, and the
+    output is plain greedy."""
     from conftest import plain_greedy
 
     from dflash_mlx.decode import DFlashDraftSource, prefill_chunks
-    from dflash_mlx.prompt_cache import PromptCache
 
     class Counted(DFlashDraftSource):
         def __init__(self, pair, skips):
@@ -110,6 +112,10 @@ def test_rows_no_draft_reads_are_skipped_and_the_drafts_stay_the_same(pairs, bas
     assert prefill_chunks(10, 4) == [(0, 4, True), (4, 8, True), (8, 10, True)]  # mlx-lm's, where nothing is skipped
     assert prefill_chunks(20, 8, (2, 5), 21) == [(0, 2, True), (2, 10, False), (10, 16, False), (16, 20, True)]
     assert prefill_chunks(20, 8, (2, 25), 21) == prefill_chunks(20, 8)
+    # After a prompt cache's 10 rows (its first 2 among them), from the first new row.
+    assert prefill_chunks(20, 8, (2, 5), 21, before=10) == [(0, 8, False), (8, 16, False), (16, 20, True)]
+    assert prefill_chunks(20, 8, (2, 5), 21, before=1) == [(0, 1, True), (1, 9, False), (9, 16, False),
+                                                           (16, 20, True)]
     pair = pairs["qwen3"]
     prompt = pair.tokenizer.encode("Once upon a time there was a tiny language model that could count " * 8)
     before = pair.drafter.context_bound
@@ -121,10 +127,6 @@ def test_rows_no_draft_reads_are_skipped_and_the_drafts_stay_the_same(pairs, bas
             events = [(e.tokens, e.accepted) for e in dflash_mlx.stream_generate(
                 pair, prompt, max_tokens=24, block_size=4, draft_source=source, prefill_step=32)]
             runs.append((events, source.added, source.skipped, source.positions))
-        source = Counted(pair, True)  # a prompt cache may later need any row: none is skipped
-        list(dflash_mlx.stream_generate(pair, prompt, max_tokens=4, block_size=4, draft_source=source,
-                                        prompt_cache=PromptCache(pair)))
-        assert source.skipped == 0
     finally:
         restore_bound(pair.drafter, before)
     (skipping, added, skipped, at), (full, added_all, none, at_all) = runs
@@ -132,6 +134,62 @@ def test_rows_no_draft_reads_are_skipped_and_the_drafts_stay_the_same(pairs, bas
     assert added + skipped == added_all  # every row accounted for, in either form
     assert skipping == full and at == at_all
     assert [t for ts, _ in skipping for t in ts] == plain_greedy(baselines["qwen3"], prompt, 24)
+
+
+def test_a_prompt_cache_never_hands_a_draft_the_rows_a_prefill_skipped(pairs, baselines):
+    """With a prompt cache, prefill skips rows too (the entry keeps where). A request
+    that continues the conversation reuses all of it; one that branches inside the
+    skipped rows reuses the prefix only up to the first skipped row its first draft
+    would read, and runs the rest again. Each drafts, accepts and outputs what a
+    cold run without a cache does."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.prompt_cache import PromptCache
+
+    from dflash_mlx.decode import DFlashDraftSource
+
+    class Recorded(DFlashDraftSource):
+        def propose(self, state, last, hidden, width):
+            logits = super().propose(state, last, hidden, width)
+            self.drafts.append(logits.tolist())
+            return logits
+
+    pair = pairs["qwen3"]
+    tok = pair.tokenizer
+    prompt = tok.encode("Once upon a time there was a tiny language model that could count " * 8)
+    before = pair.drafter.context_bound
+    assert pair.drafter.bound_context(16, 2)
+    kept = Recorded(pair.drafter, pair.target)
+    try:
+        def run(ids, cache=None):
+            source = kept if cache is not None else Recorded(pair.drafter, pair.target)
+            source.drafts = []
+            events = list(dflash_mlx.stream_generate(pair, ids, max_tokens=12, block_size=4, prompt_cache=cache,
+                                                     prefill_step=32, draft_source=source))
+            return [(e.tokens, e.accepted) for e in events], source.drafts, events[-1].stats.cached_tokens
+
+        cache = PromptCache(pair)
+        first, _, _ = run(prompt, cache)
+        holes = cache._lru.trie.get(id(kept), prompt + [t for ts, _ in first for t in ts][:-1])
+        holes = [r.cache.holes for r in holes.cache[len(pair.target.make_cache()):]]
+        assert holes[0] and holes[0][0][0] == 2 and all(h == holes[0] for h in holes)  # after the 2 sink rows
+        answer = [t for ts, _ in first for t in ts]
+        more = prompt + answer + tok.encode(" and so on")
+        branch = prompt[:60] + tok.encode(" and then it stopped")
+        assert 2 < 60 - 16 and holes[0][0][1] > 60  # the branch point lies in the skipped rows
+        for ids in (more, branch):
+            warm, drafts, reused = run(ids, cache)
+            cold, cold_drafts, none = run(ids)
+            assert warm == cold and none == 0
+            assert len(drafts) == len(cold_drafts) > 2  # and the drafter read the same rows:
+            assert all(np.allclose(d, c, atol=1e-4) for d, c in zip(drafts, cold_drafts))
+            assert [t for ts, _ in warm for t in ts] == plain_greedy(baselines["qwen3"], ids, 12)
+            if ids is more:
+                assert reused == len(prompt) + len(answer) - 1  # the whole entry
+            else:  # up to the first skipped row the branch's first draft reads
+                assert reused == len(branch) - 16
+    finally:
+        restore_bound(pair.drafter, before)
 
 
 def test_the_sizer_is_told_how_many_rows_the_drafter_has_not_seen(pairs):
@@ -168,3 +226,28 @@ def test_the_sizer_is_told_how_many_rows_the_drafter_has_not_seen(pairs):
     list(dflash_mlx.stream_generate(pair, prompt, max_tokens=32, block_size=policy, draft_source=source))
     assert policy.unseen == policy.given
     assert policy.unseen[0] == len(prompt) and max(policy.unseen[3:]) > 1 and 0 < min(policy.unseen)
+
+
+def test_a_drafter_cache_keeps_where_rows_were_skipped_through_trims_and_the_disk():
+    import mlx.core as mx
+
+    from dflash_mlx.draft_source import ContextRows
+    from dflash_mlx.drafter import DraftCache
+    from dflash_mlx.prompt_store import decode, encode
+
+    c = DraftCache(bound=(2, 4))
+    kv = mx.ones((1, 1, 3, 2))
+    c.update_and_fetch((kv, kv), (None, None))
+    c.skip(4)
+    c.skip(2)  # next to the last: one range
+    c.update_and_fetch((kv, kv), (None, None))
+    assert c.holes == ((3, 9),) and c.length == 12
+    assert c.absent(0, 3) is None and c.absent(0, 12) == 3 and c.absent(5, 12) == 5 and c.absent(9, 12) is None
+    view = ContextRows(c).__copy__()
+    view.trim(5)  # a trimmed view: the range ends where its rows do; the original keeps its own
+    assert view.cache.holes == ((3, 7),) and c.holes == ((3, 9),)
+    view.trim(5)
+    assert view.cache.holes == () and view.cache.length == 2
+    arrays, layers = encode([ContextRows(c)], object)
+    (restored,) = decode(arrays, json.loads(json.dumps(layers)), object)  # as the file's header keeps them
+    assert restored.cache.holes == ((3, 9),) and restored.cache.length == 12
