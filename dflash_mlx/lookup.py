@@ -72,6 +72,14 @@ class NgramIndex:
         if first < end:  # T[j - low : j - 1] for each new j
             self.heads.update(grams(low - 1, first - 1, end - 1))
 
+    def copy(self) -> "NgramIndex":
+        """An index of the same tokens that grows apart from this one (copies of the maps, at C speed)."""
+        out = NgramIndex(orders=self.orders)
+        out.tokens = list(self.tokens)
+        out.follow = {n: f.copy() for n, f in self.follow.items()}
+        out.heads = set(self.heads)
+        return out
+
     def propose(self, k: int) -> Offer:
         """Up to k tokens that followed the longest recurring suffix last time (an
         `Offer`: its `order` is that suffix's length); empty when none recurs."""
@@ -103,16 +111,24 @@ class WithLookup(DraftSource):
     block-size policy decides per cycle whether to use them, alone or as the
     first positions of a block the drafter fills. Everything else is the
     wrapped source's.
+
+    The indexes of the last `KEEP` requests whose context a prompt cache kept
+    (`save`) are kept too: a request whose tokens start with one of them (a
+    conversation's next turn) copies it and indexes only the rest.
     """
+
+    KEEP = 2
 
     def __init__(self, inner: DraftSource, orders: Sequence[int] = ORDERS):
         self.inner = inner
         self.orders = tuple(orders)
+        self._kept: List[NgramIndex] = []
+        self.resumed = 0  # tokens the last new index took from a kept one (0: indexed anew)
         self.block_size = inner.block_size
         self.vocab_size = inner.vocab_size
 
     def new_state(self):
-        return {"inner": self.inner.new_state(), "index": NgramIndex(orders=self.orders)}
+        return {"inner": self.inner.new_state(), "index": None}  # made at the first `commit`
 
     def add_context(self, state, hidden):
         self.inner.add_context(state["inner"], hidden)
@@ -139,14 +155,30 @@ class WithLookup(DraftSource):
         self.inner.rewind(state["inner"], n)
 
     def save(self, state):
+        if state["index"] is not None:
+            kept = [i for i in self._kept if i is not state["index"]] + [state["index"]]
+            self._kept = kept[-self.KEEP:]
         return self.inner.save(state["inner"])
 
     def restore(self, saved):
-        # The index is rebuilt from the prompt (`commit`): one dict insert per order per token.
-        return {"inner": self.inner.restore(saved), "index": NgramIndex(orders=self.orders)}
+        return {"inner": self.inner.restore(saved), "index": None}
+
+    def index_for(self, tokens: List[int]) -> NgramIndex:
+        """An index of `tokens`: the longest kept one they start with, copied and extended, or a new one."""
+        best = max((i for i in self._kept if len(i.tokens) <= len(tokens) and tokens[: len(i.tokens)] == i.tokens),
+                   key=lambda i: len(i.tokens), default=None)
+        self.resumed = 0 if best is None else len(best.tokens)
+        if best is None:
+            return NgramIndex(tokens, orders=self.orders)
+        out = best.copy()
+        out.extend(tokens[len(best.tokens):])
+        return out
 
     def commit(self, state, tokens):
-        state["index"].extend(tokens)
+        if state["index"] is None:  # the prompt (and the first token)
+            state["index"] = self.index_for(list(tokens))
+        else:
+            state["index"].extend(tokens)
         self.inner.commit(state["inner"], tokens)
 
     def offer(self, state, limit):

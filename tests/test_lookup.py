@@ -152,3 +152,40 @@ def test_auto_uses_the_lookup_on_repetitive_text_and_stays_lossless(monkeypatch)
     assert stats.generation_tokens > stats.cycles  # lookups were accepted: fewer cycles than tokens
     plain = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=60, block_size="auto", lookup=False))
     assert [t for ev in plain for t in ev.tokens] == want and plain[-1].stats.draft_cycles == 0
+
+
+def test_a_conversations_next_turn_copies_the_kept_index_and_indexes_only_the_rest(pairs, baselines):
+    from dflash_mlx.decode import DFlashDraftSource
+    from dflash_mlx.prompt_cache import PromptCache
+
+    pair = pairs["qwen3"]
+
+    class Counted(WithLookup):
+        def index_for(self, tokens):
+            out = super().index_for(tokens)
+            self.calls.append((len(tokens), self.resumed))
+            return out
+
+    source = Counted(DFlashDraftSource(pair.drafter, pair.target))
+    source.calls = []
+    cache = PromptCache(pair)
+
+    def run(ids):
+        out = [t for ev in dflash_mlx.stream_generate(pair, ids, max_tokens=16, draft_source=source,
+                                                      prompt_cache=cache, block_size="auto") for t in ev.tokens]
+        assert out == plain_greedy(baselines["qwen3"], ids, 16)
+        return out
+
+    first = pair.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
+    answer = run(first)
+    then = first + answer + pair.tokenizer.encode("\ndef mul(a, b):\n")
+    more = run(then)
+    other = run(pair.tokenizer.encode("An unrelated prompt"))
+    assert source.calls[0][1] == 0 and source.calls[2][1] == 0  # nothing kept starts them
+    assert source.calls[1] == (len(then) + 1, len(first) + len(answer))  # the first turn's index, copied
+    # What the copy grew into is the index of every token the second turn committed.
+    grown = [i for i in source._kept if i.tokens[: len(then)] == then][0]
+    assert grown.tokens == then + more
+    fresh = NgramIndex(then + more)
+    assert (grown.follow, grown.heads) == (fresh.follow, fresh.heads)
+    assert len(source._kept) == WithLookup.KEEP and other
