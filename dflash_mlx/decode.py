@@ -705,9 +705,8 @@ def stream_generate(
                 learned = None
             if pending.logits is not None and accepted >= plan.copied:
                 # What each scale would have had accepted at the drafter's positions this verify
-                # reached, computed behind the next cycle and read at its synchronisation.
+                # reached: left lazy, so it runs behind the next cycle, and read at its synchronisation.
                 learned = reached_gains(pending, plan.copied, accepted, scales, params)
-                mx.async_eval(learned[1])
             lps = lps and logprob_rows(lps, accepted + 1)
             tokens = values[1 : 1 + accepted] + [values[n + 1]]
             if alts is not None and accepted < n:

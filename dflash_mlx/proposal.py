@@ -24,6 +24,7 @@ import copy
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from .sampling import SamplingParams, log_probs
@@ -38,10 +39,7 @@ LEARN_EVERY = 4
 
 def rescale(lp: mx.array, scale: float) -> mx.array:
     """Log probabilities `lp` [..., V] flattened (scale > 1) or sharpened (< 1), normalised."""
-    if scale == 1.0:
-        return lp
-    lp = lp * (1.0 / scale)
-    return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    return lp if scale == 1.0 else nn.log_softmax(lp * (1.0 / scale), axis=-1)
 
 
 def acceptance_by_scale(p_lp: mx.array, q_lp: mx.array, used: Sequence[float],
