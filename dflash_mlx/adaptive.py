@@ -325,6 +325,11 @@ class BlockSizer:
         self.held = 0  # plain steps still to run without asking again (`PLAIN_HOLD`)
         self._lookup_pays: Optional[bool] = None
 
+    def fresh(self) -> "BlockSizer":
+        """A sizer with this one's curve and settings and none of its statistics."""
+        return BlockSizer(self.curve, self.max_width, self.prior, self.lookup_prior, self.weight, self.shared.decay,
+                          self.shared.half_life, self.carry, self.stick, self.explore, self.branch_prior)
+
     def start(self, seeded: bool = False, branches: int = 0) -> "BlockSizer":
         """A sizer for a new request: this curve, the shared statistics as its prior;
         cycles may verify trees of up to `branches` branches.

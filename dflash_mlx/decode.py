@@ -450,7 +450,7 @@ class _TextStream:
         return out
 
 
-def block_policy(pair, source, block_size, tree: int = 0):
+def block_policy(pair, source, block_size, tree: int = 0, params: Optional[SamplingParams] = None):
     """The policy that picks each cycle's plan (`adaptive.Plan`: width, draft
     positions copied from the source's lookup offer, tree branches): a size
     (with `tree` branches), 'auto' (measured costs and acceptance; needs
@@ -459,11 +459,12 @@ def block_policy(pair, source, block_size, tree: int = 0):
     `lookup_pays(context)`; a run whose `learns_branches` is true is also
     given `update(..., missed)`, see `BlockSizer.update`). `choose` is asked
     once per cycle; after a plain cycle, before that cycle's `update`
-    (without an offer: the token it needs is not read yet)."""
+    (without an offer: the token it needs is not read yet). 'auto' learns
+    per sampling settings (`params`)."""
     if hasattr(block_size, "start"):
         return block_size
     if block_size == "auto":
-        shared = pair.auto_sizer()  # the pair's drafter keeps acceptance across requests
+        shared = pair.auto_sizer(params)  # the pair's drafter keeps acceptance across requests
         return shared if source is pair.draft_source else BlockSizer(shared.curve, source.block_size)
     block_size = block_size or source.block_size
     if not isinstance(block_size, int) or block_size < 1:
@@ -532,7 +533,7 @@ def stream_generate(
         raise DFlashError(f"--proposal-scale must be 'auto' or a number > 0 (got {proposal_scale}).")
     target, tokenizer = pair.target, pair.tokenizer
     source = draft_source or pair.draft_source
-    policy = block_policy(pair, source, block_size, tree or 0)
+    policy = block_policy(pair, source, block_size, tree or 0, params)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be >= 1 (got {max_tokens}).")
     if isinstance(prompt, str):

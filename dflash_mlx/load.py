@@ -34,7 +34,8 @@ class DFlashPair:
     draft_path: Path
     resolved: Optional[Resolved] = None
     group: Any = None  # the mx.distributed group the target is sharded over (None: one process)
-    _sizer: Optional[BlockSizer] = field(default=None, repr=False)
+    _sizer: Optional[BlockSizer] = field(default=None, repr=False)  # greedy requests'
+    _sampled_sizers: Dict[tuple, BlockSizer] = field(default_factory=dict, repr=False)
     _scales: Dict[tuple, ProposalScales] = field(default_factory=dict, repr=False)
 
     def cost_curve(self, budget: float = 10.0, progress=lambda done, total: None) -> CostCurve:
@@ -42,15 +43,26 @@ class DFlashPair:
         return load_or_measure(curve_key(self), partial(cycle_parts, self), self.draft_source.block_size,
                                cache_root(), budget=budget, progress=progress)
 
-    def auto_sizer(self, progress=lambda done, total: None) -> BlockSizer:
-        """The `--block-size auto` policy; its acceptance statistics last across requests."""
+    def auto_sizer(self, params: Optional[SamplingParams] = None,
+                   progress=lambda done, total: None) -> BlockSizer:
+        """The `--block-size auto` policy at these sampling settings (default: greedy).
+
+        Its acceptance statistics last across requests with the same settings:
+        a drafter's (and a lookup's) acceptance when sampling is not its greedy
+        one, so a server's sampled requests do not teach its greedy ones. All
+        share one cost curve.
+        """
         if self._sizer is None:
             self._sizer = BlockSizer(self.cost_curve(progress=progress), self.draft_source.block_size)
-        return self._sizer
+        if params is None or params.greedy:
+            return self._sizer
+        if params.key not in self._sampled_sizers:
+            self._sampled_sizers[params.key] = self._sizer.fresh()
+        return self._sampled_sizers[params.key]
 
     def proposal_scales(self, params: SamplingParams) -> ProposalScales:
         """The drafter's learned proposal scales at these sampling settings; they last across requests."""
-        key = (params.temp, params.top_p, params.top_k, params.min_p)
+        key = params.key
         if key not in self._scales:
             self._scales[key] = ProposalScales(self.draft_source.block_size - 1)
         return self._scales[key]

@@ -38,6 +38,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temp == 0
 
+    @property
+    def key(self) -> tuple:
+        """The settings the drawn distribution depends on (what is learnt about acceptance is kept per key)."""
+        return (0.0, 1.0, 0, 0.0) if self.greedy else (self.temp, self.top_p, self.top_k, self.min_p)
+
 
 def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Normalised log probabilities of the distribution tokens are drawn from."""

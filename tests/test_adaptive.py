@@ -610,6 +610,27 @@ def test_same_seed_same_text_whatever_came_before(pairs, monkeypatch):
     assert again == first
 
 
+def test_acceptance_is_learnt_per_sampling_settings(pairs, monkeypatch):
+    """A drafter's acceptance when sampling is not its greedy one: sampled requests
+    teach a sizer of their own settings, which shares the greedy one's cost curve."""
+    pair = pairs["qwen3"]
+    install_curve(monkeypatch, pair, [FLAT[: pair.draft_source.block_size]])
+    monkeypatch.setattr(pair, "_sampled_sizers", {})
+    greedy = pair.auto_sizer()
+    t1 = SamplingParams(temp=1.0)
+    sampled = pair.auto_sizer(t1)
+    assert sampled is not greedy and sampled.curve is greedy.curve
+    assert pair.auto_sizer(SamplingParams(temp=1.0, seed=3)) is sampled  # the seed is not a setting
+    assert pair.auto_sizer(SamplingParams(temp=0.7)) is not sampled
+    assert pair.auto_sizer(SamplingParams(temp=0.0, top_p=0.5)) is greedy  # filters do not change a greedy pick
+
+    before = list(greedy.shared.tried)
+    dflash_mlx.generate(pair, "Once upon a time", max_tokens=24, sampling=t1, block_size="auto")
+    assert greedy.shared.tried == before and sum(sampled.shared.tried) > 0
+    dflash_mlx.generate(pair, "Once upon a time", max_tokens=24, block_size="auto")
+    assert sum(greedy.shared.tried) > 0
+
+
 def test_stop_string_ends_the_count_too(pairs):
     pair = pairs["qwen3"]
     tok = pair.tokenizer
