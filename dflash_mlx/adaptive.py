@@ -259,6 +259,9 @@ class FixedWidth:
     def lookup_pays(self, context: int) -> bool:
         return False
 
+    def drafter_pays(self, first: int, last: int) -> bool:
+        return self.plan.width > 1
+
 
 class BlockSizer:
     """Chooses each cycle's width and draft source for the most committed tokens per second.
@@ -520,6 +523,17 @@ class BlockSizer:
             self.current = plan.width
         self.held, self._lookup_pays = (PLAIN_HOLD - 1 if plan == PLAIN else 0), None
         return plan
+
+    def drafter_pays(self, first: int, last: int) -> bool:
+        """Whether a cycle that runs the drafter could beat plain decoding anywhere from
+        context `first` to `last` even if every draft were accepted. If not, no draw
+        ever chooses one (rates are at most 1, and a cycle of width w commits at most w
+        tokens, trees included), so the request needs no drafter context at all."""
+        for c in [first, last] + [c for c in self.curve.contexts if first < c < last]:
+            costs = self.curve.costs(c)
+            if any(w / costs[w - 1] > 1 / costs[0] for w in range(2, self.max_width + 1)):
+                return True
+        return False
 
     def lookup_pays(self, context: int) -> bool:
         """Whether a full lookup offer (of any order) would be used now (else plain steps may run

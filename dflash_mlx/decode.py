@@ -583,9 +583,13 @@ def stream_generate(
         else:
             scaler = ProposalScales(source.block_size - 1)
         scaler = scaler.start(seeded=params.seed is not None)
+    # The drafter's context (the target's taps) is kept only where a drafted cycle could pay: a
+    # sizer on a cost curve where even every draft accepted would not never drafts in this request.
+    drafter = not plain and (prompt_cache is not None or not hasattr(sizer, "drafter_pays")
+                             or sizer.drafter_pays(len(prompt), len(prompt) + max_tokens))
     trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
-                           before_last=None if trimmable else keep, taps=not plain, skip=True, before=reused)
+                           before_last=None if trimmable else keep, taps=drafter, skip=True, before=reused)
     proc = Processed(logits_processors, prompt)
     logits = proc.row(logits[None])[0] if proc else logits
     first = pick(logits[None], params)[0]
@@ -598,7 +602,7 @@ def stream_generate(
     tokens = [first.item()]
     stats.cached_tokens = reused
     stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
-    if not plain:
+    if lookup or drafter:
         source.commit(dstate, list(prompt) + tokens)
     history = list(prompt) + tokens  # the target's cache holds all but the last of these
     tic = time.perf_counter()
@@ -637,7 +641,7 @@ def stream_generate(
             scales = None
             if scaler is not None and plan.drafts and not plan.branches:
                 scales = scaler.choose(plan.width - 1)
-            cycle = (target, source, dstate, tcache, last, taps, plan, offer, params, logprobs, proc, plain, learn,
+            cycle = (target, source, dstate, tcache, last, taps, plan, offer, params, logprobs, proc, not drafter, learn,
                      scales, scales is not None and scaler.learning())
             deferred = stats.cycles == 0 and plan.width > 1
             if not deferred:
@@ -680,7 +684,7 @@ def stream_generate(
                 nxt_plan = sizer.choose(context, unseen=unseen + 1,
                                         left=max_tokens - stats.generation_tokens - 1)
                 if nxt_plan == PLAIN:
-                    ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs, proc=proc, taps=not plain)
+                    ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs, proc=proc, taps=drafter)
                     mx.async_eval(ahead)
             if lps is not None:
                 mx.eval(nxt, lps)
@@ -715,9 +719,10 @@ def stream_generate(
             history += tokens
             proc.commit(mx.array(tokens))
             target.crop(tcache, accepted + 1, plan.width)
-        if not plain:
+        if drafter:
             taps.append(hidden[:, : accepted + 1])
             unseen += accepted + 1
+        if lookup or drafter:
             source.commit(dstate, tokens)
         if len(taps) == 256:  # a long run without the drafter: bound what is held, in one batched projection
             source.add_context(dstate, mx.concatenate(taps, axis=1))

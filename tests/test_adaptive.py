@@ -225,6 +225,17 @@ def test_an_unlucky_rejection_does_not_end_drafting():
     assert sum(speeds) / len(speeds) > 0.85 * best_fixed  # (a fixed width 15 would make 2.1x)
 
 
+def test_the_drafter_can_pay_only_where_full_acceptance_beats_plain_steps():
+    W = 16
+    steep = [float(w) for w in range(1, W + 1)]  # w tokens for the cost of w steps: never better
+    assert not BlockSizer(cycle_curve([steep]), W).drafter_pays(10, 5000)
+    cheap = [1.0 + 0.3 * (w - 1) for w in range(1, W + 1)]
+    s = BlockSizer(cycle_curve([steep, cheap], contexts=(64, 1024)), W)
+    assert not s.drafter_pays(10, 64)
+    assert s.drafter_pays(10, 2000) and s.drafter_pays(1000, 1100)  # costs as the request's contexts grow
+    assert FixedWidth(4).drafter_pays(0, 10) and not FixedWidth(1).drafter_pays(0, 10)
+
+
 def test_where_drafting_cannot_pay_it_never_probes():
     s = BlockSizer(cycle_curve([STEEP]), 16)
     assert plain_run(s, 5000, accept_prob=1.0) == 0

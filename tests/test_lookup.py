@@ -7,6 +7,7 @@ from conftest import ScriptedWidths, plain_greedy
 from test_lossless import PROMPTS, ContextChecked, dflash_tokens
 
 import dflash_mlx
+from dflash_mlx import decode as decode_mod
 from dflash_mlx.adaptive import BlockSizer, CostCurve, Plan
 from dflash_mlx.lookup import BULK, NgramIndex, WithLookup
 
@@ -143,15 +144,27 @@ def test_auto_uses_the_lookup_on_repetitive_text_and_stays_lossless(monkeypatch)
     flat = [1.0 + 0.02 * (w - 1) for w in range(1, W + 1)]
     monkeypatch.setattr(pair, "_sizer", BlockSizer(CostCurve([64], [flat], [[0.0] * W], [steep], [flat]), W))
     assert isinstance(pair.draft_source, WithLookup)
+    asked = []  # the `taps` of each prefill and plain step: whether the drafter's context was computed
+    real_step, real_prefill = decode_mod.step, decode_mod.prefill
+    monkeypatch.setattr(decode_mod, "step", lambda *a, **k: asked.append(k["taps"]) or real_step(*a, **k))
+    monkeypatch.setattr(decode_mod, "prefill", lambda *a, **k: asked.append(k["taps"]) or real_prefill(*a, **k))
     prompt = pair.tokenizer.encode("class Stack:\n    def push(self, x):")
     want = generate(plain_target(pair), pair.tokenizer, prompt, 60, 0.0)["tokens"]
     events = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=60, block_size="auto"))
     assert [t for ev in events for t in ev.tokens] == want
     stats = events[-1].stats
     assert stats.lookup_cycles > 0 and stats.lookup_cycles == stats.draft_cycles  # the drafter never pays here
+    # Even with every draft accepted a drafted cycle of width w would cost w plain steps: the request
+    # never asks the target for the drafter's context.
+    assert len(asked) > 2 and not any(asked)
     assert stats.generation_tokens > stats.cycles  # lookups were accepted: fewer cycles than tokens
     plain = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=60, block_size="auto", lookup=False))
     assert [t for ev in plain for t in ev.tokens] == want and plain[-1].stats.draft_cycles == 0
+    cheaper = [1.0] + [0.9 * w for w in range(2, W + 1)]  # where full acceptance would pay, the taps are kept
+    monkeypatch.setattr(pair, "_sizer", BlockSizer(CostCurve([64], [flat], [[0.0] * W], [cheaper], [flat]), W))
+    asked.clear()
+    again = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=60, block_size="auto"))
+    assert [t for ev in again for t in ev.tokens] == want and asked[0] is True
 
 
 def test_a_conversations_next_turn_copies_the_kept_index_and_indexes_only_the_rest(pairs, baselines):
