@@ -374,18 +374,19 @@ def cycle_parts(pair, n: int, branches: int = 0):
 
 
 def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params: SamplingParams,
-           top: Optional[int] = None, proc: Optional[Processed] = None, plain: bool = False,
+           top: Optional[int] = None, proc: Optional[Processed] = None, tapped: bool = True,
            alternatives: bool = False, scales: Optional[Sequence[float]] = None, keep: bool = False):
     """Start one cycle on the device (`mx.async_eval`): a plain step, or a
     draft (the drafter first given `taps`, the taps of committed tokens it has
     not seen) and its verify pass, linear or as a tree (`plan.branches`).
     Returns the cycle in flight and the taps still held back (all of them
-    when the plan does not run the drafter). With `alternatives`, a linear
+    when the plan does not run the drafter); a plain step computes taps only
+    when `tapped` (the request keeps the drafter's context). With `alternatives`, a linear
     cycle also brings the drafter's 2nd and 3rd choices (for the sizer). When
     sampling, drafter position i draws at `scales[i]`, and with `keep` the
     cycle keeps what the proposal scales learn from (`Verified.logits`)."""
     if plan.width == 1:
-        pending = step(target, tcache, last, params, top=top, proc=proc, taps=not plain)
+        pending = step(target, tcache, last, params, top=top, proc=proc, taps=tapped)
     else:
         hidden = None
         if plan.drafts:
@@ -456,7 +457,9 @@ def block_policy(pair, source, block_size, tree: int = 0, params: Optional[Sampl
     (with `tree` branches), 'auto' (measured costs and acceptance; needs
     `pair`) or a policy object (`start(seeded, branches)` returning a run
     with `choose(context, offer)`, `update(plan, accepted, tokens)` and
-    `lookup_pays(context)`; a run whose `learns_branches` is true is also
+    `lookup_pays(context)`, and optionally `drafter_pays(first, last)`: False
+    when no cycle of the request between those context lengths will run the
+    drafter, so it needs no drafter context; a run whose `learns_branches` is true is also
     given `update(..., missed)`, see `BlockSizer.update`). `choose` is asked
     once per cycle; after a plain cycle, before that cycle's `update`
     (without an offer: the token it needs is not read yet). 'auto' learns
@@ -572,8 +575,12 @@ def stream_generate(
     # earlier requests left behind.
     sizer = policy.start(seeded=params.seed is not None, branches=branches)
     learn = getattr(sizer, "learns_branches", False)
+    # The drafter's context (the target's taps) is kept only where a drafted cycle could pay: a
+    # sizer on a cost curve where even every draft accepted would not never drafts in this request.
+    drafter = not plain and (prompt_cache is not None or not hasattr(sizer, "drafter_pays")
+                             or sizer.drafter_pays(len(prompt), len(prompt) + max_tokens))
     scaler = None
-    if not params.greedy and not plain:
+    if not params.greedy and drafter:
         if hasattr(proposal_scale, "start"):
             scaler = proposal_scale
         elif proposal_scale != "auto":
@@ -583,10 +590,6 @@ def stream_generate(
         else:
             scaler = ProposalScales(source.block_size - 1)
         scaler = scaler.start(seeded=params.seed is not None)
-    # The drafter's context (the target's taps) is kept only where a drafted cycle could pay: a
-    # sizer on a cost curve where even every draft accepted would not never drafts in this request.
-    drafter = not plain and (prompt_cache is not None or not hasattr(sizer, "drafter_pays")
-                             or sizer.drafter_pays(len(prompt), len(prompt) + max_tokens))
     trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
                            before_last=None if trimmable else keep, taps=drafter, skip=True, before=reused)
@@ -641,7 +644,7 @@ def stream_generate(
             scales = None
             if scaler is not None and plan.drafts and not plan.branches:
                 scales = scaler.choose(plan.width - 1)
-            cycle = (target, source, dstate, tcache, last, taps, plan, offer, params, logprobs, proc, not drafter, learn,
+            cycle = (target, source, dstate, tcache, last, taps, plan, offer, params, logprobs, proc, drafter, learn,
                      scales, scales is not None and scaler.learning())
             deferred = stats.cycles == 0 and plan.width > 1
             if not deferred:
