@@ -324,7 +324,7 @@ class BlockSizer:
         self.pending: List[int] = []  # a lookup offer not yet compared with what was committed
         self.pending_order = 0
         self.matched = 0  # how many of its tokens were committed so far
-        self._context, self._costs, self._copy = None, [], []
+        self._context, self._costs, self._copy, self._drafts = None, [], [], True
         self.held = 0  # plain steps still to run without asking again (`PLAIN_HOLD`)
         self._lookup_pays: Optional[bool] = None
 
@@ -408,6 +408,13 @@ class BlockSizer:
         # Costs change slowly with context: interpolate again every COST_STEP tokens, not every token.
         if self._context is None or abs(context - self._context) >= COST_STEP:
             self._context, self._costs, self._copy = context, self.curve.costs(context), self.curve.copy_costs(context)
+            self._drafts = self._could_pay(self._costs)
+
+    def _could_pay(self, costs: List[float]) -> bool:
+        """Whether a cycle that runs the drafter could beat plain steps at these costs even
+        if every draft were accepted. If not, no draw ever chooses one: rates are at most
+        1, and a cycle of width w commits at most w tokens, trees included."""
+        return any(w / costs[w - 1] > 1 / costs[0] for w in range(2, self.max_width + 1))
 
     def rates(self, context: int, alphas: Optional[List[float]] = None, owed: float = 0.0) -> List[float]:
         """Expected committed tokens per second of the drafter at widths 1..max_width; a
@@ -514,6 +521,10 @@ class BlockSizer:
         if self.held and not offer:
             self.held -= 1
             return PLAIN
+        self._at(context)
+        if not offer and not self._drafts:  # nothing to draw: only a lookup could beat a plain step here
+            self.current, self.held, self._lookup_pays = 1, PLAIN_HOLD - 1, None
+            return PLAIN
         explore = self.explore
         spread = min(left, CATCH_UP_SPREAD)
         owed = self.curve.catch_up * unseen / spread if unseen and spread > 0 else 0.0
@@ -526,14 +537,10 @@ class BlockSizer:
 
     def drafter_pays(self, first: int, last: int) -> bool:
         """Whether a cycle that runs the drafter could beat plain decoding anywhere from
-        context `first` to `last` even if every draft were accepted. If not, no draw
-        ever chooses one (rates are at most 1, and a cycle of width w commits at most w
-        tokens, trees included), so the request needs no drafter context at all."""
-        for c in [first, last] + [c for c in self.curve.contexts if first < c < last]:
-            costs = self.curve.costs(c)
-            if any(w / costs[w - 1] > 1 / costs[0] for w in range(2, self.max_width + 1)):
-                return True
-        return False
+        context `first` to `last` even if every draft were accepted (`_could_pay`); if
+        not, the request needs no drafter context at all."""
+        return any(self._could_pay(self.curve.costs(c))
+                   for c in [first, last] + [c for c in self.curve.contexts if first < c < last])
 
     def lookup_pays(self, context: int) -> bool:
         """Whether a full lookup offer (of any order) would be used now (else plain steps may run

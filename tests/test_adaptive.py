@@ -241,6 +241,24 @@ def test_where_drafting_cannot_pay_it_never_probes():
     assert plain_run(s, 5000, accept_prob=1.0) == 0
 
 
+def test_where_drafting_cannot_pay_nothing_is_drawn_but_lookups_are_weighed():
+    """A plain step's choice on a curve where no drafted cycle can pay draws no rates
+    (the draw was most of auto's cost over width 1 on a steep curve); an offer is still weighed."""
+    W = 8
+    steep = [float(w) for w in range(1, W + 1)]
+    bare = [1.0 + 0.05 * (w - 1) for w in range(1, W + 1)]  # a lookup's bare verify is cheap
+    s = BlockSizer(CostCurve([64, 4096], [steep, steep], [[0.0] * W] * 2, [steep, [1.0 + 0.1 * (w - 1)
+                                                                             for w in range(1, W + 1)]],
+                             [bare, bare]), W, lookup_prior=0.9).start()
+    before = s.rng.bit_generator.state
+    assert all(s.choose(64) == PLAIN for _ in range(20))
+    assert s.rng.bit_generator.state == before
+    assert s.choose(64, offer=[5, 6, 7]).copied == 3
+    s.held = 0
+    s.choose(4096)  # where a drafted cycle could pay, the rates are drawn
+    assert s.rng.bit_generator.state != before
+
+
 def lookup_curve(drafted, copied):
     return CostCurve([64], [copied], [[0.0] * len(copied)], [drafted], [copied])
 
