@@ -1,5 +1,6 @@
 """Progress for long work: a rich bar on a terminal, plain timestamped lines elsewhere."""
 
+import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
@@ -17,8 +18,8 @@ def progress(console: Console, description: str, total: Optional[float] = None, 
 
     Off a terminal (a pipe, a log file, CI) rich draws nothing until the end,
     so plain lines are printed instead: one at the start, one at most every
-    `every` seconds and one at the end; with `quiet_for`, none at all unless
-    the work outlasts that many seconds.
+    `every` seconds (repeated while one step runs long) and one at the end;
+    with `quiet_for`, none at all unless the work outlasts that many seconds.
     """
     if console.is_terminal:
         columns = [TextColumn("{task.description}"), BarColumn()]
@@ -34,6 +35,7 @@ def progress(console: Console, description: str, total: Optional[float] = None, 
         return
     start = last = time.monotonic()
     state = {"description": description, "done": 0, "total": total, "shown": quiet_for <= 0}
+    lock, finished = threading.Lock(), threading.Event()
     if state["shown"]:
         console.print(f"{description} ...", highlight=False)
 
@@ -42,18 +44,34 @@ def progress(console: Console, description: str, total: Optional[float] = None, 
         amount = f" {d:.0f}/{t:.0f}" if counts and t else ""
         return f"{state['description']}{amount} ({time.monotonic() - start:.0f} s)"
 
-    def update(done, total=None, description=None):
+    def show_if_due():  # under `lock`
         nonlocal last
-        state.update(done=done, total=total or state["total"], description=description or state["description"])
         now = time.monotonic()
         if not state["shown"] and now - start >= quiet_for:
             state["shown"] = True
-        elif state["shown"] and now - last >= every:
-            last = now
-        else:
+        elif not (state["shown"] and now - last >= every):
             return
+        last = now
         console.print(line(), highlight=False)
 
-    yield update
+    def update(done, total=None, description=None):
+        with lock:
+            state.update(done=done, total=total or state["total"], description=description or state["description"])
+            show_if_due()
+
+    def heartbeat():  # one step may take minutes (a long prompt's prefill): say it is still going
+        while not finished.wait(every):
+            with lock:
+                show_if_due()
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    if every > 0:
+        beat.start()
+    try:
+        yield update
+    finally:
+        finished.set()
+        if beat.is_alive():
+            beat.join()
     if state["shown"]:
         console.print(line() + ": done", highlight=False)

@@ -73,6 +73,16 @@ def load_target(path, tokenizer_config: Optional[dict] = None):
     return model, tokenizer, config
 
 
+def model_class(path, config: dict) -> type:
+    """mlx-lm's model class for a target's config (its `_get_classes`, private: mlx-lm's internals stay here)."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        return _get_classes(config)[0]
+    except ValueError as e:
+        raise DFlashError(f"Could not load the target from {path}: {str(e).splitlines()[0]}")
+
+
 def materialize(model: nn.Module) -> None:
     """Evaluate every array a model holds, private ones (e.g. RoPE frequencies)
     included, so the model can run on any thread."""

@@ -313,6 +313,7 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
     # Warm-up: compile kernels and fill allocator caches once for each path,
     # on the longest prompt, so neither path's prefill meets sizes first.
     first = max((context_prompt(tok, t, context) for texts in prompts.values() for t in texts), key=len)
+    progress(0, total, "warming up")
     baseline_generate(model, tok, first, 8, temp)
     for bs in block_sizes:
         _dflash_run(pair, first, 8, params, bs)
@@ -332,18 +333,17 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
                 order = [None, *block_sizes]  # None: the baseline
                 rng.shuffle(order)
                 for bs in order:
+                    what = "baseline" if bs is None else f"block {bs}"
+                    progress(done, total, f"{suite}: {what}")  # said before it runs: a long prompt takes minutes
                     if bs is None:
                         runs.append(baseline_generate(model, tok, ids, max_tokens, temp))
-                        what = "baseline"
                     else:
                         bs_run = bs if not (oracle and bs == "auto") else pair.draft_source.block_size
                         run = _dflash_run(pair, ids, max_tokens, params, bs_run, source)
                         if oracle:
                             run["oracle"] = _oracle_split(pair, ids, run, max_tokens, params, bs_run, source)
                         dr[bs].append(run)
-                        what = f"block {bs}"
                     done += 1
-                    progress(done, total, f"{suite}: {what}")
             base = dict(runs[0], generation_tps=median([r["generation_tps"] for r in runs]),
                         prompt_tps=median([r["prompt_tps"] for r in runs]))
             row = {"prompt": text, "prompt_tokens": len(ids), "baseline": {k: v for k, v in base.items() if k != "tokens"},
@@ -360,6 +360,7 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
                 row["dflash"][str(bs)] = d
             rows.append(row)
         suites[suite] = rows
+    progress(done, total, "measured")
     result = {
         "schema_version": SCHEMA_VERSION,
         "machine": machine_info(),

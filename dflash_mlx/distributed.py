@@ -66,8 +66,9 @@ def is_main(g: Optional[mx.distributed.Group] = None) -> bool:
 
 def _sharded_loader(g: mx.distributed.Group, sharding: str = "auto"):
     """A `load.load` target loader: the target sharded over `g` by mlx-lm's own sharded loading."""
-    from mlx_lm.utils import _get_classes, sharded_load
+    from mlx_lm.utils import sharded_load
 
+    from .adapter import model_class
     from .target_caches import family_verdict
 
     if sharding not in SHARDINGS:
@@ -83,10 +84,7 @@ def _sharded_loader(g: mx.distributed.Group, sharding: str = "auto"):
         ok, why = family_verdict(model_type)
         if not ok:
             raise DFlashError(f"Target family '{model_type}' is not supported: {why}.")
-        try:
-            model_cls, _ = _get_classes(config)
-        except ValueError as e:
-            raise DFlashError(f"Could not load the target from {path}: {str(e).splitlines()[0]}")
+        model_cls = model_class(path, config)
         kind = _sharding_kind(model_cls, model_type, sharding, g)
         tested = TENSOR_PARALLEL if kind == "tensor" else PIPELINE_PARALLEL
         if model_type not in tested:

@@ -241,6 +241,26 @@ def test_progress_prints_plain_lines_off_a_terminal():
     assert "working ..." not in term.getvalue()  # a live bar, not plain lines
 
 
+def test_a_long_step_still_shows_progress_off_a_terminal():
+    import io
+    import time
+
+    from rich.console import Console
+
+    from dflash_mlx.cli.progress import progress
+
+    out = io.StringIO()
+    with progress(Console(file=out, force_terminal=False), "benchmark", total=2, every=0.2) as update:
+        update(0, description="context 16384: warming up")
+        time.sleep(1.0)  # one long step, no update
+    lines = out.getvalue().splitlines()
+    assert sum(line.startswith("context 16384: warming up 0/2 (") for line in lines) >= 3
+    late = io.StringIO()
+    with progress(Console(file=late, force_terminal=False), "slow", quiet_for=0.3, every=0.2):
+        time.sleep(0.8)  # outlasts quiet_for without an update
+    assert late.getvalue().startswith("slow (") and late.getvalue().rstrip().endswith(": done")
+
+
 def test_quick_work_prints_no_progress_off_a_terminal():
     import io
 
