@@ -47,9 +47,12 @@ def progress(console: Console, description: str, total: Optional[float] = None, 
     def show_if_due():  # under `lock`
         nonlocal last
         now = time.monotonic()
-        if not state["shown"] and now - start >= quiet_for:
+        if state["shown"]:
+            if now - last < every:
+                return
+        elif now - start >= quiet_for:
             state["shown"] = True
-        elif not (state["shown"] and now - last >= every):
+        else:
             return
         last = now
         console.print(line(), highlight=False)
@@ -64,14 +67,14 @@ def progress(console: Console, description: str, total: Optional[float] = None, 
             with lock:
                 show_if_due()
 
-    beat = threading.Thread(target=heartbeat, daemon=True)
-    if every > 0:
+    beat = threading.Thread(target=heartbeat, daemon=True) if every > 0 else None
+    if beat:
         beat.start()
     try:
         yield update
     finally:
         finished.set()
-        if beat.is_alive():
+        if beat:
             beat.join()
     if state["shown"]:
         console.print(line() + ": done", highlight=False)

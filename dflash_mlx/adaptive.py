@@ -523,13 +523,13 @@ class BlockSizer:
             return PLAIN
         self._at(context)
         if not offer and not self._drafts:  # nothing to draw: only a lookup could beat a plain step here
-            self.current, self.held, self._lookup_pays = 1, PLAIN_HOLD - 1, None
-            return PLAIN
-        explore = self.explore
-        spread = min(left, CATCH_UP_SPREAD)
-        owed = self.curve.catch_up * unseen / spread if unseen and spread > 0 else 0.0
-        plan, _ = self.best(context, len(offer), self.sampled_alphas() if explore else None, order,
-                            self.sampled_alt_rates() if explore and self.branches else None, owed)
+            plan = PLAIN
+        else:
+            explore = self.explore
+            spread = min(left, CATCH_UP_SPREAD)
+            owed = self.curve.catch_up * unseen / spread if unseen and spread > 0 else 0.0
+            plan, _ = self.best(context, len(offer), self.sampled_alphas() if explore else None, order,
+                                self.sampled_alt_rates() if explore and self.branches else None, owed)
         if plan.copied == 0 and not plan.branches:
             self.current = plan.width
         self.held, self._lookup_pays = (PLAIN_HOLD - 1 if plan == PLAIN else 0), None
