@@ -571,9 +571,10 @@ def stream_generate(
 
     can_tree = params.greedy and not logits_processors and target.can_verify_tree(tcache)
     branches = (AUTO_BRANCHES if tree is None else tree) if can_tree else 0
-    # A seeded request's widths (and so its random draws) depend on nothing
-    # earlier requests left behind.
-    sizer = policy.start(seeded=params.seed is not None, branches=branches)
+    # A seeded sampled request's widths (and so its random draws) depend on nothing
+    # earlier requests left behind; a greedy one's text does not depend on its widths.
+    seeded = params.seed is not None and not params.greedy
+    sizer = policy.start(seeded=seeded, branches=branches)
     learn = getattr(sizer, "learns_branches", False)
     # The drafter's context (the target's taps) is kept only where a drafted cycle could pay: a
     # sizer on a cost curve where even every draft accepted would not never drafts in this request.
@@ -589,7 +590,7 @@ def stream_generate(
             scaler = pair.proposal_scales(params)  # the pair's drafter keeps them across requests
         else:
             scaler = ProposalScales(source.block_size - 1)
-        scaler = scaler.start(seeded=params.seed is not None)
+        scaler = scaler.start(seeded=seeded)
     trimmable = prompt_cache is None or can_trim(tcache)
     logits, taps = prefill(target, source, dstate, mx.array(prompt[reused:]), tcache, prefill_step,
                            before_last=None if trimmable else keep, taps=drafter, skip=True, before=reused)

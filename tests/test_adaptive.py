@@ -639,6 +639,24 @@ def test_same_seed_same_text_whatever_came_before(pairs, monkeypatch):
     assert again == first
 
 
+def test_a_greedy_request_with_a_seed_follows_the_shared_statistics(pairs, monkeypatch):
+    """Greedy text does not depend on the widths, so a seed (chat clients send one at
+    temperature 0 too) must not make a greedy request relearn from the prior."""
+    pair = pairs["qwen3"]
+    install_curve(monkeypatch, pair, [[1.0 + 0.6 * (k - 1) for k in range(1, pair.draft_source.block_size + 1)]])
+    for _ in range(300):
+        pair._sizer.update(Plan(pair.draft_source.block_size), 0, [0])  # drafts here always miss
+    prompt = pair.tokenizer.encode("Once upon a time")
+    seeded = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=30, sampling=SamplingParams(seed=11),
+                                             block_size="auto"))
+    unseeded = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=30, block_size="auto"))
+    assert [t for ev in seeded for t in ev.tokens] == [t for ev in unseeded for t in ev.tokens]
+    assert seeded[-1].stats.draft_cycles <= 1 and unseeded[-1].stats.draft_cycles <= 1  # a rare probe at most
+    fresh = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=30, sampling=SamplingParams(temp=1.0, seed=11),
+                                            block_size="auto"))
+    assert fresh[-1].stats.draft_cycles >= 3  # a seeded sampled request does start from the prior
+
+
 def test_acceptance_is_learnt_per_sampling_settings(pairs, monkeypatch):
     """A drafter's acceptance when sampling is not its greedy one: sampled requests
     teach a sizer of their own settings, which shares the greedy one's cost curve."""
