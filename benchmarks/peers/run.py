@@ -7,7 +7,8 @@ Runtimes (each answers through `benchmarks/peers/runners/<name>.py`, started onc
 its own interpreter; see each runner's docstring for how it loads, what its settings are and
 where its cycle counts come from):
 
-- mlxlm:   plain mlx-lm greedy decoding, the baseline (this repository's venv)
+- mlxlm:   plain mlx-lm decoding, the baseline (this repository's venv): greedy, and sampled at
+           temperature 1 (the baseline of the "t1-*" settings, run when any of them is)
 - ours:    this repository's `dflash_mlx`, block_size "auto" and 8 (this repository's venv)
 - zlab:    z-lab `dflash==0.1.0` (`dflash.model_mlx`), its default (the drafter's block) and 8
 - bstnxbt: bstnxbt `dflash-mlx==0.1.8`, its default (adaptive verify) and fixed block 8
@@ -171,11 +172,14 @@ def normalise(tokens, eos, max_tokens):
 def summarise(runs: dict, keys, n_prompts: int) -> dict:
     """runs[(runtime, setting)][prompt] = list of answers (one per repeat)."""
     from dflash_mlx.bench import geomean, median
-    base = runs[("mlxlm", "default")]
-    base_tps = [median([a["tps"] for a in base[p]]) for p in range(n_prompts)]
+    greedy_base = runs[("mlxlm", "default")]
     out = {}
     for key in keys:
         per = runs[key]
+        sampled = key[1].startswith("t1-")  # temperature 1: ids are a sample, not comparable with greedy ones
+        # Sampled settings are compared with mlx-lm sampling at the same temperature, where it ran.
+        base = runs.get(("mlxlm", "t1-default"), greedy_base) if sampled else greedy_base
+        base_tps = [median([a["tps"] for a in base[p]]) for p in range(n_prompts)]
         if any(a.get("error") for p in range(n_prompts) for a in per[p]):
             errs = sorted({a["error"] for p in range(n_prompts) for a in per[p] if a.get("error")})
             out[f"{key[0]}/{key[1]}"] = {"runtime": key[0], "setting": key[1], "error": errs[0]}
@@ -183,7 +187,6 @@ def summarise(runs: dict, keys, n_prompts: int) -> dict:
         tps = [median([a["tps"] for a in per[p]]) for p in range(n_prompts)]
         cycles = sum(a["cycles"] for p in range(n_prompts) for a in per[p])
         ctoks = sum(a["cycle_tokens"] for p in range(n_prompts) for a in per[p])
-        sampled = key[1].startswith("t1-")  # temperature 1: ids are a sample, not comparable with greedy ones
         ident = [sampled or all(a["ids"] == base[p][0]["ids"] for a in per[p]) for p in range(n_prompts)]
         med, bmed = median(tps), median(base_tps)
         g, bg = geomean(tps), geomean(base_tps)
@@ -330,7 +333,9 @@ def run(args):
         raise PeersError(f"the mlx-lm baseline could not start: {problems.get('mlxlm')}")
     try:
         wanted = set(args.settings.split(",")) if args.settings else None
-        keys = [(n, s) for n, r in runners.items() for s in r.settings if n == "mlxlm" or not wanted or s in wanted]
+        baselines = {"default"} | ({"t1-default"} if not wanted or any(w.startswith("t1-") for w in wanted) else set())
+        keys = [(n, s) for n, r in runners.items() for s in r.settings
+                if (n == "mlxlm" and s in baselines) or not wanted or s in wanted]
         for n in [n for n in runners if not any(k[0] == n for k in keys)]:
             runners.pop(n).close()
         missing = wanted - {s for _, s in keys} if wanted else set()

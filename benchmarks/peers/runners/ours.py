@@ -5,6 +5,10 @@ and cached under ~/.cache/dflash-mlx/costs, with lookup drafts), "no-lookup" = "
 without lookup drafts (the drafter only), "block4" / "block8" = fixed block sizes (the
 drafter alone, every cycle), "block1" = plain decoding through this loop (width 1 every cycle), "tree2" = "auto" also
 weighing tree verification with up to 2 branches (`tree=2`).
+Sampled settings ("t1-*", temperature 1) seed MLX's generator before each request
+(`mx.random.seed`, a fresh seed per request), as the z-lab runner does; "t1-seeded" instead
+passes the seed with the request (`SamplingParams(seed=...)`), which makes its text
+independent of earlier requests: its sizer and proposal scales start from their priors.
 Acceptance: GenerationStats.cycles (target passes after the prefill, plain width-1 steps
 included) and GenerationStats.acceptance_lengths (tokens each cycle committed).
 """
@@ -15,9 +19,10 @@ from _common import float_dtypes, serve
 
 BLOCKS = {"default": ("auto", True), "no-lookup": ("auto", False), "block4": (4, False), "block8": (8, False),
           "t1-default": ("auto", True), "t1-block16": (16, False), "block1": (1, False),
-          "tree2": ("auto", True)}
+          "tree2": ("auto", True), "t1-seeded": ("auto", True)}
 TREES = {"tree2": 2}  # `auto` also weighing trees of up to 2 branches
-TEMPS = {"t1-default": 1.0, "t1-block16": 1.0}  # sampled settings (temperature 1, a fresh seed per request)
+TEMPS = {"t1-default": 1.0, "t1-block16": 1.0, "t1-seeded": 1.0}  # temperature 1, a fresh seed per request
+SEEDED = {"t1-seeded"}  # the seed goes with the request (the others seed MLX's generator)
 _requests = [0]
 
 
@@ -36,7 +41,8 @@ def load(args):
                   "settings": {"default": "block_size='auto'", "no-lookup": "block_size='auto', lookup=False",
                                "block4": "block_size=4", "block8": "block_size=8",
                                "t1-default": "block_size='auto', temp=1.0", "t1-block16": "block_size=16, temp=1.0",
-                               "block1": "block_size=1", "tree2": "block_size='auto', tree=2"}}
+                               "block1": "block_size=1", "tree2": "block_size='auto', tree=2",
+                               "t1-seeded": "block_size='auto', temp=1.0, seed=<request number>"}}
 
 
 def generate(pair, prompt_ids, max_tokens, setting):
@@ -45,7 +51,9 @@ def generate(pair, prompt_ids, max_tokens, setting):
     stats = None
     block_size, lookup = BLOCKS[setting]
     _requests[0] += 1
-    params = SamplingParams(temp=TEMPS.get(setting, 0.0), seed=_requests[0] if setting in TEMPS else None)
+    if setting in TEMPS and setting not in SEEDED:
+        mx.random.seed(_requests[0])
+    params = SamplingParams(temp=TEMPS.get(setting, 0.0), seed=_requests[0] if setting in SEEDED else None)
     for ev in stream_generate(pair, prompt_ids, max_tokens=max_tokens, sampling=params,
                               block_size=block_size, lookup=lookup, tree=TREES.get(setting)):
         stats = ev.stats
