@@ -38,8 +38,14 @@ CONTEXTS = (64, 1024)
 COST_STEP = 32  # tokens of context growth before a sizer interpolates its costs again
 # After choosing plain decoding, the sizer holds it for this many steps without asking
 # again (unless a lookup offer comes): its per-step Python work, and the probes its
-# draws make where drafting does not pay, are paid once per run of steps.
+# draws make where drafting does not pay, are paid once per run of steps. Once the
+# drafter's first position has been checked the prior's worth of times (`weight`), each
+# further plain choice in a row doubles the hold, up to PLAIN_HOLD_MAX: a draw probes the
+# drafter with the probability that drafting is best, so asking at every other step of a
+# long plain run buys a probe every few dozen tokens where the evidence says it does not
+# pay (on thin evidence, after an unlucky start, the hold stays short).
 PLAIN_HOLD = 2
+PLAIN_HOLD_MAX = 8
 # The drafter's one-time catch-up on the context it has not seen (a long prompt's)
 # is spread over the tokens left, but over at most this many: a request rarely
 # runs its whole budget.
@@ -326,6 +332,7 @@ class BlockSizer:
         self.matched = 0  # how many of its tokens were committed so far
         self._context, self._costs, self._copy, self._drafts = None, [], [], True
         self.held = 0  # plain steps still to run without asking again (`PLAIN_HOLD`)
+        self.plain_streak = 0  # plain choices in a row (each doubles the hold)
         self._lookup_pays: Optional[bool] = None
 
     def fresh(self) -> "BlockSizer":
@@ -352,7 +359,7 @@ class BlockSizer:
             run.lookup = {n: st.capped(self.carry) for n, st in self.shared_lookup.items()}
             run.alt = [st.capped(self.carry) for st in self.shared_alt]
         run.current, run.pending, run.matched, run.pending_order = 0, [], 0, 0
-        run.held, run._lookup_pays = 0, None
+        run.held, run.plain_streak, run._lookup_pays = 0, 0, None
         return run
 
     def explain(self, context: int) -> Optional[str]:
@@ -532,7 +539,10 @@ class BlockSizer:
                                 self.sampled_alt_rates() if explore and self.branches else None, owed)
         if plan.copied == 0 and not plan.branches:
             self.current = plan.width
-        self.held, self._lookup_pays = (PLAIN_HOLD - 1 if plan == PLAIN else 0), None
+        known = self.stats.tried[1] >= self.weight
+        self.plain_streak = self.plain_streak + 1 if plan == PLAIN and known else 0
+        hold = min(PLAIN_HOLD << max(self.plain_streak - 1, 0), PLAIN_HOLD_MAX) if plan == PLAIN else 0
+        self.held, self._lookup_pays = max(hold - 1, 0), None
         return plan
 
     def drafter_pays(self, first: int, last: int) -> bool:

@@ -159,8 +159,35 @@ def test_plain_decoding_keeps_learning_what_it_does_not_try():
     assert s.best(64)[0] == PLAIN
     probes = plain_run(s, 5000, accept_prob=0.0)
     assert 5 <= probes <= 0.03 * 5000  # it keeps probing, rarely
-    plain_run(s, 300, accept_prob=0.9)  # the text turns easy to draft
+    plain_run(s, 400, accept_prob=0.9)  # the text turns easy to draft
     assert s.best(64)[0].width >= 6
+
+
+def test_a_long_plain_run_asks_less_often_once_the_evidence_is_in():
+    """Each plain choice in a row doubles the hold (2, 4, 8, then 8 steps) once the drafter's
+    first position has been checked the prior's worth of times; on thin evidence (a request's
+    first cycles, an unlucky start) it asks every other step."""
+    s = BlockSizer(curve([1.0 + 0.6 * (w - 1) for w in range(1, 17)]), 16)  # pays only at high acceptance
+    thin = s.start()
+    for _ in range(2):
+        thin.update(Plan(16), 0, [0])  # two misses: less than the prior's worth
+    asked = 0
+    for _ in range(100):
+        asked += thin.held == 0
+        thin.choose(64)
+    for _ in range(20):
+        s.update(Plan(16), 0, [0])  # drafts here miss
+    known = s.start()
+    steps = []
+    for i in range(120):
+        if known.held == 0:
+            steps.append(i)
+        plan = known.choose(64)
+        if plan != PLAIN:  # a probe: it misses too, and the hold starts again from 2
+            known.update(plan, 0, [0])
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert gaps[:3] == [2, 4, 8] and max(gaps) == 8 and len(steps) < 20
+    assert asked >= 45  # thin evidence: every other step (or more often, around a probe)
 
 
 def test_a_long_catch_up_is_paid_for_over_the_tokens_left():
