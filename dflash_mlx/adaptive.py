@@ -539,8 +539,8 @@ class BlockSizer:
                                 self.sampled_alt_rates() if explore and self.branches else None, owed)
         if plan.copied == 0 and not plan.branches:
             self.current = plan.width
-        known = self.stats.tried[1] >= self.weight
-        self.plain_streak = self.plain_streak + 1 if plan == PLAIN and known else 0
+        known = plan == PLAIN and self.max_width > 1 and self.stats.tried[1] >= self.weight
+        self.plain_streak = self.plain_streak + 1 if known else 0
         hold = min(PLAIN_HOLD << max(self.plain_streak - 1, 0), PLAIN_HOLD_MAX) if plan == PLAIN else 0
         self.held, self._lookup_pays = max(hold - 1, 0), None
         return plan

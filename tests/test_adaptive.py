@@ -164,6 +164,13 @@ def test_plain_decoding_keeps_learning_what_it_does_not_try():
     assert s.best(64)[0].width >= 6
 
 
+def test_a_one_wide_sizer_decodes_plainly():
+    """A curve (or a drafter block) of width 1 leaves nothing to draft: every choice is
+    plain, whatever the holds."""
+    s = BlockSizer(CostCurve([64], [[1.0]], [[0.0]], [[1.0]]), 1).start()
+    assert all(s.choose(64) == PLAIN for _ in range(20))
+
+
 def test_a_long_plain_run_asks_less_often_once_the_evidence_is_in():
     """Each plain choice in a row doubles the hold (2, 4, 8, then 8 steps) once the drafter's
     first position has been checked the prior's worth of times; on thin evidence (a request's
