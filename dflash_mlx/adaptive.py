@@ -216,6 +216,18 @@ class AcceptanceStats:
             self._accepted = [a * f for a in self._accepted]
         self._unaged = 0
 
+    def state(self) -> dict:
+        """The aged counts, for a later process (`load`)."""
+        return {"tried": list(self.tried), "accepted": list(self.accepted)}
+
+    def load(self, state: dict) -> None:
+        """Counts an earlier process kept (`state`); ValueError if they do not fit."""
+        tried, accepted = [float(t) for t in state["tried"]], [float(a) for a in state["accepted"]]
+        if len(tried) != len(self._tried) or len(accepted) != len(tried) or \
+                any(not 0 <= a <= t + 1e-6 for a, t in zip(accepted, tried)):
+            raise ValueError("acceptance counts of another shape")
+        self._tried, self._accepted, self._unaged = tried, accepted, 0
+
     def capped(self, weight: float) -> "AcceptanceStats":
         """The same rates, each worth at most `weight` observations."""
         out = AcceptanceStats(len(self._tried), self.decay, self.half_life)
@@ -361,6 +373,28 @@ class BlockSizer:
         run.current, run.pending, run.matched, run.pending_order = 0, [], 0, 0
         run.held, run.plain_streak, run._lookup_pays = 0, 0, None
         return run
+
+    def shared_state(self) -> dict:
+        """What requests taught the shared statistics (drafter, lookups per n-gram order,
+        the drafter's alternatives), to keep across processes (`load_shared`)."""
+        return {"drafter": self.shared.state(), "alt": [st.state() for st in self.shared_alt],
+                "lookup": {str(n): st.state() for n, st in self.shared_lookup.items()}}
+
+    def load_shared(self, state: dict) -> None:
+        """Shared statistics an earlier process kept (`shared_state`), loaded in place;
+        ValueError (or KeyError, TypeError) if they do not fit, and then nothing changes."""
+        drafter, alt = self._fresh(), [self._fresh() for _ in self.shared_alt]
+        drafter.load(state["drafter"])
+        for st, kept in zip(alt, state["alt"], strict=True):
+            st.load(kept)
+        lookup = {}
+        for n, kept in state["lookup"].items():
+            lookup[int(n)] = self._fresh()
+            lookup[int(n)].load(kept)
+        for own, kept in zip([self.shared, *self.shared_alt], [drafter, *alt]):
+            own._tried, own._accepted, own._unaged = kept._tried, kept._accepted, 0
+        self.shared_lookup.clear()
+        self.shared_lookup.update(lookup)
 
     def explain(self, context: int) -> Optional[str]:
         """Why a request at `context` tokens would start with plain decoding; None if it drafts."""

@@ -670,6 +670,8 @@ def stream_generate(
             if prompt_cache is not None:
                 keep_caches(prompt_cache, target, source, dstate, tcache, history, taps,
                             pending or ahead, plan, at_prompt)
+            if block_size == "auto" and source is pair.draft_source:
+                pair.keep_rates()  # what the pair's sizers learnt outlives the process, as its cost curve does
             return
         if deferred:
             pending, taps = launch(*cycle)

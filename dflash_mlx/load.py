@@ -1,6 +1,9 @@
 """Loading a target + drafter pair and checking that they belong together."""
 
 import hashlib
+import json
+import os
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -11,6 +14,9 @@ import mlx.nn as nn
 from safetensors import SafetensorError
 
 from .adaptive import BlockSizer, CostCurve, curve_key, load_or_measure
+
+RATES_VERSION = 1
+RATES_EVERY = 10.0  # seconds between writes of the learnt rates (the first write is at once)
 from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import CONVERSION, DrafterConfig, check_pair
 from .drafter import DFlashDrafter
@@ -37,6 +43,8 @@ class DFlashPair:
     _sizer: Optional[BlockSizer] = field(default=None, repr=False)  # greedy requests'
     _sampled_sizers: Dict[tuple, BlockSizer] = field(default_factory=dict, repr=False)
     _scales: Dict[tuple, ProposalScales] = field(default_factory=dict, repr=False)
+    _kept: Optional[dict] = field(default=None, repr=False)  # the learnt-rates file, per sampling settings
+    _kept_at: float = field(default=float("-inf"), repr=False)  # when this process last wrote it
 
     def cost_curve(self, budget: float = 10.0, progress=lambda done, total: None) -> CostCurve:
         """This machine's cycle costs per width, measured within `budget` seconds on first use, then cached."""
@@ -53,12 +61,62 @@ class DFlashPair:
         share one cost curve.
         """
         if self._sizer is None:
-            self._sizer = BlockSizer(self.cost_curve(progress=progress), self.draft_source.block_size)
+            self._sizer = self._learnt(BlockSizer(self.cost_curve(progress=progress), self.draft_source.block_size),
+                                       SamplingParams())
         if params is None or params.greedy:
             return self._sizer
         if params.key not in self._sampled_sizers:
-            self._sampled_sizers[params.key] = self._sizer.fresh()
+            self._sampled_sizers[params.key] = self._learnt(self._sizer.fresh(), params)
         return self._sampled_sizers[params.key]
+
+    def _rates_path(self) -> Path:
+        return cache_root() / "costs" / f"{curve_key(self)}-w{self.draft_source.block_size}-rates.json"
+
+    def _kept_rates(self) -> dict:
+        """What earlier processes learnt, per sampling settings (read once; unreadable: nothing)."""
+        if self._kept is None:
+            try:
+                data = json.loads(self._rates_path().read_text())
+                ok = data.get("version") == RATES_VERSION and isinstance(data.get("settings"), dict)
+            except (OSError, ValueError, AttributeError):
+                ok = False
+            self._kept = data["settings"] if ok else {}
+        return self._kept
+
+    def _learnt(self, sizer: BlockSizer, params: SamplingParams) -> BlockSizer:
+        """`sizer` with the shared rates an earlier process learnt at these settings, where they fit."""
+        kept = self._kept_rates().get(_settings_name(params))
+        if kept:
+            try:
+                sizer.load_shared(kept)
+            except (KeyError, TypeError, ValueError):
+                pass  # another drafter layout or a damaged file: learn anew
+        return sizer
+
+    def keep_rates(self, force: bool = False) -> None:
+        """Write what the auto sizers learnt (their shared rates, per sampling settings)
+        where the cost curve is kept, for later processes: at once the first time, then
+        at most every `RATES_EVERY` seconds (`force`: now). Settings this process did not
+        use keep what the file held. One rank writes; a failed write is skipped."""
+        now = time.monotonic()
+        if not force and now - self._kept_at < RATES_EVERY:
+            return
+        if self.group is not None and self.group.rank() != 0:
+            return
+        settings = dict(self._kept_rates())
+        if self._sizer is not None:
+            settings[_settings_name(SamplingParams())] = self._sizer.shared_state()
+        for key, sizer in self._sampled_sizers.items():
+            settings[_settings_name(SamplingParams(*key))] = sizer.shared_state()
+        self._kept, self._kept_at = settings, now
+        path = self._rates_path()
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"version": RATES_VERSION, "settings": settings}))
+            tmp.replace(path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
 
     def proposal_scales(self, params: SamplingParams) -> ProposalScales:
         """The drafter's learned proposal scales at these sampling settings; they last across requests."""
@@ -67,6 +125,11 @@ class DFlashPair:
             self._scales[key] = ProposalScales(self.draft_source.block_size - 1)
         return self._scales[key]
 
+
+
+def _settings_name(params: SamplingParams) -> str:
+    """The rates file's name for the sampling settings acceptance depends on (`SamplingParams.key`)."""
+    return "greedy" if params.greedy else json.dumps(list(params.key))
 
 
 def converted_path(path: Path) -> Path:

@@ -717,6 +717,51 @@ def test_acceptance_is_learnt_per_sampling_settings(pairs, monkeypatch):
     assert sum(greedy.shared.tried) > 0
 
 
+def test_what_the_sizers_learnt_outlives_the_process(pairs, monkeypatch, tmp_path):
+    """The shared rates (drafter, lookups, per sampling settings) are kept beside the
+    cost curve, so a later process (a CLI run is one request) starts from them; a
+    seeded request still starts from the prior; a damaged or foreign file is ignored."""
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    pair = pairs["qwen3"]
+    install_curve(monkeypatch, pair, [FLAT[: pair.draft_source.block_size]])
+    curve = pair._sizer.curve
+    monkeypatch.setattr(pair, "cost_curve", lambda **kw: curve)
+    for name, value in [("_sampled_sizers", {}), ("_kept", None), ("_kept_at", float("-inf"))]:
+        monkeypatch.setattr(pair, name, value)
+    t1 = SamplingParams(temp=1.0)
+    dflash_mlx.generate(pair, "def add(a, b):", max_tokens=24, block_size="auto")
+    assert pair._rates_path().exists()  # a request's end writes them (the first time at once)
+    dflash_mlx.generate(pair, "def add(a, b):", max_tokens=24, sampling=t1, block_size="auto")
+    pair.keep_rates(force=True)
+    greedy, sampled = pair._sizer.shared_state(), pair.auto_sizer(t1).shared_state()
+    assert sum(greedy["drafter"]["tried"]) > 0 and sum(sampled["drafter"]["tried"]) > 0
+
+    def new_process():
+        pair._sizer, pair._sampled_sizers, pair._kept, pair._kept_at = None, {}, None, float("-inf")
+
+    new_process()
+    assert pair.auto_sizer().shared_state() == greedy
+    assert pair.auto_sizer(t1).shared_state() == sampled
+    assert sum(pair.auto_sizer(t1).start(seeded=True).stats.tried) == 0
+
+    path = pair._rates_path()
+    new_process()
+    pair.auto_sizer()  # a greedy-only process keeps what the file held for other settings
+    pair.keep_rates()
+    assert json.loads(path.read_text())["settings"][json.dumps(list(t1.key))] == sampled
+    path.unlink()
+    pair.keep_rates()  # written at most every RATES_EVERY seconds
+    assert not path.exists()
+    pair.keep_rates(force=True)
+    assert path.exists()
+
+    for damaged in ["not json", json.dumps({"version": 1, "settings": {"greedy": {"drafter": {"tried": [1.0],
+                                                                                               "accepted": [1.0]}}}})]:
+        path.write_text(damaged)
+        new_process()
+        assert sum(pair.auto_sizer().shared.tried) == 0
+
+
 def test_stop_string_ends_the_count_too(pairs):
     pair = pairs["qwen3"]
     tok = pair.tokenizer
