@@ -14,9 +14,6 @@ import mlx.nn as nn
 from safetensors import SafetensorError
 
 from .adaptive import BlockSizer, CostCurve, curve_key, load_or_measure
-
-RATES_VERSION = 1
-RATES_EVERY = 10.0  # seconds between writes of the learnt rates (the first write is at once)
 from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import CONVERSION, DrafterConfig, check_pair
 from .drafter import DFlashDrafter
@@ -28,6 +25,9 @@ from .lookup import WithLookup
 from .proposal import ProposalScales
 from .sampling import SamplingParams
 from .hub import Resolved, cache_root, check_name, fetch, resolve
+
+RATES_VERSION = 1
+RATES_EVERY = 10.0  # seconds between writes of the learnt rates (the first write is at once)
 
 
 @dataclass
