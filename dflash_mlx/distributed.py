@@ -329,6 +329,8 @@ def follow(pair, channel: JobChannel, block_size, prompt_cache=None) -> None:
         request = channel.receive()
         if request is None:
             return
+        if request.get("seed") is not None:  # rank 0's draw for an unseeded sampled request
+            mx.random.seed(request["seed"])
         try:
             for _ in stream_generate(pair, request["prompt"], max_tokens=request["max_tokens"],
                                      sampling=SamplingParams(**request["params"]), block_size=block_size,

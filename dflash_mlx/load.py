@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -110,7 +111,7 @@ class DFlashPair:
             settings[_settings_name(SamplingParams(*key))] = sizer.shared_state()
         self._kept, self._kept_at = settings, now
         path = self._rates_path()
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"version": RATES_VERSION, "settings": settings}))

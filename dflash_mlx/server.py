@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
+import mlx.core as mx
 
 from .decode import stream_generate
 from .prompt_cache import PromptCache
@@ -203,12 +204,17 @@ class Engine:
                 job.events.put(None)
 
     def _mirror(self, job: Job) -> None:
-        """Send the request to the other ranks, with one seed for all when it samples."""
+        """Send the request to the other ranks. An unseeded sampled one gets a seed for
+        MLX's generator on every rank (so all draw the same numbers) that is not the
+        request's own: it still counts as unseeded and learns from the requests before it."""
+        seed = None
         if job.params.temp > 0 and job.params.seed is None:
-            job.params = dataclasses.replace(job.params, seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+            seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
         self.channel.send({"prompt": list(job.prompt), "max_tokens": job.max_tokens,
                            "params": dataclasses.asdict(job.params), "stop": list(job.stop),
-                           "logprobs": job.logprobs, "processors": job.processor_args})
+                           "logprobs": job.logprobs, "processors": job.processor_args, "seed": seed})
+        if seed is not None:
+            mx.random.seed(seed)
 
     def _count(self, stats):
         t = self.totals

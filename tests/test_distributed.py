@@ -372,5 +372,66 @@ def test_the_word_to_stop_is_heard_one_event_later_on_every_rank():
     assert channel.keep_going() is True and channel.keep_going() is True
 
 
+class _Sent:
+    """Rank 0's end of a JobChannel: what it sends, kept."""
+
+    def __init__(self):
+        self.requests = []
+
+    def send(self, request):
+        self.requests.append(request)
+
+    def keep_going(self, stop=False):
+        return not stop
+
+
+class _Heard:
+    """Another rank's end: rank 0's requests, in order."""
+
+    def __init__(self, requests):
+        self.requests = list(requests)
+
+    def receive(self):
+        return self.requests.pop(0)
+
+    def keep_going(self, stop=False):
+        return True
+
+
+def test_an_unseeded_sampled_request_draws_alike_on_every_rank_and_still_learns(targets, drafters, tokenizer_dir):
+    """Under `serve` with mlx.launch, rank 0 gives an unseeded sampled request a seed for MLX's
+    generator on every rank, but not as the request's own: the request still shares the proposal
+    scales the requests before it learnt (a seeded one would start afresh), and a rank that runs
+    what rank 0 sent learns exactly what rank 0 did, so both drew the same tokens."""
+    import numpy as np
+
+    import dflash_mlx
+    from dflash_mlx.distributed import follow
+    from dflash_mlx.sampling import SamplingParams
+    from dflash_mlx.server import Engine, Job
+
+    params = SamplingParams(temp=1.0)
+    pair = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))
+    sent = _Sent()
+    engine = Engine(pair, "tiny", block_size=4, channel=sent)
+    jobs = [engine.submit(Job(encode(tokenizer_dir, p), 24, params, [])) for p in PROMPTS]
+    engine.close()
+    for job in jobs:
+        events = list(iter(job.events.get, None))
+        assert events and all(isinstance(e, dflash_mlx.GenerationEvent) for e in events), events
+    requests, end = sent.requests[:-1], sent.requests[-1]
+    assert end is None and len(requests) == 2
+    assert all(r["params"]["seed"] is None and isinstance(r["seed"], int) for r in requests)
+    assert requests[0]["seed"] != requests[1]["seed"]
+    learnt = pair.proposal_scales(params)
+    assert learnt.cycles > 12 and learnt.weight.sum() > 0  # both requests' drafted cycles
+
+    other = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))
+    follow(other, _Heard(sent.requests), 4)
+    theirs = other.proposal_scales(params)
+    assert theirs.cycles == learnt.cycles
+    assert np.array_equal(theirs.sums, learnt.sums) and np.array_equal(theirs.weight, learnt.weight)
+
+
 if __name__ == "__main__":  # one rank of the shared launch (the `sharded` fixture)
     rank_main(sys.argv[1])
