@@ -23,8 +23,9 @@ Every runtime decodes the same prompt ids (this repository's `code` suite, built
 `dflash_mlx.prompt.build_prompt`), greedy, `--max-tokens` new tokens. Each repeat runs
 every prompt through every runtime and setting in a fresh random order. Reported: median
 decode tok/s over repeats per prompt, then over prompts; the ratio to mlx-lm as a ratio of
-those medians and as a ratio of geometric means over prompts (the mean of per-prompt
-ratios); tokens per cycle pooled over all cycles (committed tokens / target passes after
+those medians, as the median of per-prompt ratios and as a ratio of geometric means over
+prompts (the mean of per-prompt ratios); our default against each peer's default, paired
+by prompt (median and geometric mean of the per-prompt ratios); tokens per cycle pooled over all cycles (committed tokens / target passes after
 the prefill); and whether every greedy output equals mlx-lm's.
 """
 
@@ -194,6 +195,7 @@ def summarise(runs: dict, keys, n_prompts: int) -> dict:
             "runtime": key[0], "setting": key[1], "tps_median": med, "tps_geomean": g,
             "ratio_medians": med / bmed if med and bmed else None,
             "ratio_geomeans": g / bg if g and bg else None,
+            "ratio_median_per_prompt": median([a / b for a, b in zip(tps, base_tps)]) if all(base_tps) else None,
             "tokens_per_cycle": ctoks / cycles if cycles else None, "cycles": cycles, "cycle_tokens": ctoks,
             "identical_prompts": None if sampled else sum(ident), "prompts": n_prompts,
             "mismatched_prompts": [p for p, ok in enumerate(ident) if not ok],
@@ -202,20 +204,41 @@ def summarise(runs: dict, keys, n_prompts: int) -> dict:
     return out
 
 
+def head_to_head(summary: dict) -> dict:
+    """Our default against each peer's default, paired by prompt: the per-prompt ratios of
+    median tok/s, their median and geometric mean (the fastest peer: highest geomean vs mlx-lm)."""
+    from dflash_mlx.bench import geomean, median
+    ours = summary.get("ours/default")
+    peers = {k: s for k, s in summary.items() if s["runtime"] in PEERS and s["setting"] == "default" and "error" not in s}
+    if not ours or "error" in ours or not peers:
+        return {}
+    out = {}
+    for key, s in peers.items():
+        ratios = [a / b for a, b in zip(ours["tps_per_prompt"], s["tps_per_prompt"])]
+        out[key] = {"median": median(ratios), "geomean": geomean(ratios), "per_prompt": ratios}
+    fastest = max(peers, key=lambda k: peers[k]["ratio_geomeans"])
+    return {"fastest_peer": fastest, "against": out}
+
+
 def table(result: dict) -> str:
     rows = []
     for key, s in result["summary"].items():
         label = LABELS.get(s["runtime"], s["runtime"])
         if "error" in s:
-            rows.append([label, s["setting"], "error", "", "", "", s["error"][:60]])
+            rows.append([label, s["setting"], "error", "", "", "", "", s["error"][:60]])
             continue
         rows.append([label, s["setting"], f"{s['tps_median']:.1f}", f"{s['ratio_medians']:.2f}x",
-                     f"{s['ratio_geomeans']:.2f}x", f"{s['tokens_per_cycle']:.2f}",
+                     f"{s['ratio_median_per_prompt']:.2f}x", f"{s['ratio_geomeans']:.2f}x", f"{s['tokens_per_cycle']:.2f}",
                      "sampled" if s["identical_prompts"] is None else f"{s['identical_prompts']}/{s['prompts']}"])
-    head = ["runtime", "setting", "tok/s (median)", "vs mlx-lm (medians)", "vs mlx-lm (geomeans)",
-            "tokens/cycle", "greedy ids = mlx-lm"]
+    head = ["runtime", "setting", "tok/s (median)", "vs mlx-lm (medians)", "vs mlx-lm (median per prompt)",
+            "vs mlx-lm (geomeans)", "tokens/cycle", "greedy ids = mlx-lm"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    h2h = result.get("head_to_head") or {}
+    for key, r in h2h.get("against", {}).items():
+        fastest = " (the fastest peer default)" if key == h2h["fastest_peer"] else ""
+        lines.append(f"\nours/default vs {key}{fastest}: {r['median']:.2f}x median per prompt, "
+                     f"{r['geomean']:.2f}x geomean (per prompt {', '.join(f'{x:.2f}' for x in r['per_prompt'])})")
     return "\n".join(lines)
 
 
@@ -400,7 +423,8 @@ def run(args):
                      "and settings in a fresh random order (seeded)", "seed": args.seed,
                      "decode_timing": "from the first token handed over to the last (runners/_common.py)"},
         "runtimes": runtimes,
-        "summary": summarise(runs, keys, len(prompts)),
+        "summary": (summary := summarise(runs, keys, len(prompts))),
+        "head_to_head": head_to_head(summary),
         "prompts": [{"text": t, "prompt_tokens": len(i)} for t, i in zip(texts, prompts)],
         "runs": {f"{n}/{s}": [[{k: v for k, v in a.items() if k not in ("acceptance_source", "timing")} for a in p]
                               for p in runs[(n, s)]] for n, s in keys},
