@@ -315,10 +315,13 @@ class BlockSizer:
     followed by the best path's tokens (`tree.py`). Its gain comes from how
     often the 2nd and the 3rd choice are the target's token where the best
     guess was not, learnt per depth from every drafted cycle (the drafter's
-    top 3 are fetched with the cycle's tokens) and drawn from their
-    posteriors as the drafter's rates are; its cost is the drafted cycle at
+    top 3 are fetched with the cycle's tokens), so, like the lookup's, they
+    need no exploring and their means are used; its cost is the drafted cycle at
     the path's width plus the extra rows of a bare verify (a tree pass costs
     what a linear pass of as many rows does), within the measured widths only.
+    Whether to draft at all is decided on linear plans, so allowing trees
+    does not make the sizer draft (or probe) more often; a tree only refines
+    a cycle that drafts.
     """
 
     def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, lookup_prior: float = 0.5,
@@ -479,9 +482,6 @@ class BlockSizer:
         """Per depth 1..max_width-1, P(the drafter's 2nd / 3rd choice is the target's token | its best is not)."""
         return [st.rates(self.branch_prior, self.weight) for st in self.alt]
 
-    def sampled_alt_rates(self) -> List[List[float]]:
-        return [st.sample(self.branch_prior, self.weight, self.rng) for st in self.alt]
-
     def branch_gain(self, width: int, branches: int, alphas: List[float], alt: List[List[float]]) -> float:
         """Expected tokens `branches` branches add to a best path of `width`: each
         (depth d, choice c) pays where the path holds to d, fails at d and choice c
@@ -525,7 +525,7 @@ class BlockSizer:
         if self.current and rates[self.current - 1] * self.stick >= rates[w - 1]:
             w = self.current  # keep the previous width unless another is clearly better: estimates are noisy
         plan, rate = Plan(w), rates[w - 1]
-        if self.branches:
+        if self.branches and w > 1:  # a tree refines a drafted cycle; it is no reason to draft
             tree, r = self.best_tree(alphas, self.alt_rates() if alt is None else alt, owed)
             if r > rate * self.stick:
                 plan, rate = tree, r
@@ -570,7 +570,7 @@ class BlockSizer:
             spread = min(left, CATCH_UP_SPREAD)
             owed = self.curve.catch_up * unseen / spread if unseen and spread > 0 else 0.0
             plan, _ = self.best(context, len(offer), self.sampled_alphas() if explore else None, order,
-                                self.sampled_alt_rates() if explore and self.branches else None, owed)
+                                owed=owed)
         if plan.copied == 0 and not plan.branches:
             self.current = plan.width
         known = plan == PLAIN and self.max_width > 1 and self.stats.tried[1] >= self.weight

@@ -475,9 +475,10 @@ def block_policy(pair, source, block_size, tree: int = 0, params: Optional[Sampl
     return FixedWidth(block_size, tree)
 
 
-# The most tree branches `auto` weighs unless told (`tree`): none. On the CPU curves trees
-# lost (demo pair: 0.86x of linear `auto`) although the model chose them; until a GPU
-# run shows where they pay, `auto` weighs them only when asked.
+# The most tree branches `auto` weighs unless told (`tree`): none. On the CPU curves the
+# sizer now rarely picks a tree (they do not pay there), but its tree costs assume a tree
+# pass costs a linear pass of as many rows, measured on CPU only; until a GPU run shows
+# where trees pay, `auto` weighs them only when asked.
 AUTO_BRANCHES = 0
 
 

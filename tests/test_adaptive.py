@@ -1,5 +1,6 @@
 """The block-size policies and the cost curve behind `--block-size auto`."""
 
+import itertools
 import json
 import random
 from types import SimpleNamespace
@@ -498,6 +499,76 @@ def test_trees_are_chosen_only_where_they_pay():
     wrong = BlockSizer(cycle_curve([FLAT]), 16, explore=False).start(branches=2)
     feed_misses(wrong, 16, 0.6, 0.0, 0.0, 400, rnd)  # the alternatives are never right
     assert wrong.best(64)[0].branches == 0
+
+
+def test_allowing_trees_does_not_make_the_sizer_draft_more():
+    """Trees change what a drafted cycle verifies, not whether to draft: on the demo pair's
+    CPU curve, where the drafter rarely pays, a sizer that may verify trees runs the drafter
+    about as often as one that may not. (Drawing the alternatives' rates, and letting a
+    tree's gain be the reason to draft, made it draft several times as often there.)"""
+    demo = [1.00, 2.63, 2.91, 3.27, 3.24, 3.33, 3.62, 3.41, 4.08, 3.39, 3.73, 3.72, 4.19, 4.41, 3.78, 3.99]
+    drafted, trees = {0: 0, 2: 0}, 0
+    for branches, seed in itertools.product((0, 2), range(4)):
+        root = BlockSizer(cycle_curve([demo]), 16)
+        root.rng = np.random.default_rng(seed)
+        rnd = random.Random(seed)
+        feed_misses(root, 8, 0.6, 0.3, 0.1, 200, rnd)  # what earlier requests taught
+        for _ in range(30):
+            run = root.start(branches=branches)
+            done = 0
+            while done < 128:
+                plan = run.choose(64)
+                a, missed = 0, None
+                if plan.width > 1:
+                    drafted[branches] += 1
+                    trees += plan.branches > 0
+                    while a < plan.width - 1 and rnd.random() < 0.6:
+                        a += 1
+                    if a < plan.width - 1:
+                        u = rnd.random()
+                        missed = (a + 1, 2 if u < 0.3 else 3 if u < 0.4 else 0)
+                run.update(plan, a, [0] * (a + 1), *([missed] if run.learns_branches else []))
+                done += a + 1
+    assert drafted[0] > 0
+    assert drafted[2] <= 1.15 * drafted[0], (drafted, trees)
+    assert trees <= drafted[2] // 10
+
+
+def test_the_alternatives_rates_are_weighed_at_their_means():
+    """The alternatives' hit rates are learnt from every drafted cycle, tree or not, so they
+    need no exploring: a choice that may verify trees draws only the drafter's rates, exactly
+    as many numbers as one that may not."""
+    states = []
+    for branches in (0, 2):
+        run = BlockSizer(cycle_curve([FLAT]), 16).start(branches=branches)
+        feed_misses(run, 8, 0.6, 0.5, 0.2, 50, random.Random(0))
+        run.rng = np.random.default_rng(7)
+        run.choose(64)
+        states.append(run.rng.bit_generator.state)
+    assert states[0] == states[1]
+
+
+def test_a_tree_is_no_reason_to_draft():
+    """Whether to draft is decided on linear plans, a tree only refines a drafted cycle: so
+    allowing trees never makes the sizer draft, or probe, more often. The price: where only
+    the branches would make drafting pay (here a costly drafter pass and near-free rows), it
+    decodes plainly. Where a linear draft pays, the tree is taken."""
+    W = 16
+    rows = [[1.0 + 0.01 * (w - 1) for w in range(1, W + 1)]]
+
+    def sizer(draft_cost):
+        draft = [[0.0] + [draft_cost] * (W - 1)]
+        run = BlockSizer(CostCurve([64], rows, draft), W, explore=False).start(branches=2)
+        feed_misses(run, 8, 0.6, 0.9, 0.05, 400, random.Random(0))
+        return run
+
+    costly = sizer(2.0)
+    assert costly.rates(64)[0] > max(costly.rates(64)[1:])  # no linear draft pays
+    tree, rate = costly.best_tree(costly.alphas(), costly.alt_rates())
+    assert tree.branches > 0 and rate > costly.rates(64)[0]  # a tree alone would
+    assert costly.best(64)[0] == PLAIN
+    cheap = sizer(0.3)
+    assert cheap.best(64)[0].branches > 0
 
 
 def test_a_tree_cycle_teaches_the_best_path_alone():
