@@ -248,6 +248,10 @@ def summarise(rows: List[Dict], key: str) -> Dict:
         "baseline_tps_geomean": base_g,
         "dflash_tps_geomean": ours_g,
         "speedup_geomean": None if not base_g or ours_g is None else ours_g / base_g,
+        # The median prompt's own ratio: paired, as the geometric means are, and robust to one outlier.
+        "speedup_median_per_prompt": median([r["dflash"][key]["generation_tps"] / r["baseline"]["generation_tps"]
+                                             for r in rows if r["baseline"]["generation_tps"]
+                                             and r["dflash"][key]["generation_tps"] is not None]),
         "mean_acceptance": sum(lengths) / len(lengths) if lengths else None,
         "cycles": len(lengths),
         "draft_cycles": sum(r["dflash"][key].get("draft_cycles", 0) for r in rows),
@@ -427,7 +431,8 @@ def validate(result: Dict) -> None:
         if field not in result["machine"]:
             raise ValueError(f"benchmark machine info lacks '{field}'")
     for key, s in result["overall"].items():
-        for field in ("baseline_tps", "dflash_tps", "speedup", "speedup_geomean", "mean_acceptance", "acceptance_histogram",
+        for field in ("baseline_tps", "dflash_tps", "speedup", "speedup_geomean", "speedup_median_per_prompt",
+                      "mean_acceptance", "acceptance_histogram",
                       "baseline_prompt_tps", "dflash_prompt_tps", "prompt_speedup", "baseline_ttft", "dflash_ttft",
                       "identical", "mismatched_prompts"):
             if field not in s:

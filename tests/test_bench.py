@@ -29,6 +29,7 @@ def test_bench_json_schema_and_identical_check(pairs, tmp_path, monkeypatch):
         per_prompt = [r["dflash"][key]["generation_tps"] / r["baseline"]["generation_tps"]
                       for r in result["prompts"]["mini"]]
         assert s["speedup_geomean"] == pytest.approx((per_prompt[0] * per_prompt[1]) ** 0.5)
+        assert s["speedup_median_per_prompt"] == pytest.approx((per_prompt[0] + per_prompt[1]) / 2)
         assert sum(s["acceptance_histogram"].values()) == sum(
             len(r["dflash"][key]["acceptance_lengths"]) for r in result["prompts"]["mini"])
     assert result["machine"]["blas"] and result["machine"]["backend"]
