@@ -349,6 +349,8 @@ class BlockSizer:
         self.held = 0  # plain steps still to run without asking again (`PLAIN_HOLD`)
         self.plain_streak = 0  # plain choices in a row (each doubles the hold)
         self._lookup_pays: Optional[bool] = None
+        self._lookup_key: Optional[tuple] = None  # (cost context, statistics version) it was weighed at
+        self._version = 0  # bumped whenever this sizer's acceptance statistics take a check
 
     def fresh(self) -> "BlockSizer":
         """A sizer with this one's curve and settings and none of its statistics."""
@@ -374,7 +376,7 @@ class BlockSizer:
             run.lookup = {n: st.capped(self.carry) for n, st in self.shared_lookup.items()}
             run.alt = [st.capped(self.carry) for st in self.shared_alt]
         run.current, run.pending, run.matched, run.pending_order = 0, [], 0, 0
-        run.held, run.plain_streak, run._lookup_pays = 0, 0, None
+        run.held, run.plain_streak, run._lookup_pays, run._lookup_key, run._version = 0, 0, None, None, 0
         return run
 
     def shared_state(self) -> dict:
@@ -573,10 +575,11 @@ class BlockSizer:
                                 owed=owed)
         if plan.copied == 0 and not plan.branches:
             self.current = plan.width
-        known = plan == PLAIN and self.max_width > 1 and self.stats.tried[1] >= self.weight
+        # Where no draw can choose the drafter here, there is no evidence to wait for.
+        known = plan == PLAIN and self.max_width > 1 and (not self._drafts or self.stats.tried[1] >= self.weight)
         self.plain_streak = self.plain_streak + 1 if known else 0
         hold = min(PLAIN_HOLD << max(self.plain_streak - 1, 0), PLAIN_HOLD_MAX) if plan == PLAIN else 0
-        self.held, self._lookup_pays = max(hold - 1, 0), None
+        self.held = max(hold - 1, 0)
         return plan
 
     def drafter_pays(self, first: int, last: int) -> bool:
@@ -588,10 +591,14 @@ class BlockSizer:
 
     def lookup_pays(self, context: int) -> bool:
         """Whether a full lookup offer (of any order) would be used now (else plain steps may run
-        ahead without asking); asked once per run of held plain steps."""
-        if self._lookup_pays is None or not self.held:
+        ahead without asking). Asked at most once per plain step, it is weighed again only
+        when the costs move on (every `COST_STEP` tokens) or a check changed the statistics."""
+        self._at(context)
+        key = (self._context, self._version)
+        if key != self._lookup_key:
             self._lookup_pays = any(self.best(context, self.max_width - 1, order=n)[0].copied > 0
                                     for n in set(self.lookup) | {0})
+            self._lookup_key = key
         return self._lookup_pays
 
     def update(self, plan: Plan, accepted: int, tokens: Sequence[int] = (),
@@ -614,6 +621,7 @@ class BlockSizer:
             checked = range(plan.copied + 1, min(accepted + 2, plan.width))
             for st in self._both(self.stats, self.shared):
                 st.add(checked, accepted)
+            self._version += 1
         if missed is not None and missed[0] < self.max_width:
             d, choice = missed
             for c, (own, shared) in enumerate(zip(self.alt, self.shared_alt), start=2):
@@ -635,6 +643,7 @@ class BlockSizer:
                 hit = done + (offer[done] == t)
                 for st in self._lookup_stats(self.pending_order):
                     st.add(range(1, min(hit + 2, len(offer) + 1)), hit)
+                self._version += 1
                 self.pending, self.matched = [], 0
                 return
             done += 1

@@ -303,6 +303,39 @@ def lookup_curve(drafted, copied):
     return CostCurve([64], [copied], [[0.0] * len(copied)], [drafted], [copied])
 
 
+def test_whether_lookups_pay_is_weighed_again_only_when_something_changed(monkeypatch):
+    """The loop asks at every plain step that might meet an offer; the answer is weighed
+    again only once the costs move on or a check changed the statistics, and then at once."""
+    W = 8
+    s = BlockSizer(lookup_curve([3.0] * W, [1.0] + [1.2] * (W - 1)), W, lookup_prior=0.9).start()
+    weighed = []
+    best = s.best
+    monkeypatch.setattr(s, "best", lambda *a, **k: (len(a) == 2 and weighed.append(a)) or best(*a, **k))
+    assert s.lookup_pays(64) and len(weighed) == 1
+    for _ in range(40):
+        s.choose(64)
+        s.update(PLAIN, 0, [1])
+        assert s.lookup_pays(64)
+    assert len(weighed) == 1
+    s.lookup_pays(64 + adaptive.COST_STEP)  # the costs moved on
+    assert len(weighed) == 2
+    for _ in range(30):  # offers that always miss: the lookup stops paying, seen at once
+        s.choose(64, [5, 6, 7])
+        s.update(PLAIN, 0, [9])
+    assert not s.lookup_pays(64)
+
+
+def test_where_no_draw_can_choose_the_drafter_the_plain_hold_grows_at_once():
+    """The plain hold waits for evidence about the drafter only where a draw could choose it."""
+    s = BlockSizer(cycle_curve([STEEP]), 16).start()
+    steps = []
+    for i in range(60):
+        if s.held == 0:
+            steps.append(i)
+        s.choose(64)
+    assert [b - a for a, b in zip(steps, steps[1:])][:4] == [2, 4, 8, 8]
+
+
 def test_lookup_rates_are_learnt_from_offers_not_taken():
     """Offers are scored against the committed tokens whether or not a cycle used
     them: a plain run learns how good the lookup is."""
