@@ -18,6 +18,10 @@ from dflash_mlx.sampling import SamplingParams
 from conftest import plain_greedy
 
 
+# The demo pair's measured cycle costs with OpenBLAS (x a plain step): only wide blocks could pay.
+DEMO_OPENBLAS = [1.00, 2.63, 2.91, 3.27, 3.24, 3.33, 3.62, 3.41, 4.08, 3.39, 3.73, 3.72, 4.19, 4.41, 3.78, 3.99]
+
+
 def cycle_curve(rows, contexts=(64,)):
     """A curve of whole-cycle costs (rows: one per context)."""
     return CostCurve(list(contexts), rows, [[0.0] * len(rows[0]) for _ in rows], rows)
@@ -244,13 +248,12 @@ def test_an_unlucky_rejection_does_not_end_drafting():
     rejected, on a curve (the demo pair's, OpenBLAS) where only wide blocks pay.
     Choosing on the means, the sizer decodes plainly from then on, and the
     shared statistics carry that into the next requests."""
-    demo = [1.00, 2.63, 2.91, 3.27, 3.24, 3.33, 3.62, 3.41, 4.08, 3.39, 3.73, 3.72, 4.19, 4.41, 3.78, 3.99]
-    best_fixed = max(sum(0.9 ** k for k in range(w)) / demo[w - 1] for w in range(1, 17))
+    best_fixed = max(sum(0.9 ** k for k in range(w)) / DEMO_OPENBLAS[w - 1] for w in range(1, 17))
     speeds, stuck = [], 0
     for seed in range(16):
         for explore in (False, True):
             rnd = random.Random(seed)
-            root = BlockSizer(cycle_curve([demo]), 16, explore=explore)
+            root = BlockSizer(cycle_curve([DEMO_OPENBLAS]), 16, explore=explore)
             root.rng = np.random.default_rng(seed)
             runs = [unlucky_start(root.start(), rnd, rejected=1 if r == 0 else 0) for r in range(4)]
             speed = sum(r[0] for r in runs) / sum(r[1] for r in runs)  # x plain decoding
@@ -539,10 +542,9 @@ def test_allowing_trees_does_not_make_the_sizer_draft_more():
     CPU curve, where the drafter rarely pays, a sizer that may verify trees runs the drafter
     about as often as one that may not. (Drawing the alternatives' rates, and letting a
     tree's gain be the reason to draft, made it draft several times as often there.)"""
-    demo = [1.00, 2.63, 2.91, 3.27, 3.24, 3.33, 3.62, 3.41, 4.08, 3.39, 3.73, 3.72, 4.19, 4.41, 3.78, 3.99]
     drafted, trees = {0: 0, 2: 0}, 0
     for branches, seed in itertools.product((0, 2), range(4)):
-        root = BlockSizer(cycle_curve([demo]), 16)
+        root = BlockSizer(cycle_curve([DEMO_OPENBLAS]), 16)
         root.rng = np.random.default_rng(seed)
         rnd = random.Random(seed)
         feed_misses(root, 8, 0.6, 0.3, 0.1, 200, rnd)  # what earlier requests taught

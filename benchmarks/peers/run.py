@@ -25,8 +25,9 @@ every prompt through every runtime and setting in a fresh random order. Reported
 decode tok/s over repeats per prompt, then over prompts; the ratio to mlx-lm as a ratio of
 those medians, as the median of per-prompt ratios and as a ratio of geometric means over
 prompts (the mean of per-prompt ratios); our default against each peer's default, paired
-by prompt (median and geometric mean of the per-prompt ratios); tokens per cycle pooled over all cycles (committed tokens / target passes after
-the prefill); and whether every greedy output equals mlx-lm's.
+by prompt (median and geometric mean of the per-prompt ratios); tokens per cycle pooled
+over all cycles (committed tokens / target passes after the prefill); and whether every
+greedy output equals mlx-lm's.
 """
 
 import argparse
