@@ -38,12 +38,13 @@ CONTEXTS = (64, 1024)
 COST_STEP = 32  # tokens of context growth before a sizer interpolates its costs again
 # After choosing plain decoding, the sizer holds it for this many steps without asking
 # again (unless a lookup offer comes): its per-step Python work, and the probes its
-# draws make where drafting does not pay, are paid once per run of steps. Once the
-# drafter's first position has been checked the prior's worth of times (`weight`), each
-# further plain choice in a row doubles the hold, up to PLAIN_HOLD_MAX: a draw probes the
-# drafter with the probability that drafting is best, so asking at every other step of a
-# long plain run buys a probe every few dozen tokens where the evidence says it does not
-# pay (on thin evidence, after an unlucky start, the hold stays short).
+# draws make where drafting does not pay, are paid once per run of steps. Each further
+# plain choice in a row doubles the hold, up to PLAIN_HOLD_MAX; a probe starts it again.
+# A draw probes the drafter with the probability that drafting is best, so asking at
+# every other step of a long plain run buys a probe every few dozen tokens where the
+# evidence says it does not pay. That holds on thin evidence too: where probes are rare
+# (temperature 1 on the demo pair), the evidence ages as fast as they add to it and stays
+# thin for good, and a hold kept short for it made a draw every other step (about 3% there).
 PLAIN_HOLD = 2
 PLAIN_HOLD_MAX = 8
 # The drafter's one-time catch-up on the context it has not seen (a long prompt's)
@@ -171,10 +172,19 @@ class Plan(NamedTuple):
 PLAIN = Plan(1)
 
 
+class Clock:
+    """Tokens committed so far: the statistics that read one age by what was committed since they last looked."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self):
+        self.tokens = 0
+
+
 class AcceptanceStats:
     """Per-position acceptance counts: a check forgets a little of what earlier
     checks of that position said (`decay`), and everything ages slowly with
-    committed tokens (`half_life`).
+    committed tokens (`half_life`, by the tokens its `clock` counts).
 
     Ageing by tokens means a source that is not tried drifts back towards the
     prior (depth k towards depth k - 1's rate, depth 1 towards the sizer's
@@ -182,11 +192,12 @@ class AcceptanceStats:
     its rates (`BlockSizer.choose`) tries the source again now and then.
     """
 
-    def __init__(self, n: int, decay: float = 0.98, half_life: float = 1024.0):
+    def __init__(self, n: int, decay: float = 0.98, half_life: float = 1024.0, clock: Optional[Clock] = None):
         self.decay, self.half_life = decay, half_life
         self._tried = [0.0] * n  # times draft position k (index k, 1-based) was checked
         self._accepted = [0.0] * n
-        self._unaged = 0  # tokens committed since the counts were last aged
+        self.clock = clock or Clock()  # shared by a sizer's statistics: a plain step ages them all in O(1)
+        self._seen = self.clock.tokens  # the clock when the counts were last aged
 
     @property
     def tried(self) -> List[float]:
@@ -205,16 +216,13 @@ class AcceptanceStats:
             tried[k] = tried[k] * self.decay + 1
             acc[k] = acc[k] * self.decay + (k <= accepted)
 
-    def age(self, tokens: int) -> None:
-        """`tokens` were committed; applied when the counts are next read (a plain step's update stays O(1))."""
-        self._unaged += tokens
-
     def _age_now(self) -> None:
-        if self._unaged and self.half_life:
-            f = 0.5 ** (self._unaged / self.half_life)
+        unaged = self.clock.tokens - self._seen
+        if unaged and self.half_life:
+            f = 0.5 ** (unaged / self.half_life)
             self._tried = [t * f for t in self._tried]
             self._accepted = [a * f for a in self._accepted]
-        self._unaged = 0
+        self._seen = self.clock.tokens
 
     def state(self) -> dict:
         """The aged counts, for a later process (`load`)."""
@@ -226,11 +234,11 @@ class AcceptanceStats:
         if len(tried) != len(self._tried) or len(accepted) != len(tried) or \
                 any(not 0 <= a <= t + 1e-6 for a, t in zip(accepted, tried)):
             raise ValueError("acceptance counts of another shape")
-        self._tried, self._accepted, self._unaged = tried, accepted, 0
+        self._tried, self._accepted, self._seen = tried, accepted, self.clock.tokens
 
-    def capped(self, weight: float) -> "AcceptanceStats":
-        """The same rates, each worth at most `weight` observations."""
-        out = AcceptanceStats(len(self._tried), self.decay, self.half_life)
+    def capped(self, weight: float, clock: Optional[Clock] = None) -> "AcceptanceStats":
+        """The same rates, each worth at most `weight` observations (ageing by `clock`)."""
+        out = AcceptanceStats(len(self._tried), self.decay, self.half_life, clock)
         for k, (t, a) in enumerate(zip(self.tried, self.accepted)):
             if t > 0:
                 out._tried[k] = min(t, weight)
@@ -332,13 +340,15 @@ class BlockSizer:
         self.rng = np.random.default_rng(0)
         self.max_width = min(max_width, curve.max_width)
         self.prior, self.lookup_prior, self.weight, self.carry, self.stick = prior, lookup_prior, weight, carry, stick
-        self.shared = AcceptanceStats(self.max_width, decay, half_life)
+        # Tokens committed: by every request (the shared statistics age by it), and by this request.
+        self.shared_clock = self.clock = Clock()
+        self.shared = AcceptanceStats(self.max_width, decay, half_life, self.shared_clock)
         # The lookup's, per n-gram order of the match (0: offers that name none): a long match is surer.
         self.shared_lookup: Dict[int, AcceptanceStats] = {}
         self.stats, self.lookup = self.shared, self.shared_lookup  # a request's own, once start() made them
         # Per depth: how often the drafter's 2nd and 3rd choices are the target's token where its best is not.
         self.branch_prior = branch_prior
-        self.shared_alt = [AcceptanceStats(self.max_width, decay, half_life) for _ in range(2)]
+        self.shared_alt = [AcceptanceStats(self.max_width, decay, half_life, self.shared_clock) for _ in range(2)]
         self.alt = self.shared_alt
         self.branches = 0  # tree branches a cycle of this request may verify (0: linear only)
         self.current = 0  # the drafter width chosen last
@@ -369,12 +379,13 @@ class BlockSizer:
         run = copy.copy(self)  # shares the curve and the shared statistics
         run.rng = np.random.default_rng(0 if seeded else int(self.rng.integers(2**63)))
         run.branches = branches
+        run.clock = Clock()
         if seeded:
-            run.stats, run.lookup, run.alt = self._fresh(), {}, [self._fresh(), self._fresh()]
+            run.stats, run.lookup, run.alt = run._fresh(), {}, [run._fresh(), run._fresh()]
         else:
-            run.stats = self.shared.capped(self.carry)
-            run.lookup = {n: st.capped(self.carry) for n, st in self.shared_lookup.items()}
-            run.alt = [st.capped(self.carry) for st in self.shared_alt]
+            run.stats = self.shared.capped(self.carry, run.clock)
+            run.lookup = {n: st.capped(self.carry, run.clock) for n, st in self.shared_lookup.items()}
+            run.alt = [st.capped(self.carry, run.clock) for st in self.shared_alt]
         run.current, run.pending, run.matched, run.pending_order = 0, [], 0, 0
         run.held, run.plain_streak, run._lookup_pays, run._lookup_key, run._version = 0, 0, None, None, 0
         return run
@@ -388,16 +399,16 @@ class BlockSizer:
     def load_shared(self, state: dict) -> None:
         """Shared statistics an earlier process kept (`shared_state`), loaded in place;
         ValueError (or KeyError, TypeError) if they do not fit, and then nothing changes."""
-        drafter, alt = self._fresh(), [self._fresh() for _ in self.shared_alt]
+        drafter, alt = self._fresh(shared=True), [self._fresh(shared=True) for _ in self.shared_alt]
         drafter.load(state["drafter"])
         for st, kept in zip(alt, state["alt"], strict=True):
             st.load(kept)
         lookup = {}
         for n, kept in state["lookup"].items():
-            lookup[int(n)] = self._fresh()
+            lookup[int(n)] = self._fresh(shared=True)
             lookup[int(n)].load(kept)
         for own, kept in zip([self.shared, *self.shared_alt], [drafter, *alt]):
-            own._tried, own._accepted, own._unaged = kept._tried, kept._accepted, 0
+            own._tried, own._accepted, own._seen = kept._tried, kept._accepted, own.clock.tokens
         self.shared_lookup.clear()
         self.shared_lookup.update(lookup)
 
@@ -424,15 +435,17 @@ class BlockSizer:
         """The drafter's alpha_k drawn from their posteriors."""
         return self.stats.sample(self.prior, self.weight, self.rng)
 
-    def _fresh(self) -> AcceptanceStats:
-        return AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life)
+    def _fresh(self, shared: bool = False) -> AcceptanceStats:
+        """Empty statistics, ageing with this request's tokens (or, `shared`, with every request's)."""
+        return AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life,
+                               self.shared_clock if shared else self.clock)
 
     def _lookup_stats(self, order: int) -> List[AcceptanceStats]:
         """The request's and the shared statistics of lookups matched at n-gram `order` (made on first use)."""
         own = self.lookup.setdefault(order, self._fresh())
         if self.lookup is self.shared_lookup:
             return [own]
-        return [own, self.shared_lookup.setdefault(order, self._fresh())]
+        return [own, self.shared_lookup.setdefault(order, self._fresh(shared=True))]
 
     def lookup_alphas(self, order: int = 0) -> List[float]:
         st = self.lookup.get(order)
@@ -575,9 +588,7 @@ class BlockSizer:
                                 owed=owed)
         if plan.copied == 0 and not plan.branches:
             self.current = plan.width
-        # Where no draw can choose the drafter here, there is no evidence to wait for.
-        known = plan == PLAIN and self.max_width > 1 and (not self._drafts or self.stats.tried[1] >= self.weight)
-        self.plain_streak = self.plain_streak + 1 if known else 0
+        self.plain_streak = self.plain_streak + 1 if plan == PLAIN and self.max_width > 1 else 0
         hold = min(PLAIN_HOLD << max(self.plain_streak - 1, 0), PLAIN_HOLD_MAX) if plan == PLAIN else 0
         self.held = max(hold - 1, 0)
         return plan
@@ -610,11 +621,9 @@ class BlockSizer:
         the drafter's alternatives was (2 or 3; 0 for neither), or None when
         every best guess held. For a tree it also says how far the best path held.
         """
-        looks = list(self.lookup.values()) + ([] if self.lookup is self.shared_lookup else
-                                              list(self.shared_lookup.values()))
-        alts = self.alt + ([] if self.alt is self.shared_alt else self.shared_alt)
-        for st in self._both(self.stats, self.shared) + looks + alts:
-            st.age(len(tokens))
+        self.clock.tokens += len(tokens)
+        if self.clock is not self.shared_clock:
+            self.shared_clock.tokens += len(tokens)
         if plan.branches:  # the drafter's rates see the best path alone
             accepted = plan.width - 1 if missed is None else missed[0] - 1
         if plan.drafts and accepted >= plan.copied:  # the drafter's positions were reached
