@@ -44,7 +44,7 @@ COST_STEP = 32  # tokens of context growth before a sizer interpolates its costs
 # every other step of a long plain run buys a probe every few dozen tokens where the
 # evidence says it does not pay. That holds on thin evidence too: where probes are rare
 # (temperature 1 on the demo pair), the evidence ages as fast as they add to it and stays
-# thin for good, and a hold kept short for it made a draw every other step (about 3% there).
+# thin for good, and a hold kept short for it made a draw every other step (1-7% of the speed there).
 PLAIN_HOLD = 2
 PLAIN_HOLD_MAX = 8
 # The drafter's one-time catch-up on the context it has not seen (a long prompt's)
