@@ -261,3 +261,33 @@ def test_the_context_document_is_long_and_prompts_end_with_the_task(pairs):
     assert abs(len(ids) - 2000) <= 16 and "\n\nimport math" in tok.decode(ids[-24:])
     assert "from .errors import DFlashError" in tok.decode(ids[:200])  # the document: this package's code
     assert bench.context_prompt(tok, "import math", 0) == bench.build_prompt(tok, "import math")
+
+
+def test_peers_runner_pairs_runtimes_prompt_by_prompt():
+    """The peers runner's paired figures: each row's median of per-prompt ratios to
+    mlx-lm, and our default against each peer's default prompt by prompt (median and
+    geometric mean of the ratios, the fastest peer by geomean), over the prompts both
+    have a figure for (a one-token answer has none)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "peers_run", Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+
+    def answers(tps):  # three prompts, two repeats each
+        return [[{"tps": t, "cycles": 4, "cycle_tokens": 8, "ids": [1, 2]}] * 2 for t in tps]
+
+    runs = {("mlxlm", "default"): answers([100.0, 200.0, 400.0]), ("ours", "default"): answers([300.0, 200.0, None]),
+            ("zlab", "default"): answers([150.0, 100.0, 400.0]), ("dspark", "default"): answers([100.0, 400.0, 400.0])}
+    summary = run.summarise(runs, list(runs), 3)
+    assert summary["ours/default"]["ratio_median_per_prompt"] == pytest.approx(2.0)  # median of 3.0 and 1.0
+    assert summary["zlab/default"]["ratio_median_per_prompt"] == pytest.approx(1.0)  # of 1.5, 0.5, 1.0
+    h2h = run.head_to_head(summary)
+    assert h2h["fastest_peer"] == "dspark/default"
+    assert h2h["against"]["zlab/default"]["per_prompt"] == pytest.approx([2.0, 2.0])
+    assert h2h["against"]["dspark/default"]["median"] == pytest.approx(1.75)  # of 3.0 and 0.5
+    assert h2h["against"]["dspark/default"]["geomean"] == pytest.approx(1.5 ** 0.5)
+    text = run.table({"summary": summary, "head_to_head": h2h})
+    assert "ours/default vs dspark/default (the fastest peer default): 1.75x median per prompt" in text

@@ -171,6 +171,11 @@ def normalise(tokens, eos, max_tokens):
     return out
 
 
+def paired(tps, base_tps) -> list:
+    """Per-prompt ratios of two runtimes' median tok/s, over the prompts both have a figure for."""
+    return [a / b for a, b in zip(tps, base_tps) if a and b]
+
+
 def summarise(runs: dict, keys, n_prompts: int) -> dict:
     """runs[(runtime, setting)][prompt] = list of answers (one per repeat)."""
     from dflash_mlx.bench import geomean, median
@@ -196,7 +201,7 @@ def summarise(runs: dict, keys, n_prompts: int) -> dict:
             "runtime": key[0], "setting": key[1], "tps_median": med, "tps_geomean": g,
             "ratio_medians": med / bmed if med and bmed else None,
             "ratio_geomeans": g / bg if g and bg else None,
-            "ratio_median_per_prompt": median([a / b for a, b in zip(tps, base_tps)]) if all(base_tps) else None,
+            "ratio_median_per_prompt": median(paired(tps, base_tps)),
             "tokens_per_cycle": ctoks / cycles if cycles else None, "cycles": cycles, "cycle_tokens": ctoks,
             "identical_prompts": None if sampled else sum(ident), "prompts": n_prompts,
             "mismatched_prompts": [p for p, ok in enumerate(ident) if not ok],
@@ -215,10 +220,14 @@ def head_to_head(summary: dict) -> dict:
         return {}
     out = {}
     for key, s in peers.items():
-        ratios = [a / b for a, b in zip(ours["tps_per_prompt"], s["tps_per_prompt"])]
+        ratios = paired(ours["tps_per_prompt"], s["tps_per_prompt"])
         out[key] = {"median": median(ratios), "geomean": geomean(ratios), "per_prompt": ratios}
-    fastest = max(peers, key=lambda k: peers[k]["ratio_geomeans"])
+    fastest = max(peers, key=lambda k: peers[k]["ratio_geomeans"] or 0.0)
     return {"fastest_peer": fastest, "against": out}
+
+
+def _x(ratio) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def table(result: dict) -> str:
@@ -229,7 +238,7 @@ def table(result: dict) -> str:
             rows.append([label, s["setting"], "error", "", "", "", "", s["error"][:60]])
             continue
         rows.append([label, s["setting"], f"{s['tps_median']:.1f}", f"{s['ratio_medians']:.2f}x",
-                     f"{s['ratio_median_per_prompt']:.2f}x", f"{s['ratio_geomeans']:.2f}x", f"{s['tokens_per_cycle']:.2f}",
+                     _x(s["ratio_median_per_prompt"]), f"{s['ratio_geomeans']:.2f}x", f"{s['tokens_per_cycle']:.2f}",
                      "sampled" if s["identical_prompts"] is None else f"{s['identical_prompts']}/{s['prompts']}"])
     head = ["runtime", "setting", "tok/s (median)", "vs mlx-lm (medians)", "vs mlx-lm (median per prompt)",
             "vs mlx-lm (geomeans)", "tokens/cycle", "greedy ids = mlx-lm"]
@@ -238,8 +247,8 @@ def table(result: dict) -> str:
     h2h = result.get("head_to_head") or {}
     for key, r in h2h.get("against", {}).items():
         fastest = " (the fastest peer default)" if key == h2h["fastest_peer"] else ""
-        lines.append(f"\nours/default vs {key}{fastest}: {r['median']:.2f}x median per prompt, "
-                     f"{r['geomean']:.2f}x geomean (per prompt {', '.join(f'{x:.2f}' for x in r['per_prompt'])})")
+        lines.append(f"\nours/default vs {key}{fastest}: {_x(r['median'])} median per prompt, "
+                     f"{_x(r['geomean'])} geomean (per prompt {', '.join(f'{x:.2f}' for x in r['per_prompt'])})")
     return "\n".join(lines)
 
 
