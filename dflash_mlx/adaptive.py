@@ -24,13 +24,13 @@ import copy
 import hashlib
 import json
 import platform
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
-import numpy as np
 
 from . import tree as trees
 
@@ -260,10 +260,12 @@ class AcceptanceStats:
         """alpha_k for k = 1..n-1 (posterior means); depths with little evidence borrow the previous depth's rate."""
         return [a / (a + b) for a, b in self.posteriors(prior, weight)]
 
-    def sample(self, prior: float, weight: float, rng: np.random.Generator) -> List[float]:
-        """alpha_k for k = 1..n-1 drawn from their posteriors (Thompson sampling)."""
-        ab = np.maximum(np.array(self.posteriors(prior, weight)), 1e-6)
-        return rng.beta(ab[:, 0], ab[:, 1]).tolist()
+    def sample(self, prior: float, weight: float, rng: random.Random) -> List[float]:
+        """alpha_k for k = 1..n-1 drawn from their posteriors (Thompson sampling).
+
+        Python's own Beta draws, not numpy's: next to MLX's CPU backend at work,
+        numpy's vectorised draw took ~160 us against ~55 us for these (both ~15 us idle)."""
+        return [rng.betavariate(max(a, 1e-6), max(b, 1e-6)) for a, b in self.posteriors(prior, weight)]
 
 
 class FixedWidth:
@@ -337,7 +339,7 @@ class BlockSizer:
                  stick: float = 1.03, explore: bool = True, branch_prior: float = 0.2):
         self.curve = curve
         self.explore = explore  # False: choose on the posterior means (no exploring)
-        self.rng = np.random.default_rng(0)
+        self.rng = random.Random(0)
         self.max_width = min(max_width, curve.max_width)
         self.prior, self.lookup_prior, self.weight, self.carry, self.stick = prior, lookup_prior, weight, carry, stick
         # Tokens committed: by every request (the shared statistics age by it), and by this request.
@@ -372,12 +374,12 @@ class BlockSizer:
         cycles may verify trees of up to `branches` branches.
 
         A seeded request starts from the prior alone, and draws its rates from
-        a fixed seed (numpy's generator, not MLX's), so that its widths, and with them
+        a fixed seed (Python's generator, not MLX's), so that its widths, and with them
         the order its random numbers are drawn in, are the same whatever
         earlier requests taught the shared statistics.
         """
         run = copy.copy(self)  # shares the curve and the shared statistics
-        run.rng = np.random.default_rng(0 if seeded else int(self.rng.integers(2**63)))
+        run.rng = random.Random(0 if seeded else self.rng.getrandbits(63))
         run.branches = branches
         run.clock = Clock()
         if seeded:

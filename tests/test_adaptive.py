@@ -6,7 +6,6 @@ import random
 from types import SimpleNamespace
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import dflash_mlx
@@ -209,16 +208,20 @@ def test_a_long_plain_run_asks_less_often_whatever_the_evidence():
         if run.stats.tried[1] == 0:
             for _ in range(2):
                 run.update(Plan(16), 0, [0])  # two misses: less than the prior's worth
-        steps, probes = [], 0
+        steps, expected, streak, probes = [], [], 0, 0
         for i in range(200):
-            if run.held == 0:
-                steps.append(i)
+            asked = run.held == 0
             plan = run.choose(64)
+            if asked:
+                steps.append(i)
+                streak = streak + 1 if plan == PLAIN else 0
+                expected.append(min(2 << (streak - 1), 8) if streak else 1)
             if plan != PLAIN:  # a probe: it misses too, and the hold starts again from 2
                 probes += 1
                 run.update(plan, 0, [0])
         gaps = [b - a for a, b in zip(steps, steps[1:])]
-        assert gaps[:3] == [2, 4, 8] and max(gaps) == 8 and gaps.count(8) >= len(gaps) // 2
+        assert gaps == expected[:-1] and [2, 4, 8] in [gaps[i : i + 3] for i in range(len(gaps))]
+        assert gaps.count(8) >= len(gaps) // 2
         assert len(steps) < 30 + 5 * probes  # it was every other step on thin evidence
 
 
@@ -273,7 +276,7 @@ def test_an_unlucky_rejection_does_not_end_drafting():
         for explore in (False, True):
             rnd = random.Random(seed)
             root = BlockSizer(cycle_curve([DEMO_OPENBLAS]), 16, explore=explore)
-            root.rng = np.random.default_rng(seed)
+            root.rng = random.Random(seed)
             runs = [unlucky_start(root.start(), rnd, rejected=1 if r == 0 else 0) for r in range(4)]
             speed = sum(r[0] for r in runs) / sum(r[1] for r in runs)  # x plain decoding
             if not explore:
@@ -312,13 +315,13 @@ def test_where_drafting_cannot_pay_nothing_is_drawn_but_lookups_are_weighed():
     s = BlockSizer(CostCurve([64, 4096], [steep, steep], [[0.0] * W] * 2, [steep, [1.0 + 0.1 * (w - 1)
                                                                              for w in range(1, W + 1)]],
                              [bare, bare]), W, lookup_prior=0.9).start()
-    before = s.rng.bit_generator.state
+    before = s.rng.getstate()
     assert all(s.choose(64) == PLAIN for _ in range(20))
-    assert s.rng.bit_generator.state == before
+    assert s.rng.getstate() == before
     assert s.choose(64, offer=[5, 6, 7]).copied == 3
     s.held = 0
     s.choose(4096)  # where a drafted cycle could pay, the rates are drawn
-    assert s.rng.bit_generator.state != before
+    assert s.rng.getstate() != before
 
 
 def lookup_curve(drafted, copied):
@@ -562,7 +565,7 @@ def test_allowing_trees_does_not_make_the_sizer_draft_more():
     drafted, trees = {0: 0, 2: 0}, 0
     for branches, seed in itertools.product((0, 2), range(4)):
         root = BlockSizer(cycle_curve([DEMO_OPENBLAS]), 16)
-        root.rng = np.random.default_rng(seed)
+        root.rng = random.Random(seed)
         rnd = random.Random(seed)
         feed_misses(root, 8, 0.6, 0.3, 0.1, 200, rnd)  # what earlier requests taught
         for _ in range(30):
@@ -594,9 +597,9 @@ def test_the_alternatives_rates_are_weighed_at_their_means():
     for branches in (0, 2):
         run = BlockSizer(cycle_curve([FLAT]), 16).start(branches=branches)
         feed_misses(run, 8, 0.6, 0.5, 0.2, 50, random.Random(0))
-        run.rng = np.random.default_rng(7)
+        run.rng = random.Random(7)
         run.choose(64)
-        states.append(run.rng.bit_generator.state)
+        states.append(run.rng.getstate())
     assert states[0] == states[1]
 
 

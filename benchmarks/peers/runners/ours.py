@@ -3,7 +3,8 @@
 Settings: "default" = block_size "auto" (the adaptive sizer, its cost curve measured once
 and cached under ~/.cache/dflash-mlx/costs, with lookup drafts), "no-lookup" = "auto"
 without lookup drafts (the drafter only), "block4" / "block8" = fixed block sizes (the
-drafter alone, every cycle), "block1" = plain decoding through this loop (width 1 every cycle), "tree2" = "auto" also
+drafter alone, every cycle), "block1" = plain decoding through this loop (width 1 every cycle; "t1-block1" at
+temperature 1), "tree2" = "auto" also
 weighing tree verification with up to 2 branches (`tree=2`).
 Sampled settings ("t1-*", temperature 1) seed MLX's generator before each request
 (`mx.random.seed`, a fresh seed per request), as the z-lab runner does; "t1-seeded" instead
@@ -19,9 +20,9 @@ from _common import float_dtypes, serve
 
 BLOCKS = {"default": ("auto", True), "no-lookup": ("auto", False), "block4": (4, False), "block8": (8, False),
           "t1-default": ("auto", True), "t1-block16": (16, False), "block1": (1, False),
-          "tree2": ("auto", True), "t1-seeded": ("auto", True)}
+          "tree2": ("auto", True), "t1-seeded": ("auto", True), "t1-block1": (1, False)}
 TREES = {"tree2": 2}  # `auto` also weighing trees of up to 2 branches
-TEMPS = {"t1-default": 1.0, "t1-block16": 1.0, "t1-seeded": 1.0}  # temperature 1, a fresh seed per request
+TEMPS = {"t1-default": 1.0, "t1-block16": 1.0, "t1-seeded": 1.0, "t1-block1": 1.0}  # temperature 1, a fresh seed per request
 SEEDED = {"t1-seeded"}  # the seed goes with the request (the others seed MLX's generator)
 _requests = [0]
 
@@ -42,7 +43,8 @@ def load(args):
                                "block4": "block_size=4", "block8": "block_size=8",
                                "t1-default": "block_size='auto', temp=1.0", "t1-block16": "block_size=16, temp=1.0",
                                "block1": "block_size=1", "tree2": "block_size='auto', tree=2",
-                               "t1-seeded": "block_size='auto', temp=1.0, seed=<request number>"}}
+                               "t1-seeded": "block_size='auto', temp=1.0, seed=<request number>",
+                               "t1-block1": "block_size=1, temp=1.0"}}
 
 
 def generate(pair, prompt_ids, max_tokens, setting):
