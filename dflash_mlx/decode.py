@@ -208,7 +208,7 @@ class Verified(NamedTuple):
 
 
 class Stepped(NamedTuple):
-    token: mx.array
+    token: mx.array  # [1]: it is the next step's input as it is
     hidden: mx.array
     logprobs: Optional[tuple]
 
@@ -259,8 +259,8 @@ def step(target, tcache, last, params: SamplingParams, record: bool = False, top
     """
     logits, hidden = target(last[None], tcache, record=record, taps=taps)
     logits = logits[0, -1:] if not proc else proc.row(logits[0, -1:])
-    token = pick(logits, params)[0]
-    return Stepped(token, hidden, None if top is None else token_logprobs(logits, token.reshape(1), top))
+    token = pick(logits, params)
+    return Stepped(token, hidden, None if top is None else token_logprobs(logits, token, top))
 
 
 class TreeVerified(NamedTuple):
@@ -352,7 +352,7 @@ def cycle_parts(pair, n: int, branches: int = 0):
             ahead = step(target, tcache, last, greedy)
             mx.async_eval(ahead)
             for _ in range(PLAIN_STEPS - 1):
-                nxt = step(target, tcache, ahead.token.reshape(1), greedy)
+                nxt = step(target, tcache, ahead.token, greedy)
                 mx.async_eval(nxt)
                 ahead.token.item()
                 ahead = nxt
@@ -597,14 +597,13 @@ def stream_generate(
                            before_last=None if trimmable else keep, taps=drafter, skip=True, before=reused)
     proc = Processed(logits_processors, prompt)
     logits = proc.row(logits[None])[0] if proc else logits
-    first = pick(logits[None], params)[0]
-    last = first.reshape(1)
+    last = pick(logits[None], params)
     proc.commit(last)
     lps = None if logprobs is None else token_logprobs(logits[None], last, logprobs)
     if lps is not None:
-        mx.eval(first, lps)
+        mx.eval(last, lps)
         lps = logprob_rows(lps, 1)
-    tokens = [first.item()]
+    tokens = [last.item()]
     stats.cached_tokens = reused
     stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
     if lookup or drafter:
@@ -684,14 +683,14 @@ def stream_generate(
             # does: the next step is launched before the host reads this token,
             # unless a lookup draft might be worth waiting for it.
             nxt, hidden, lps = pending
-            proc.commit(nxt.reshape(1))
+            proc.commit(nxt)
             context = len(prompt) + stats.generation_tokens + 1
             if max_tokens - stats.generation_tokens > 1 and not (
                     lookup and source.may_offer(dstate) and sizer.lookup_pays(context)):
                 nxt_plan = sizer.choose(context, unseen=unseen + 1,
                                         left=max_tokens - stats.generation_tokens - 1)
                 if nxt_plan == PLAIN:
-                    ahead = step(target, tcache, nxt.reshape(1), params, top=logprobs, proc=proc, taps=drafter)
+                    ahead = step(target, tcache, nxt, params, top=logprobs, proc=proc, taps=drafter)
                     mx.async_eval(ahead)
             if lps is not None:
                 mx.eval(nxt, lps)
@@ -727,14 +726,14 @@ def stream_generate(
             proc.commit(mx.array(tokens))
             target.crop(tcache, accepted + 1, plan.width)
         if drafter:
-            taps.append(hidden[:, : accepted + 1])
+            taps.append(hidden if hidden.shape[1] == accepted + 1 else hidden[:, : accepted + 1])
             unseen += accepted + 1
         if lookup or drafter:
             source.commit(dstate, tokens)
         if len(taps) == 256:  # a long run without the drafter: bound what is held, in one batched projection
             source.add_context(dstate, mx.concatenate(taps, axis=1))
             taps, unseen = [], 0
-        last = nxt.reshape(1).astype(last.dtype)
+        last = nxt if done.width == 1 else nxt.reshape(1).astype(last.dtype)
         if learn:
             sizer.update(done, accepted, tokens, missed)
         else:
