@@ -263,6 +263,30 @@ def test_the_context_document_is_long_and_prompts_end_with_the_task(pairs):
     assert bench.context_prompt(tok, "import math", 0) == bench.build_prompt(tok, "import math")
 
 
+def test_our_peers_runner_describes_and_samples_exactly_its_settings():
+    """Our runner's settings live in several tables (width and lookup, temperature,
+    seeding, trees, the description written to the results): each names only settings
+    it runs, every setting is described, and the sampled ones are exactly the "t1-*"
+    settings, which the runner compares with mlx-lm's sampled decoding."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "runners"))
+    try:
+        ours = importlib.import_module("ours")
+    finally:
+        sys.path.pop(0)
+    settings = set(ours.BLOCKS)
+    assert set(ours.DESCRIBED) == settings
+    assert set(ours.TEMPS) == {s for s in settings if s.startswith("t1-")}
+    assert ours.SEEDED <= set(ours.TEMPS) and set(ours.TREES) <= settings
+    for s in settings:
+        block, _ = ours.BLOCKS[s]
+        assert f"block_size={block!r}" in ours.DESCRIBED[s]
+        assert ("temp=1.0" in ours.DESCRIBED[s]) == (s in ours.TEMPS)
+
+
 def test_peers_runner_pairs_runtimes_prompt_by_prompt():
     """The peers runner's paired figures: each row's median of per-prompt ratios to
     mlx-lm, and our default against each peer's default prompt by prompt (median and

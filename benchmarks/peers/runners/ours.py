@@ -24,6 +24,11 @@ BLOCKS = {"default": ("auto", True), "no-lookup": ("auto", False), "block4": (4,
 TREES = {"tree2": 2}  # `auto` also weighing trees of up to 2 branches
 TEMPS = {"t1-default": 1.0, "t1-block16": 1.0, "t1-seeded": 1.0, "t1-block1": 1.0}  # temperature 1, a fresh seed per request
 SEEDED = {"t1-seeded"}  # the seed goes with the request (the others seed MLX's generator)
+DESCRIBED = {"default": "block_size='auto'", "no-lookup": "block_size='auto', lookup=False",
+             "block4": "block_size=4", "block8": "block_size=8", "block1": "block_size=1",
+             "t1-default": "block_size='auto', temp=1.0", "t1-block16": "block_size=16, temp=1.0",
+             "tree2": "block_size='auto', tree=2", "t1-seeded": "block_size='auto', temp=1.0, seed=<request number>",
+             "t1-block1": "block_size=1, temp=1.0"}  # what each setting passes, for the results file
 _requests = [0]
 
 
@@ -39,12 +44,7 @@ def load(args):
         raise RuntimeError(f"the pair loaded as {dtypes}, expected float32")
     return pair, {"runtime": "dflash-mlx (this repository)", "version": dflash_mlx.__version__,
                   "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "blas": blas_name(), "dtype": "float32",
-                  "settings": {"default": "block_size='auto'", "no-lookup": "block_size='auto', lookup=False",
-                               "block4": "block_size=4", "block8": "block_size=8",
-                               "t1-default": "block_size='auto', temp=1.0", "t1-block16": "block_size=16, temp=1.0",
-                               "block1": "block_size=1", "tree2": "block_size='auto', tree=2",
-                               "t1-seeded": "block_size='auto', temp=1.0, seed=<request number>",
-                               "t1-block1": "block_size=1, temp=1.0"}}
+                  "settings": DESCRIBED}
 
 
 def generate(pair, prompt_ids, max_tokens, setting):
