@@ -275,8 +275,10 @@ def test_our_peers_runner_describes_and_samples_exactly_its_settings():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "runners"))
     try:
         ours = importlib.import_module("ours")
-    finally:
+    finally:  # the runners' generic module names stay out of the other tests' way
         sys.path.pop(0)
+        sys.modules.pop("ours", None)
+        sys.modules.pop("_common", None)
     settings = set(ours.BLOCKS)
     assert set(ours.DESCRIBED) == settings
     assert set(ours.TEMPS) == {s for s in settings if s.startswith("t1-")}
