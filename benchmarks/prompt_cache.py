@@ -10,7 +10,7 @@ ids of the two are checked equal.
     python benchmarks/prompt_cache.py --context 16000 --stand-in 32768  # a long-context stand-in
     python benchmarks/prompt_cache.py --context 1900 --disk            # also warm from the disk tier
 
-`--stand-in N` runs a float32 copy of the demo target with linear RoPE scaling
+`--stand-in N` runs a float32 (`--dtype`) copy of the demo target with linear RoPE scaling
 to an N-token window (the weights are the demo's, untrained at that length:
 its text is not meaningful there, its timing is). `--disk` also times the
 request warm from the disk tier: the first request's caches spilled to files,
@@ -36,20 +36,20 @@ from dflash_mlx.hub import cache_root
 DEMO = Path(dflash_mlx.__file__).parent / "demo"
 
 
-def stand_in(window: int) -> Path:
-    """The demo target with its RoPE positions scaled to a `window`-token window."""
-    out = cache_root() / "bench" / f"demo-rope{window}"
+def stand_in(window: int, dtype: str = "float32") -> Path:
+    """The demo target with its RoPE positions scaled to a `window`-token window, its weights in `dtype`."""
+    out = cache_root() / "bench" / (f"demo-rope{window}" + ("" if dtype == "float32" else f"-{dtype}"))
     factor = window / 2048
     cfg = json.loads((DEMO / "target" / "config.json").read_text())
     cfg.update(max_position_embeddings=window, rope_scaling={"rope_type": "linear", "factor": factor},
-               torch_dtype="float32")
+               torch_dtype=dtype)
     if not (out / "config.json").exists() or json.loads((out / "config.json").read_text()) != cfg:
         tmp = out.with_suffix(".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(DEMO / "target", tmp)
-        # float32: half-precision matmuls are slow on a CPU and would time the wrong thing
+        # float32 by default: half-precision matmuls are slow on a CPU and would time the wrong thing
         weights = mx.load(str(tmp / "model.safetensors"))
-        mx.save_safetensors(str(tmp / "model.safetensors"), {k: v.astype(mx.float32) for k, v in weights.items()})
+        mx.save_safetensors(str(tmp / "model.safetensors"), {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
@@ -82,14 +82,23 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=1900, help="tokens in the conversation so far")
     ap.add_argument("--stand-in", type=int, default=0, help="window of a RoPE-scaled demo target (0: the demo pair)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="the stand-in's weights (float32: half-precision matmuls are slow on a CPU)")
+    ap.add_argument("--make-stand-in", action="store_true",
+                    help="only write the stand-in (for `dflash-mlx bench --model`) and print its folder")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--answer", type=int, default=32, help="tokens of each answer")
     ap.add_argument("--disk", action="store_true", help="also time the request warm from the disk tier")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.make_stand_in:
+        if not args.stand_in:
+            sys.exit("--make-stand-in needs --stand-in WINDOW")
+        print(stand_in(args.stand_in, args.dtype))
+        return
     folder = Path(tempfile.mkdtemp(prefix="dflash-prompt-cache-bench-"))
 
-    model = str(stand_in(args.stand_in)) if args.stand_in else "demo"
+    model = str(stand_in(args.stand_in, args.dtype)) if args.stand_in else "demo"
     pair = dflash_mlx.load(model, str(DEMO / "drafter") if args.stand_in else None)
     history, turn = conversation(pair.tokenizer, args.context)
     first_token(pair, history[:64])  # warm-up
