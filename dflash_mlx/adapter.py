@@ -21,7 +21,7 @@ others' (`distributed` sums the shares over the ranks).
 """
 
 import inspect
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -477,9 +477,11 @@ class TargetAdapter:
         return self.embed_tokens(tokens)
 
     def __call__(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False,
-                 tree: Optional[tuple] = None, taps: bool = True):
+                 tree: Optional[tuple] = None, taps: Union[bool, str] = True):
         """Logits (all positions, or the last only) and the concatenated taps
-        (None with `taps=False`: a plain step that no drafter will read).
+        (None with `taps=False`: a plain step that no drafter will read; with
+        `taps="layers"`, the tapped outputs as a tuple, for the caller to join
+        once for many steps: one op less per plain step).
 
         The logits are the model's own forward pass; with `last_only` its LM
         head sees only the last row (a prefill chunk pays the head once).
@@ -512,6 +514,8 @@ class TargetAdapter:
         taps.values.clear()
         if not self._checked:
             self._check(tokens, logits, feats)
+        if wanted == "layers":
+            return logits, tuple(feats)
         return logits, mx.concatenate(feats, axis=-1) if wanted else None
 
     def _tap(self, i: int, tokens: mx.array) -> mx.array:

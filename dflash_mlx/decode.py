@@ -209,7 +209,7 @@ class Verified(NamedTuple):
 
 class Stepped(NamedTuple):
     token: mx.array  # [1]: it is the next step's input as it is
-    hidden: mx.array
+    hidden: Optional[tuple]  # the tapped layers' outputs [1, 1, D] each, joined later (`joined`)
     logprobs: Optional[tuple]
 
 
@@ -253,11 +253,12 @@ def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Opti
 def step(target, tcache, last, params: SamplingParams, record: bool = False, top: Optional[int] = None,
          proc: Optional[Processed] = None, taps: bool = True) -> Stepped:
     """One plain decoding step, as mlx-lm's: the token after `last`, and the
-    taps (None with `taps=False`).
+    taps as a tuple of the tapped layers' outputs (None with `taps=False`):
+    `joined` concatenates a run of steps' taps at once when the drafter reads them.
 
     The loop records nothing for a rollback: a plain step is never cropped.
     """
-    logits, hidden = target(last[None], tcache, record=record, taps=taps)
+    logits, hidden = target(last[None], tcache, record=record, taps="layers" if taps else False)
     logits = logits[0, -1:] if not proc else proc.row(logits[0, -1:])
     token = pick(logits, params)
     return Stepped(token, hidden, None if top is None else token_logprobs(logits, token, top))
@@ -373,6 +374,25 @@ def cycle_parts(pair, n: int, branches: int = 0):
     return run_draft, run_verify, catch_up
 
 
+def joined(taps: list) -> mx.array:
+    """Held taps as one array [1, rows, D * taps]. An entry is a pass's taps
+    (an array of rows) or a plain step's (`Stepped.hidden`, a tuple of the
+    tapped layers' outputs); a run of steps is joined layer by layer, a few ops
+    for the whole run rather than one per step."""
+    parts, run = [], []
+    for t in taps + [None]:
+        if isinstance(t, tuple):
+            run.append(t)
+            continue
+        if run:
+            layers = [mx.concatenate(rows, axis=1) if len(rows) > 1 else rows[0] for rows in zip(*run)]
+            parts.append(mx.concatenate(layers, axis=-1))
+            run = []
+        if t is not None:
+            parts.append(t)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
 def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params: SamplingParams,
            top: Optional[int] = None, proc: Optional[Processed] = None, tapped: bool = True,
            alternatives: bool = False, scales: Optional[Sequence[float]] = None, keep: bool = False):
@@ -390,7 +410,7 @@ def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params
     else:
         hidden = None
         if plan.drafts:
-            hidden = mx.concatenate(taps, axis=1) if len(taps) > 1 else (taps or [None])[0]
+            hidden = joined(taps) if taps else None
             taps = []
         if plan.branches:
             pending = verify_tree(target, tcache, draft_tree(source, dstate, last, hidden, plan.width, plan.branches),
@@ -726,12 +746,13 @@ def stream_generate(
             proc.commit(mx.array(tokens))
             target.crop(tcache, accepted + 1, plan.width)
         if drafter:
-            taps.append(hidden if hidden.shape[1] == accepted + 1 else hidden[:, : accepted + 1])
+            taps.append(hidden if isinstance(hidden, tuple) or hidden.shape[1] == accepted + 1
+                        else hidden[:, : accepted + 1])
             unseen += accepted + 1
         if lookup or drafter:
             source.commit(dstate, tokens)
         if len(taps) == 256:  # a long run without the drafter: bound what is held, in one batched projection
-            source.add_context(dstate, mx.concatenate(taps, axis=1))
+            source.add_context(dstate, joined(taps))
             taps, unseen = [], 0
         last = nxt if done.width == 1 else nxt.reshape(1).astype(last.dtype)
         if learn:
@@ -761,7 +782,7 @@ def keep_caches(prompt_cache, target, source, dstate, tcache, history, taps, inf
         taps.append(hidden)
         rows += 1
     if taps:
-        source.add_context(dstate, mx.concatenate(taps, axis=1))
+        source.add_context(dstate, joined(taps))
     mx.eval([c.state for c in tcache], source.arrays(dstate))
     prompt_cache.store(target, source, dstate, history[:rows], tcache, at_prompt)
 

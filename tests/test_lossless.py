@@ -404,6 +404,24 @@ def test_long_plain_run_then_drafting(pairs, baselines, family):
     assert source.widths[:2] == [4, 8] and source.given >= len(prompt) + 270
 
 
+def test_held_taps_join_as_if_each_step_had_concatenated_its_own():
+    """Plain steps hold their tapped layers' outputs unjoined; `joined` gives the
+    drafter exactly the rows per-step concatenation would, in order, mixed with
+    passes' taps (arrays of rows)."""
+    from dflash_mlx.decode import joined
+
+    D, n = 8, 3
+    block = mx.random.normal((1, 4, D * n), key=mx.random.key(0))
+    steps = [tuple(mx.random.normal((1, 1, D), key=mx.random.key(10 * i + j)) for j in range(n)) for i in range(5)]
+    per_step = [mx.concatenate(s, axis=-1) for s in steps]
+    taps = [block, *steps[:3], block[:, :2], *steps[3:]]
+    want = mx.concatenate([block, *per_step[:3], block[:, :2], *per_step[3:]], axis=1)
+    assert joined(taps).shape == (1, 11, D * n) and mx.array_equal(joined(taps), want).item()
+    assert mx.array_equal(joined([steps[0]]), per_step[0]).item()
+    assert mx.array_equal(joined(list(steps)), mx.concatenate(per_step, axis=1)).item()
+    assert joined([block]) is block
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_prefill_leaves_the_taps_of_the_last_rows_to_the_loop(pairs, family):
     """Prefill hands the drafter the rows beyond `hold` chunk by chunk and returns
