@@ -72,7 +72,8 @@ def generate(
         help="Tree verification (greedy, attention-only targets; others verify linearly): with a fixed "
              "--block-size, also verify this many branches (the drafter's 2nd/3rd choices) in every target "
              "pass; with auto, the most branches a cycle may use where the sizer finds they pay "
-             "[default: none].",
+             "[default: as many as the cost curve timed, 2, so trees are used where this machine's "
+             "timings say they pay; 0 turns them off].",
     ),
     proposal_scale: str = typer.Option(
         "auto", "--proposal-scale",

@@ -51,7 +51,26 @@ PLAIN_HOLD_MAX = 8
 # is spread over the tokens left, but over at most this many: a request rarely
 # runs its whole budget.
 CATCH_UP_SPREAD = 512
-CURVE_VERSION = 8  # bump when what a curve measures changes
+CURVE_VERSION = 9  # bump when what a curve measures changes
+# Trees of up to this many branches are timed with the curve (`tree_shapes`), and so
+# weighed by `auto` unless a request says otherwise.
+TREE_BRANCHES = 2
+
+
+def tree_rows(width: int, branches: int) -> int:
+    """Rows a tree of this width and branch count verifies (`tree.shape`, a large vocabulary)."""
+    b, length = trees.shape(width, branches, 1 << 30)
+    return width + b * length
+
+
+def tree_shapes(max_width: int, branches: int = TREE_BRANCHES) -> List[Tuple[int, int]]:
+    """The (width, branches) trees a curve times: per branch count, the narrowest and the
+    widest tree whose rows fit the measured widths (costs between are interpolated)."""
+    out = []
+    for b in range(1, branches + 1):
+        fit = [w for w in range(3, max_width + 1) if tree_rows(w, b) <= max_width]
+        out += sorted({(fit[0], b), (fit[-1], b)}) if fit else []
+    return out
 
 
 @dataclass
@@ -62,10 +81,17 @@ class CostCurve:
     cycle: Optional[List[List[float]]] = None  # [context][width - 1] whole cycle, seconds
     copy: Optional[List[List[float]]] = None  # [context][width - 1] a cycle without a drafter pass (a lookup's)
     catch_up: float = 0.0  # seconds per context row the drafter catches up on (the taps' own work, its projection)
+    tree: Optional[List[List[float]]] = None  # [context][shape] a tree cycle of each of `tree_shapes`
+    tree_shapes: Optional[List[Tuple[int, int]]] = None  # (width, branches) of the timed trees
 
     @property
     def max_width(self) -> int:
         return len((self.cycle or self.verify)[0])
+
+    @property
+    def tree_branches(self) -> int:
+        """The most branches of a timed tree (0: trees were not timed on this curve)."""
+        return max((b for _, b in self.tree_shapes or ()), default=0) if self.tree else 0
 
     def _interpolate(self, rows: List[List[List[float]]], context: int) -> List[float]:
         """Sum of `rows` at `context`, interpolated linearly in context length.
@@ -77,10 +103,10 @@ class CostCurve:
         i = 0 if context <= cs[0] else min(len(cs) - 2, next((j for j in range(len(cs) - 1) if context <= cs[j + 1]), len(cs) - 2))
         j = min(i + 1, len(cs) - 1)
         t = 0.0 if cs[j] == cs[i] else min(1.0, max(0.0, (context - cs[i]) / (cs[j] - cs[i])))
-        out = [0.0] * self.max_width
+        out = [0.0] * len(rows[0][0])
         for r in rows:
             a, b = r[i], r[j]
-            for w in range(self.max_width):
+            for w in range(len(out)):
                 out[w] += a[w] + t * (b[w] - a[w])
         return [max(1e-9, c) for c in out]
 
@@ -96,6 +122,35 @@ class CostCurve:
             return self._interpolate([self.verify], context)
         return self.costs(context)  # unknown: no cheaper than a drafted cycle
 
+    def tree_costs(self, context: int, branches: int) -> Dict[Tuple[int, int], float]:
+        """Seconds per tree cycle for every (width, branch count <= `branches`) whose rows fit the
+        measured widths: a drafted cycle at the path's width plus the extra rows of a bare
+        verify, plus what the timed trees cost beyond that (the tree's own work: ranking the
+        drafter's choices, the mask, moving the accepted rows), interpolated in width
+        between the timed shapes of each branch count. A curve that timed no trees
+        has none of that extra; where it timed some, branch counts it did not time are left out."""
+        costs, copies = self.costs(context), self.copy_costs(context)
+        W = self.max_width
+
+        def model(w, b):
+            return costs[w - 1] + copies[tree_rows(w, b) - 1] - copies[w - 1]
+
+        extra: Dict[int, List[Tuple[int, float]]] = {}
+        if self.tree:
+            timed = self._interpolate([self.tree], context)
+            for (w, b), t in zip(self.tree_shapes, timed):
+                extra.setdefault(b, []).append((w, t - model(w, b)))
+            branches = min(branches, max(extra))
+        out = {}
+        for b in range(1, branches + 1):
+            if self.tree and b not in extra:
+                continue
+            for w in range(3, W + 1):
+                if tree_rows(w, b) > W:
+                    break
+                out[(w, b)] = max(1e-9, model(w, b) + _between(extra.get(b, [(w, 0.0)]), w))
+        return out
+
     def cost(self, width: int, context: int) -> float:
         return self.costs(context)[width - 1]
 
@@ -110,7 +165,7 @@ class CostCurve:
         `verify` and `draft` (reports only) hold the contexts whose halves were timed apart.
         """
         n = [i for i, rounds in enumerate(samples.cycle) if rounds and (i == 0 or len(rounds) >= min_rounds)]
-        verify, draft, cycle, copies = [], [], [], []
+        verify, draft, cycle, copies, timed = [], [], [], [], []
         W = samples.max_width
         for i in n:
             parts = samples.parts[i]
@@ -118,12 +173,15 @@ class CostCurve:
                 means = [sum(c) / len(c) for c in samples.cycle[i][: len(parts)]]  # parts share their round's scale
                 verify.append(profile([p[0] for p in parts], means))
                 draft.append(profile([p[1] for p in parts], means))
-            both = profile(samples.rounds(i))  # drafted and copied cycles share each round's scale
+            both = profile(samples.rounds(i))  # drafted, copied and tree cycles share each round's scale
             cycle.append(both[:W])
-            copies.append(both[:1] + both[W:] if len(both) > W else None)
+            copies.append(both[:1] + both[W : 2 * W - 1] if len(both) > W else None)
+            timed.append(both[2 * W - 1 :] if len(both) > 2 * W - 1 else None)
         copies = None if any(c is None for c in copies) else copies
+        timed = None if not samples.tree_shapes or any(t is None for t in timed) else timed
+        shapes = [tuple(t) for t in samples.tree_shapes] if timed else None
         catch_up = next((c for c in reversed(samples.catch_up) if c > 0), 0.0)  # the longest context's
-        return cls([samples.contexts[i] for i in n], verify, draft, cycle, copies, catch_up)
+        return cls([samples.contexts[i] for i in n], verify, draft, cycle, copies, catch_up, timed, shapes)
 
 
 @dataclass
@@ -137,19 +195,25 @@ class CostSamples:
     parts: List[List[List[List[float]]]] = field(default_factory=list)  # [context][round][verify, draft][width - 1]
     setup_per_token: float = 0.0  # seconds to set a context up (its prefill), per token
     catch_up: List[float] = field(default_factory=list)  # [context] seconds per row of the drafter's catch-up
+    tree_shapes: List[List[int]] = field(default_factory=list)  # (width, branches) of the trees timed
+    tree: List[List[List[float]]] = field(default_factory=list)  # [context][round][shape] seconds
 
     def __post_init__(self):
         self.cycle = self.cycle or [[] for _ in self.contexts]
         self.catch_up = self.catch_up or [0.0 for _ in self.contexts]
         self.copy = self.copy or [[] for _ in self.contexts]
         self.parts = self.parts or [[] for _ in self.contexts]
+        self.tree = self.tree or [[] for _ in self.contexts]
 
     def rounds(self, i: int) -> List[List[float]]:
-        """Context i's rounds: drafted widths 1..W then copied widths 2..W (where timed) in each."""
-        copy = self.copy[i]
+        """Context i's rounds: drafted widths 1..W, then copied widths 2..W and the
+        timed trees (where timed) in each."""
+        copy, tree = self.copy[i], self.tree[i]
         if len(copy) != len(self.cycle[i]):
             return self.cycle[i]
-        return [c + k for c, k in zip(self.cycle[i], copy)]
+        if not self.tree_shapes or len(tree) != len(copy):
+            return [c + k for c, k in zip(self.cycle[i], copy)]
+        return [c + k + t for c, k, t in zip(self.cycle[i], copy, tree)]
 
     def done(self, min_rounds: int, max_rounds: int, tolerance: float) -> bool:
         return all(finished(self.rounds(i), min_rounds, max_rounds, tolerance) for i in range(len(self.contexts)))
@@ -357,7 +421,7 @@ class BlockSizer:
         self.pending: List[int] = []  # a lookup offer not yet compared with what was committed
         self.pending_order = 0
         self.matched = 0  # how many of its tokens were committed so far
-        self._context, self._costs, self._copy, self._drafts = None, [], [], True
+        self._context, self._costs, self._copy, self._drafts, self._tree = None, [], [], True, {}
         self.held = 0  # plain steps still to run without asking again (`PLAIN_HOLD`)
         self.plain_streak = 0  # plain choices in a row (each doubles the hold)
         self._lookup_pays: Optional[bool] = None
@@ -371,7 +435,8 @@ class BlockSizer:
 
     def start(self, seeded: bool = False, branches: int = 0) -> "BlockSizer":
         """A sizer for a new request: this curve, the shared statistics as its prior;
-        cycles may verify trees of up to `branches` branches.
+        cycles may verify trees of up to `branches` branches (at most as many as the curve
+        timed, where it timed trees: `default_branches`).
 
         A seeded request starts from the prior alone, and draws its rates from
         a fixed seed (Python's generator, not MLX's), so that its widths, and with them
@@ -380,7 +445,8 @@ class BlockSizer:
         """
         run = copy.copy(self)  # shares the curve and the shared statistics
         run.rng = random.Random(0 if seeded else self.rng.getrandbits(63))
-        run.branches = branches
+        run.branches = min(branches, self.curve.tree_branches) if self.curve.tree else branches
+        run._context = None  # its tree costs are those of its branches
         run.clock = Clock()
         if seeded:
             run.stats, run.lookup, run.alt = run._fresh(), {}, [run._fresh(), run._fresh()]
@@ -391,6 +457,13 @@ class BlockSizer:
         run.current, run.pending, run.matched, run.pending_order = 0, [], 0, 0
         run.held, run.plain_streak, run._lookup_pays, run._lookup_key, run._version = 0, 0, None, None, 0
         return run
+
+    @property
+    def default_branches(self) -> int:
+        """The tree branches a request weighs unless it says otherwise: as many as the curve
+        timed (`TREE_BRANCHES` where the target can verify trees), so trees are used where
+        this machine's timings say they pay; none where the curve timed no trees."""
+        return self.curve.tree_branches
 
     def shared_state(self) -> dict:
         """What requests taught the shared statistics (drafter, lookups per n-gram order,
@@ -470,6 +543,7 @@ class BlockSizer:
         if self._context is None or abs(context - self._context) >= COST_STEP:
             self._context, self._costs, self._copy = context, self.curve.costs(context), self.curve.copy_costs(context)
             self._drafts = self._could_pay(self._costs)
+            self._tree = self.curve.tree_costs(context, self.branches) if self.branches else {}
 
     def _could_pay(self, costs: List[float]) -> bool:
         """Whether a cycle that runs the drafter could beat plain steps at these costs even
@@ -503,31 +577,50 @@ class BlockSizer:
         """Expected tokens `branches` branches add to a best path of `width`: each
         (depth d, choice c) pays where the path holds to d, fails at d and choice c
         is right there, plus the best path's tokens it goes on with (`tree.py`)."""
-        length = min(trees.BRANCH_LENGTH, width - 1)
-        reach, values = 1.0, []
-        for d in range(1, width):
-            a = alphas[d - 1]
-            after, run = 1.0, 1.0
-            for k in range(d + 1, min(d + length, width)):
+        return sum(self._forks(alphas, alt)(width)[:branches])
+
+    @staticmethod
+    def _forks(alphas: List[float], alt: List[List[float]]):
+        """width -> what each (depth, choice) fork adds to a best path of that width
+        (`branch_gain`), best first; the work shared by all widths done once."""
+        L = trees.BRANCH_LENGTH
+        fails, after, reach = [], [], 1.0  # per depth d: P(held to d, fails at d); after[d][m]: m nodes on
+        for d in range(1, len(alphas) + 1):
+            fails.append(reach * (1 - alphas[d - 1]))
+            reach *= alphas[d - 1]
+            row, run = [0.0, 1.0], 1.0
+            for k in range(d + 1, min(d + L, len(alphas) + 1)):
                 run *= alphas[k - 1]
-                after += run
-            values += [reach * (1 - a) * rates[d - 1] * after for rates in alt]
-            reach *= a
-        return sum(sorted(values, reverse=True)[:branches])
+                row.append(row[-1] + run)
+            after.append(row)
+
+        def values(width: int) -> List[float]:
+            length = min(L, width - 1)
+            out = []
+            for d in range(1, width):
+                pays = fails[d - 1] * after[d - 1][min(length, width - d)]
+                out += [pays * rates[d - 1] for rates in alt]
+            return sorted(out, reverse=True)
+
+        return values
 
     def best_tree(self, alphas: List[float], alt: List[List[float]], owed: float = 0.0) -> Tuple[Plan, float]:
-        """The best tree plan (width and branches) and its rate; (PLAIN, 0) if none fits the measured widths."""
+        """The best tree plan (width and branches) and its rate at the curve's tree costs
+        (`CostCurve.tree_costs`); (PLAIN, 0) if no tree fits the measured widths."""
         plan, rate = PLAIN, 0.0
-        for w in range(3, self.max_width + 1):
-            for asked in range(1, self.branches + 1):
-                b, length = trees.shape(w, asked, 1 << 30)
-                rows = w + b * length
-                if rows > self.max_width:
-                    break
-                tokens = self.expected_tokens(w, alphas) + self.branch_gain(w, b, alphas, alt)
-                r = tokens / (self._costs[w - 1] + self._copy[rows - 1] - self._copy[w - 1] + owed * tokens)
-                if r > rate:
-                    plan, rate = Plan(w, 0, b), r
+        if not self._tree:
+            return plan, rate
+        path, run, forks, values = [1.0], 1.0, {}, self._forks(alphas, alt)
+        for a in alphas:  # path[w - 1]: the best path's expected tokens at width w
+            run *= a
+            path.append(path[-1] + run)
+        for (w, b), cost in self._tree.items():
+            if w not in forks:
+                forks[w] = values(w)
+            tokens = path[w - 1] + sum(forks[w][:b])
+            r = tokens / (cost + owed * tokens)
+            if r > rate:
+                plan, rate = Plan(w, 0, b), r
         return plan, rate
 
     def best(self, context: int, offered: int = 0, alphas: Optional[List[float]] = None,
@@ -694,6 +787,17 @@ def _blas_of(paths) -> str:
     return "reference (stock mlx[cpu])"
 
 
+def _between(points: List[Tuple[int, float]], x: int) -> float:
+    """y at x, linearly between the (x, y) `points` and held beyond the first and the last."""
+    points = sorted(points)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
 def _median(xs: List[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
@@ -741,7 +845,8 @@ CycleParts = Tuple[Callable[[int], mx.array], Callable[[int, mx.array], None]]
 def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, contexts=CONTEXTS,
                        budget: float = 10.0, min_rounds: int = 3, max_rounds: int = 40, tolerance: float = 0.02,
                        split_rounds: int = 0, samples: Optional[CostSamples] = None, at_least: int = 0,
-                       progress: Callable[[float, float], None] = lambda done, total: None) -> CostSamples:
+                       progress: Callable[[float, float], None] = lambda done, total: None,
+                       trees: Sequence[Tuple[int, int]] = ()) -> CostSamples:
     """Time whole cycles at each width and context, within about `budget` seconds.
 
     `make_cycle(n)` sets up a context of n tokens and returns its two halves:
@@ -763,9 +868,13 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
     began, at least `at_least` rounds each time while some context is unsettled
     (a large model's round can take longer than a refining run's budget). The
     first `split_rounds` rounds of a context also time the draft and verify
-    halves apart (for reports).
+    halves apart (for reports). Each round also times tree cycles of the
+    (width, branches) `trees` (`tree_shapes`; `draft(w, branches)` drafts a
+    tree), each next to the linear cycle of its width; earlier `samples` keep
+    the shapes they were begun with.
     """
-    samples = samples or CostSamples(list(contexts), max_width)
+    samples = samples or CostSamples(list(contexts), max_width, tree_shapes=[list(t) for t in trees])
+    shapes = [tuple(t) for t in samples.tree_shapes]
     start = time.perf_counter()
     spent = lambda: time.perf_counter() - start  # noqa: E731
     runners = {}
@@ -791,8 +900,10 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
             if not runners.keys() - {i} and not samples.cycle[i]:
                 one_round_timed(i, record=False)  # a fresh measurement warms up once
             elif len(runners) == 1:  # a refining run: warm up on the widest cycle only (it sets the allocations)
-                run_draft, run_verify = runners[i]
+                run_draft, run_verify = runners[i]  # and on each tree once
                 run_verify(max_width, run_draft(max_width))
+                for w, b in shapes:
+                    run_verify(w, run_draft(w, b))
         one_round_timed(i, record=True)
         progress(min(spent(), budget), budget)
 
@@ -802,6 +913,7 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
         split = record and len(parts) < split_rounds
         times = [[0.0] * max_width for _ in range(3)]
         copied = [0.0] * (max_width - 1)
+        tree = [0.0] * len(shapes)
         order = range(1, max_width + 1) if len(rounds) % 2 else range(max_width, 0, -1)
         for w in order:
             if w > 1:  # a cycle of copied (lookup) tokens: the bare verify
@@ -820,9 +932,15 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
             tic = time.perf_counter()
             steps = run_verify(w, run_draft(w)) or 1
             times[2][w - 1] = (time.perf_counter() - tic) / steps
+            for j in (j for j, (tw, _) in enumerate(shapes) if tw == w):
+                tic = time.perf_counter()
+                run_verify(w, run_draft(w, shapes[j][1]))
+                tree[j] = time.perf_counter() - tic
         if record:
             rounds.append(times[2])
             samples.copy[i].append(copied)
+            if shapes:
+                samples.tree[i].append(tree)
             if split:
                 parts.append(times[:2])
 
@@ -860,11 +978,11 @@ def curve_key(pair) -> str:
 
 def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width: int, cache_dir: Path,
                     budget: float = 10.0, refine: float = 3.0, min_rounds: int = 3, max_rounds: int = 12,
-                    tolerance: float = 0.02, progress: Callable[[float, float], None] = lambda d, t: None
-                    ) -> CostCurve:
+                    tolerance: float = 0.02, progress: Callable[[float, float], None] = lambda d, t: None,
+                    trees: Sequence[Tuple[int, int]] = ()) -> CostCurve:
     """The cached cost curve for `key`: measured within about `budget` seconds
     the first time, then refined by about `refine` seconds a run until every
-    width is settled (or has `max_rounds`)."""
+    width (and every tree of `trees`, see `measure_cost_curve`) is settled (or has `max_rounds`)."""
     path = Path(cache_dir) / "costs" / f"{key}-w{max_width}.json"
     samples = None
     if path.exists():
@@ -877,7 +995,7 @@ def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width
         samples = measure_cost_curve(make_cycle, max_width, budget=budget if first else refine,
                                      min_rounds=min_rounds, max_rounds=max_rounds, tolerance=tolerance,
                                      samples=samples, at_least=0 if first else 1,
-                                     progress=progress if first else lambda d, t: None)
+                                     progress=progress if first else lambda d, t: None, trees=trees)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(samples)))

@@ -135,7 +135,7 @@ def _dflash_run(pair, ids, max_tokens, params, block_size, source=None):
         stats = ev.stats
     return {"tokens": tokens, "generation_tps": stats.generation_tps, "prompt_tps": stats.prompt_tps,
             "ttft": ttft, "acceptance_lengths": stats.acceptance_lengths,
-            "draft_cycles": stats.draft_cycles, "lookup_cycles": stats.lookup_cycles,
+            "draft_cycles": stats.draft_cycles, "lookup_cycles": stats.lookup_cycles, "tree_cycles": stats.tree_cycles,
             "decode_seconds": stats.generation_tokens / stats.generation_tps if stats.generation_tps else 0.0}
 
 
@@ -256,6 +256,7 @@ def summarise(rows: List[Dict], key: str) -> Dict:
         "cycles": len(lengths),
         "draft_cycles": sum(r["dflash"][key].get("draft_cycles", 0) for r in rows),
         "lookup_cycles": sum(r["dflash"][key].get("lookup_cycles", 0) for r in rows),
+        "tree_cycles": sum(r["dflash"][key].get("tree_cycles", 0) for r in rows),
         "acceptance_histogram": {str(k): v for k, v in sorted(Counter(lengths).items())},
         "baseline_prompt_tps": base_p,
         "dflash_prompt_tps": ours_p,

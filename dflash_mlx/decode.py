@@ -323,7 +323,8 @@ def cycle_parts(pair, n: int, branches: int = 0):
     that many branches. The third item returned is the seconds per row the
     drafter took to catch up on the context once the target's caches were
     made (as after a prefill): the taps' own work (e.g. a tapped last layer)
-    and the drafter's projection.
+    and the drafter's projection. `draft(w, b)` drafts a tree of b branches
+    whatever `branches` says (0: a linear draft).
     """
     target, source = pair.target, pair.draft_source
     greedy = SamplingParams()
@@ -337,12 +338,12 @@ def cycle_parts(pair, n: int, branches: int = 0):
     catch_up = (time.perf_counter() - tic) / n
     last = prompt[-1:]
 
-    def run_draft(w):
+    def run_draft(w, b=branches):
         if w == 1:
             return None
         rows = min((w + 1) // 2, taps.shape[1])
-        if branches:
-            tokens = draft_tree(source, dstate, last, taps[:, -rows:], w, branches)
+        if b:
+            tokens = draft_tree(source, dstate, last, taps[:, -rows:], w, b)
         else:
             tokens = draft(source, dstate, last, taps[:, -rows:], w, greedy)[0]
         source.rewind(dstate, rows)  # the lazy draft keeps what it read
@@ -362,10 +363,19 @@ def cycle_parts(pair, n: int, branches: int = 0):
                 if c.is_trimmable():
                     c.trim(PLAIN_STEPS)
             return PLAIN_STEPS
-        if branches:
-            v = verify_tree(target, tcache, tokens)
-            mx.concatenate([tokens.tokens, v.picks.astype(mx.uint32), tokens.forks.astype(mx.uint32)]).tolist()
-            target.crop(tcache, 0, tokens.size)
+        if isinstance(tokens, trees.Tree):  # as `accept_tree`, always through a branch (its rows moved)
+            t = tokens
+            N, W, L = t.size, t.width, t.length
+            v = verify_tree(target, tcache, t)
+            out = mx.concatenate([t.tokens, v.picks.astype(mx.uint32), t.forks.astype(mx.uint32),
+                                  t.alternatives.reshape(-1)])
+            values = out.tolist()
+            forks = values[2 * N : 2 * N + t.branches]
+            path = trees.walk(W, L, forks, values[:N], values[N : 2 * N])[0]
+            if path[-1] < W:
+                path = (list(range(forks[0])) + list(range(W, W + L)))[:W]
+            target.keep_rows(tcache, path, N)
+            target.crop(tcache, 0, len(path))
             return
         n_acc, nxt = verify(target, tcache, last, tokens, None, greedy)[1:3]
         mx.concatenate([n_acc.reshape(1).astype(tokens.dtype), tokens, nxt.reshape(1).astype(tokens.dtype)]).tolist()
@@ -495,13 +505,6 @@ def block_policy(pair, source, block_size, tree: int = 0, params: Optional[Sampl
     return FixedWidth(block_size, tree)
 
 
-# The most tree branches `auto` weighs unless told (`tree`): none. On the CPU curves the
-# sizer now rarely picks a tree (they do not pay there), but its tree costs assume a tree
-# pass costs a linear pass of as many rows, measured on CPU only; until a GPU run shows
-# where trees pay, `auto` weighs them only when asked.
-AUTO_BRANCHES = 0
-
-
 def stream_generate(
     pair,
     prompt: Union[str, Sequence[int]],
@@ -534,7 +537,9 @@ def stream_generate(
     `tree=n`, each drafted cycle verifies the drafter's best path and n
     branches in one target pass; with 'auto' and `tree=n`, the sizer verifies
     trees of up to n branches in the cycles where its costs and acceptance
-    say they pay (unset: `AUTO_BRANCHES`, none). Verification stays linear,
+    say they pay (unset: as many as its cost curve timed, `BlockSizer.default_branches`:
+    so trees are weighed by default where the target can verify them, at this machine's
+    measured tree costs). Verification stays linear,
     silently, where a tree cannot run: sampling (with `tree` unset), a target
     with other caches than KV caches (Gated DeltaNet, sliding windows),
     logits processors, a prompt cache that handed over other caches.
@@ -591,7 +596,7 @@ def stream_generate(
         at_prompt = (len(prompt) - 1, snapshot(cache))
 
     can_tree = params.greedy and not logits_processors and target.can_verify_tree(tcache)
-    branches = (AUTO_BRANCHES if tree is None else tree) if can_tree else 0
+    branches = (getattr(policy, "default_branches", 0) if tree is None else tree) if can_tree else 0
     # A seeded sampled request's widths (and so its random draws) depend on nothing
     # earlier requests left behind; a greedy one's text does not depend on its widths.
     seeded = params.seed is not None and not params.greedy

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from safetensors import SafetensorError
 
-from .adaptive import BlockSizer, CostCurve, curve_key, load_or_measure
+from .adaptive import BlockSizer, CostCurve, curve_key, load_or_measure, tree_shapes
 from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import CONVERSION, DrafterConfig, check_pair
 from .drafter import DFlashDrafter
@@ -48,9 +48,12 @@ class DFlashPair:
     _kept_at: float = field(default=float("-inf"), repr=False)  # when this process last wrote it
 
     def cost_curve(self, budget: float = 10.0, progress=lambda done, total: None) -> CostCurve:
-        """This machine's cycle costs per width, measured within `budget` seconds on first use, then cached."""
-        return load_or_measure(curve_key(self), partial(cycle_parts, self), self.draft_source.block_size,
-                               cache_root(), budget=budget, progress=progress)
+        """This machine's cycle costs per width (and of a few trees, where the target can
+        verify them), measured within `budget` seconds on first use, then cached."""
+        W = self.draft_source.block_size
+        trees = tree_shapes(W) if self.target.can_verify_tree(self.target.make_cache()) else ()
+        return load_or_measure(curve_key(self), partial(cycle_parts, self), W, cache_root(), budget=budget,
+                               progress=progress, trees=trees)
 
     def auto_sizer(self, params: Optional[SamplingParams] = None,
                    progress=lambda done, total: None) -> BlockSizer:

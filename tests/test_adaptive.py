@@ -557,6 +557,68 @@ def test_trees_are_chosen_only_where_they_pay():
     assert wrong.best(64)[0].branches == 0
 
 
+def timed_trees(rows, extra):
+    """A whole-cycle curve (`cycle_curve`) that also timed the trees of `adaptive.tree_shapes`:
+    each cost what a linear cycle of its rows does plus `extra(width, branches)`."""
+    c = cycle_curve([rows])
+    c.tree_shapes = adaptive.tree_shapes(len(rows))
+    c.tree = [[rows[adaptive.tree_rows(w, b) - 1] + extra(w, b) for w, b in c.tree_shapes]]
+    return c
+
+
+def test_trees_are_chosen_only_where_their_timed_costs_pay():
+    """Where the curve timed trees, a tree costs what was timed, not what a linear
+    pass of as many rows costs: a tree's own work (ranking the drafter's choices,
+    the mask, moving the accepted rows) that the timings show makes a near-free
+    row not free. Those trees are then never chosen; cheap timed ones are, and
+    branch counts beyond those timed are not weighed."""
+    rnd = random.Random(0)
+    for extra, chosen in ((lambda w, b: 0.0, True), (lambda w, b: 0.4 * b, False)):
+        sizer = BlockSizer(timed_trees(FLAT, extra), 16, explore=False)
+        assert sizer.default_branches == 2
+        run = sizer.start(branches=3)
+        assert run.branches == 2  # only the timed branch counts
+        feed_misses(run, 16, 0.6, 0.6, 0.2, 400, rnd)
+        plan = run.best(64)[0]
+        assert (plan.branches > 0) == chosen and plan.width > 1, plan
+    untimed = BlockSizer(cycle_curve([FLAT]), 16)
+    assert untimed.default_branches == 0 and untimed.start(branches=3).branches == 3
+
+
+def test_tree_costs_are_the_timed_trees_between_their_shapes(monkeypatch, tmp_path):
+    """The curve times a few trees per branch count (the narrowest and widest that fit)
+    next to the linear cycles; every tree's cost is the linear model (a drafted cycle
+    plus the extra rows of a bare verify) plus what the timed trees cost beyond it,
+    interpolated in width. The shapes outlive the process with the curve."""
+    clock, s = FakeClock(monkeypatch), 0.001
+
+    def extra(w, b):
+        return 0.002 * b + 0.0001 * w
+
+    def make(n):
+        def verify(w, tokens):
+            if isinstance(tokens, tuple):
+                clock.now += adaptive.tree_rows(tokens[1], tokens[2]) * s + extra(tokens[1], tokens[2])
+            else:
+                clock.now += w * s
+
+        return (lambda w, b=0: ("tree", w, b) if b else mx.array([0] * (w - 1)), verify)
+
+    shapes = adaptive.tree_shapes(16)
+    assert shapes == [(3, 1), (12, 1), (3, 2), (8, 2)]
+    curve = adaptive.load_or_measure("t", make, 16, tmp_path, budget=5.0, trees=shapes)
+    costs = curve.tree_costs(64, 2)
+    assert sorted(costs) == sorted([(w, 1) for w in range(3, 13)] + [(w, 2) for w in range(3, 9)])
+    for (w, b), c in costs.items():
+        assert c == pytest.approx(adaptive.tree_rows(w, b) * s + extra(w, b), rel=1e-6), (w, b)
+    assert curve.tree_costs(64, 1).keys() == {k for k in costs if k[1] == 1}
+    again = adaptive.load_or_measure("t", make, 16, tmp_path, budget=5.0)  # read back, nothing new timed
+    assert again.tree_shapes == shapes and again.tree_costs(64, 2) == pytest.approx(costs)
+    plain = adaptive.load_or_measure("u", make, 16, tmp_path, budget=5.0)
+    assert plain.tree is None and plain.tree_branches == 0  # timed no trees: the model alone
+    assert plain.tree_costs(64, 1)[(5, 1)] == pytest.approx(adaptive.tree_rows(5, 1) * s)
+
+
 def test_allowing_trees_does_not_make_the_sizer_draft_more():
     """Trees change what a drafted cycle verifies, not whether to draft: on the demo pair's
     CPU curve, where the drafter rarely pays, a sizer that may verify trees runs the drafter

@@ -32,6 +32,9 @@ def test_bench_json_schema_and_identical_check(pairs, tmp_path, monkeypatch):
         assert s["speedup_median_per_prompt"] == pytest.approx((per_prompt[0] + per_prompt[1]) / 2)
         assert sum(s["acceptance_histogram"].values()) == sum(
             len(r["dflash"][key]["acceptance_lengths"]) for r in result["prompts"]["mini"])
+        for count in ("draft_cycles", "lookup_cycles", "tree_cycles"):
+            assert s[count] == sum(r["dflash"][key][count] for r in result["prompts"]["mini"]) <= s["cycles"]
+    assert result["overall"]["4"]["tree_cycles"] == 0  # a fixed width verifies linearly unless told
     assert result["machine"]["blas"] and result["machine"]["backend"]
 
 

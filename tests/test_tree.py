@@ -144,9 +144,11 @@ def test_auto_verifies_trees_where_they_pay(pairs, baselines, family, monkeypatc
     whose best guess fails at depth 2 where its second choice is right: the
     sizer, allowed 2 branches, learns that from its linear cycles (the
     drafter's alternatives come with each cycle's tokens) and verifies trees,
-    losslessly. `tree=0` keeps it linear; a hybrid target (Gated DeltaNet)
-    always verifies linearly."""
-    from test_adaptive import cycle_curve
+    losslessly. Unset, `tree` is as many branches as the curve timed: trees
+    whose timings say they pay are verified, costly ones are not, and a curve
+    that timed none weighs none. `tree=0` keeps it linear; a hybrid target
+    (Gated DeltaNet) always verifies linearly."""
+    from test_adaptive import cycle_curve, timed_trees
 
     from dflash_mlx.adaptive import BlockSizer
 
@@ -155,20 +157,25 @@ def test_auto_verifies_trees_where_they_pay(pairs, baselines, family, monkeypatc
     n, W = 40, 16
     ref = greedy_ref(baselines[family], prompt, n)
     flat = [1.0 + 0.01 * (w - 1) for w in range(1, W + 1)]
-    monkeypatch.setattr(pair, "_sizer", BlockSizer(cycle_curve([flat]), W))
+    curves = {"untimed": cycle_curve([flat]), "cheap": timed_trees(flat, lambda w, b: 0.0),
+              "costly": timed_trees(flat, lambda w, b: 10.0)}  # no tree commits enough to pay for that
     runs = {}
-    for tree in (2, 0):
+    for name, tree in (("untimed", 2), ("untimed", 0), ("untimed", None), ("cheap", None), ("costly", None)):
+        monkeypatch.setattr(pair, "_sizer", BlockSizer(curves[name], W))
         source = ForkOracle(pair.target, prompt + ref, lambda c, w: min(2, w - 1))
         source.block_size = W
         out, stats = tokens_of(pair, prompt, n, block_size="auto", draft_source=source, tree=tree)
-        assert out == ref, tree
-        runs[tree] = stats
+        assert out == ref, (name, tree)
+        runs[name, tree] = stats
     if family == "qwen3":
-        assert runs[2].branch_cycles > 0 and runs[2].branch_cycles == runs[2].tree_cycles
-        assert runs[2].cycles < runs[0].cycles  # each tree cycle commits past the failed guess
+        for key in (("untimed", 2), ("cheap", None)):
+            assert runs[key].branch_cycles > 0 and runs[key].branch_cycles == runs[key].tree_cycles, key
+            assert runs[key].cycles < runs["untimed", 0].cycles  # each tree cycle commits past the failed guess
     else:
-        assert runs[2].tree_cycles == 0
-    assert runs[0].tree_cycles == 0
+        assert runs["untimed", 2].tree_cycles == runs["cheap", None].tree_cycles == 0
+    for key in (("untimed", 0), ("untimed", None), ("costly", None)):
+        assert runs[key].tree_cycles == 0, key
+        assert runs[key].draft_cycles > 0, key
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -265,13 +272,44 @@ def test_tree_logprobs_are_those_of_linear_verification(pairs):
 
 def test_cycle_parts_time_trees(pairs):
     """The cost measurement's halves of a tree cycle (for a sizer): a tree of
-    the width's shape is drafted and verified, and each call starts again."""
-    run_draft, run_verify, _ = cycle_parts(pairs["qwen3"], 40, branches=2)
-    for w in (2, 6, 6):
-        tree = run_draft(w)
-        B, L = trees.shape(w, 2, pairs["qwen3"].target.vocab_size)
-        assert tree.size == w + B * L and tree.branches == 2
-        run_verify(w, tree)
+    the width's shape is drafted and verified as the loop's `accept_tree` does,
+    through a branch whose rows are moved into place, and each call starts
+    again: the target's caches and the drafter's context are left as they were
+    found, for trees and linear cycles alike."""
+    pair = pairs["qwen3"]
+    target = pair.target
+    moved, real_keep = [], target.keep_rows
+
+    def watched(cache, rows, width):
+        moved.append((cache, list(rows)))
+        return real_keep(cache, rows, width)
+
+    target.keep_rows = watched
+    try:
+        run_draft, run_verify, _ = cycle_parts(pair, 40)
+        linear = {w: run_draft(w) for w in (4, 6)}
+        run_verify(6, run_draft(6, 2))
+        cache = moved[0][0]
+        kept = [(c.offset, mx.array(c.keys[..., : c.offset, :]), mx.array(c.values[..., : c.offset, :]))
+                for c in cache]
+        for w, b in ((6, 2), (4, 1), (0, 0), (3, 2)):
+            if w == 0:
+                run_verify(4, run_draft(4))
+                continue
+            tree = run_draft(w, b)
+            B, L = trees.shape(w, b, target.vocab_size)
+            assert tree.size == w + B * L and tree.branches == b
+            run_verify(w, tree)
+            assert moved[-1][1][-1] >= w  # through a branch
+        for lw, tokens in linear.items():
+            assert mx.array_equal(run_draft(lw), tokens)  # the drafter's context as it was
+        for c, (offset, keys, values) in zip(cache, kept):
+            assert c.offset == offset
+            assert mx.array_equal(c.keys[..., :offset, :], keys) and mx.array_equal(c.values[..., :offset, :], values)
+        by_default, _, _ = cycle_parts(pair, 40, branches=2)
+        assert by_default(6).branches == 2 and by_default(6, 0).ndim == 1  # a linear draft when asked
+    finally:
+        target.keep_rows = real_keep
 
 
 def test_tree_with_the_prompt_cache(pairs, baselines):
@@ -303,3 +341,15 @@ def test_generate_takes_tree_from_the_command_line(targets, drafters, baselines)
     assert tree.stdout == linear.stdout and "tree cycles" in tree.output  # same text, verified as trees
     refused = CliRunner().invoke(app, args + ["--block-size", "8", "--tree", "2", "--temp", "0.7"])
     assert refused.exit_code == 1 and "greedy only" in refused.output
+
+
+@pytest.mark.parametrize("dtype, V", [(mx.float32, 50), (mx.bfloat16, 200), (mx.float32, 2)])
+def test_alternatives_are_the_drafters_second_and_third_choices(dtype, V):
+    """What the sizer learns from (fetched with every drafted cycle that weighs trees):
+    each row's 2nd and 3rd most likely tokens, in that order (one with a 2-token vocabulary)."""
+    ranks = mx.argsort(mx.random.uniform(shape=(7, V), key=mx.random.key(V)), axis=-1)  # no ties, exact in bfloat16
+    logits = (ranks.astype(mx.float32) - V / 2).astype(dtype)
+    got = trees.alternatives(logits)
+    order = mx.argsort(-logits.astype(mx.float32), axis=-1)
+    assert got.dtype == mx.uint32 and got.shape == (7, min(2, V - 1))
+    assert mx.array_equal(got, order[:, 1 : 1 + got.shape[1]].astype(mx.uint32))
