@@ -17,6 +17,15 @@ waited for a core.
 `--pair widened` runs the widened target (`peers/widen.py` builds it: the
 demo's outputs from a ~100 M parameter target, so a target pass costs many
 drafter passes, as with a real pair).
+
+`--costs` instead reports what this machine's cost curve (the one `auto`
+uses, measured now if not cached) says a tree cycle costs: the timed trees
+and those between them, against the linear model (a drafted cycle at the
+path's width plus the extra rows of a bare verify) and against linear
+cycles of the path's width, i.e. how many more tokens per cycle a tree must
+commit to pay there:
+
+    python benchmarks/tree.py --pair demo --costs --out benchmarks/results/tree-costs-demo-linux-cpu-stockblas.json
 """
 
 import argparse
@@ -54,6 +63,43 @@ def run(pair, prompt, max_tokens, width, tree):
     return tokens, stats, time.process_time() - cpu
 
 
+def costs(pair, name, out=None, argv=None):
+    """The cost curve's tree costs against the linear model and linear cycles, per context."""
+    from dflash_mlx.adaptive import tree_rows
+
+    curve = pair.cost_curve()
+    if not curve.tree:
+        sys.exit("this curve timed no trees (the target cannot verify them)")
+    contexts = []
+    for ctx in curve.contexts:
+        linear, copies = curve.costs(ctx), curve.copy_costs(ctx)
+        rows = []
+        for (w, b), t in sorted(curve.tree_costs(ctx, curve.tree_branches).items(), key=lambda kv: kv[0][::-1]):
+            n = tree_rows(w, b)
+            model = linear[w - 1] + copies[n - 1] - copies[w - 1]
+            rows.append({"width": w, "branches": b, "rows": n, "timed": (w, b) in curve.tree_shapes,
+                         "seconds": t, "model_seconds": model, "ratio_to_model": t / model,
+                         "ratio_to_linear_same_width": t / linear[w - 1],
+                         "ratio_to_linear_same_rows": t / linear[n - 1]})
+        contexts.append({"context": ctx, "plain_step_seconds": linear[0], "trees": rows})
+        print(f"\n{name} pair, context {ctx}: a plain step {1e3 * linear[0]:.2f} ms")
+        print("| width | branches | rows | timed | ms | x linear model | x linear, same width | "
+              "x linear, same rows |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['width']} | {r['branches']} | {r['rows']} | {'yes' if r['timed'] else ''} | "
+                  f"{1e3 * r['seconds']:.2f} | {r['ratio_to_model']:.3f} | {r['ratio_to_linear_same_width']:.3f} | "
+                  f"{r['ratio_to_linear_same_rows']:.3f} |")
+    if out:
+        Path(out).write_text(json.dumps({
+            "what": "tree cycle costs from the cost curve `auto` uses (timed shapes and those between them)",
+            "pair": name, "dtype": str(pair.target.dtype), "machine": machine_info(),
+            "ld_preload": os.environ.get("LD_PRELOAD"), "load_average": os.getloadavg(),
+            "tree_shapes": curve.tree_shapes, "contexts": contexts,
+            "command": "python benchmarks/tree.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        }, indent=2) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", choices=["demo", "widened"], default="demo")
@@ -64,10 +110,13 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--costs", action="store_true", help="report the cost curve's tree costs and exit")
     args = ap.parse_args(argv)
     trees = sorted(set(args.trees) | {0})
 
     pair = load_pair(args.pair)
+    if args.costs:
+        return costs(pair, args.pair, args.out, argv)
     texts = load_prompts("code")["code"][: args.prompts]
     prompts = [pair.tokenizer.encode(t) for t in texts]
     run(pair, prompts[0], 16, args.widths[0], max(trees))  # warm-up
