@@ -979,10 +979,11 @@ def curve_key(pair) -> str:
 def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width: int, cache_dir: Path,
                     budget: float = 10.0, refine: float = 3.0, min_rounds: int = 3, max_rounds: int = 12,
                     tolerance: float = 0.02, progress: Callable[[float, float], None] = lambda d, t: None,
-                    trees: Sequence[Tuple[int, int]] = ()) -> CostCurve:
+                    trees: Callable[[], Sequence[Tuple[int, int]]] = tuple) -> CostCurve:
     """The cached cost curve for `key`: measured within about `budget` seconds
     the first time, then refined by about `refine` seconds a run until every
-    width (and every tree of `trees`, see `measure_cost_curve`) is settled (or has `max_rounds`)."""
+    width is settled (or has `max_rounds`). A first measurement also times the
+    trees `trees()` returns (asked then only: the shapes stay with the samples)."""
     path = Path(cache_dir) / "costs" / f"{key}-w{max_width}.json"
     samples = None
     if path.exists():
@@ -995,7 +996,8 @@ def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width
         samples = measure_cost_curve(make_cycle, max_width, budget=budget if first else refine,
                                      min_rounds=min_rounds, max_rounds=max_rounds, tolerance=tolerance,
                                      samples=samples, at_least=0 if first else 1,
-                                     progress=progress if first else lambda d, t: None, trees=trees)
+                                     progress=progress if first else lambda d, t: None,
+                                     trees=trees() if first else ())
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(samples)))

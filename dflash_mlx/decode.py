@@ -596,7 +596,10 @@ def stream_generate(
         at_prompt = (len(prompt) - 1, snapshot(cache))
 
     can_tree = params.greedy and not logits_processors and target.can_verify_tree(tcache)
+    # Unset, as many branches as the policy's cost curve timed (its trees passed `trees.works` then).
     branches = (getattr(policy, "default_branches", 0) if tree is None else tree) if can_tree else 0
+    if tree and branches and not trees.works(target):
+        branches = 0
     # A seeded sampled request's widths (and so its random draws) depend on nothing
     # earlier requests left behind; a greedy one's text does not depend on its widths.
     seeded = params.seed is not None and not params.greedy

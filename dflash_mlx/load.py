@@ -20,6 +20,7 @@ from .config import CONVERSION, DrafterConfig, check_pair
 from .drafter import DFlashDrafter
 from .drafter2 import draft_source, drafter_class, published_keys
 from .errors import DFlashError
+from . import tree as tree_lib
 from .decode import cycle_parts
 from .draft_source import DraftSource
 from .lookup import WithLookup
@@ -51,7 +52,11 @@ class DFlashPair:
         """This machine's cycle costs per width (and of a few trees, where the target can
         verify them), measured within `budget` seconds on first use, then cached."""
         W = self.draft_source.block_size
-        trees = tree_shapes(W) if self.target.can_verify_tree(self.target.make_cache()) else ()
+
+        def trees():  # asked only when a curve is measured from scratch
+            ok = self.target.can_verify_tree(self.target.make_cache()) and tree_lib.works(self.target)
+            return tree_shapes(W) if ok else ()
+
         return load_or_measure(curve_key(self), partial(cycle_parts, self), W, cache_root(), budget=budget,
                                progress=progress, trees=trees)
 

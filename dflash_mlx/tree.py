@@ -25,10 +25,14 @@ keep linear verification.
 """
 
 import functools
+import logging
+import weakref
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+
+log = logging.getLogger("dflash_mlx")
 
 BRANCH_LENGTH = 4  # nodes per branch: acceptance past a fork decays fast
 CHOICES = 2  # the drafter's second and third choices may start a branch
@@ -156,3 +160,50 @@ def missed(alternatives: Sequence[int], k: int, depth: int, token: int) -> Tuple
     `alternatives` are the drafter's k alternatives per depth, row after row."""
     alts = list(alternatives[(depth - 1) * k : depth * k])
     return depth, (alts.index(token) + 2 if token in alts else 0)
+
+
+def self_check(target, width: int = 5, branches: int = 2, context: int = 12) -> Optional[str]:
+    """None where a tree pass over a small random context gives every node the
+    logits of its root-to-node path decoded linearly (to the dtype's rounding);
+    else what differed. Tree verification is lossless only where this holds,
+    so it is checked on the backend before a tree is verified (`works`)."""
+    V = target.vocab_size
+    prompt = mx.random.randint(0, V, (context,), key=mx.random.key(7))
+    tree = build(prompt[-1:], mx.random.normal((width - 1, V), key=mx.random.key(8)) * 3, branches)
+    cache = target.make_cache()
+    target(prompt[None, :-1], cache, last_only=True, taps=False)
+    got = target(tree.tokens[None], cache, tree=(tree.mask, tree.runs()), taps=False)[0][0].astype(mx.float32)
+    tokens, forks, L = tree.tokens.tolist(), tree.forks.tolist(), tree.length
+    paths = [list(range(width))] + [list(range(j)) + list(range(width + b * L, width + (b + 1) * L))
+                                    for b, j in enumerate(forks)]
+    tol = 1e-3 if target.dtype == mx.float32 else 3e-2
+    for path in paths:
+        ref = target.make_cache()
+        target(prompt[None, :-1], ref, last_only=True, taps=False)
+        want = target(mx.array([[tokens[i] for i in path]]), ref, taps=False)[0][0].astype(mx.float32)
+        err = mx.max(mx.abs(got[mx.array(path)] - want)).item()
+        scale = max(mx.max(mx.abs(want)).item(), 1.0)
+        if not err <= tol * scale:
+            return f"a tree node's logits differ from its path decoded linearly by {err:.3g} (logits up to {scale:.3g})"
+    return None
+
+
+_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def works(target) -> bool:
+    """Whether trees can be verified losslessly on this target and backend:
+    `supports_tree`, and `self_check` passed (run once per target; a failure
+    is logged once, and verification stays linear)."""
+    if not target.supports_tree:
+        return False
+    if target not in _verdicts:
+        try:
+            why = self_check(target)
+        except Exception as e:  # an op the backend lacks: never fatal, trees are an optimisation
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if why:
+            log.warning("dflash-mlx: tree verification disabled on %s, verifying linearly (%s)",
+                        mx.default_device(), why)
+        _verdicts[target] = why is None
+    return _verdicts[target]

@@ -606,7 +606,7 @@ def test_tree_costs_are_the_timed_trees_between_their_shapes(monkeypatch, tmp_pa
 
     shapes = adaptive.tree_shapes(16)
     assert shapes == [(3, 1), (12, 1), (3, 2), (8, 2)]
-    curve = adaptive.load_or_measure("t", make, 16, tmp_path, budget=5.0, trees=shapes)
+    curve = adaptive.load_or_measure("t", make, 16, tmp_path, budget=5.0, trees=lambda: shapes)
     costs = curve.tree_costs(64, 2)
     assert sorted(costs) == sorted([(w, 1) for w in range(3, 13)] + [(w, 2) for w in range(3, 9)])
     for (w, b), c in costs.items():

@@ -8,10 +8,13 @@ from conftest import greedy_ref, plain_greedy
 from test_lossless import PROMPTS
 
 import dflash_mlx
+from dflash_mlx import adaptive
 from dflash_mlx import tree as trees
 from dflash_mlx.decode import DraftSource, accept_tree, cycle_parts, draft_tree, verify_tree
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.sampling import SamplingParams
+
+real_tree_mask = trees.tree_mask
 
 
 def tokens_of(pair, prompt, max_tokens, **kw):
@@ -353,3 +356,41 @@ def test_alternatives_are_the_drafters_second_and_third_choices(dtype, V):
     order = mx.argsort(-logits.astype(mx.float32), axis=-1)
     assert got.dtype == mx.uint32 and got.shape == (7, min(2, V - 1))
     assert mx.array_equal(got, order[:, 1 : 1 + got.shape[1]].astype(mx.uint32))
+
+
+@pytest.mark.parametrize("variant", ["float32", "bfloat16", "4bit"])
+def test_tree_self_check_passes_where_tree_passes_are_exact(zoo, variant):
+    """The backend check a tree pass must pass before it verifies anything: every
+    node's logits are its path's, decoded linearly (here: qwen3 in each dtype)."""
+    assert trees.self_check(zoo.pair("qwen3", variant).target) is None
+
+
+def test_a_tree_pass_that_fails_its_self_check_is_never_used(pairs, baselines, monkeypatch, caplog, tmp_path):
+    """Where a tree pass is not exact on the backend (here: a mask that lets every
+    node see every other), trees are off: one warning, an explicit `tree=2`
+    verifies linearly and stays lossless, and the cost curve times no trees, so
+    `auto` weighs none. Trees are an optimisation: a failure is never fatal."""
+    import logging
+    import weakref
+
+    pair = pairs["qwen3"]
+    prompt = pair.tokenizer.encode(PROMPTS[0])
+    ref = greedy_ref(baselines["qwen3"], prompt, 24)
+    assert trees.self_check(pair.target) is None
+    monkeypatch.setattr(trees, "_verdicts", weakref.WeakKeyDictionary())  # the other tests' verdicts stay
+    monkeypatch.setattr(trees, "tree_mask", lambda forks, W, L: mx.ones((W + forks.shape[0] * L,) * 2, mx.bool_))
+    assert "differ" in trees.self_check(pair.target)
+    with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
+        out, stats = tokens_of(pair, prompt, 24, block_size=8, tree=2)
+        tokens_of(pair, prompt, 8, block_size=8, tree=2)
+    assert out == ref and stats.tree_cycles == 0 and stats.draft_cycles > 0
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "tree verification disabled" in caplog.records[0].message
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    curve = pair.cost_curve(budget=0.5)
+    assert curve.tree is None and curve.tree_branches == 0
+    monkeypatch.setattr(trees, "tree_mask", real_tree_mask)
+    monkeypatch.setattr(trees, "_verdicts", weakref.WeakKeyDictionary())
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "healthy"))
+    curve = pair.cost_curve(budget=0.5)
+    assert curve.tree_shapes == adaptive.tree_shapes(pair.draft_source.block_size) and curve.tree_branches == 2
