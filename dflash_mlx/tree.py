@@ -32,6 +32,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .kernels.guard import failure
+
 log = logging.getLogger("dflash_mlx")
 
 BRANCH_LENGTH = 4  # nodes per branch: acceptance past a fork decays fast
@@ -188,22 +190,22 @@ def self_check(target, width: int = 5, branches: int = 2, context: int = 12) -> 
     return None
 
 
-_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> {device: passed}
 
 
 def works(target) -> bool:
     """Whether trees can be verified losslessly on this target and backend:
-    `supports_tree`, and `self_check` passed (run once per target; a failure
-    is logged once, and verification stays linear)."""
+    `supports_tree`, and `self_check` passed (run once per target and device;
+    a failure is logged once, and verification stays linear)."""
     if not target.supports_tree:
         return False
-    if target not in _verdicts:
+    seen, device = _verdicts.setdefault(target, {}), str(mx.default_device())
+    if device not in seen:
         try:
             why = self_check(target)
         except Exception as e:  # an op the backend lacks: never fatal, trees are an optimisation
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            why = failure(e)
         if why:
-            log.warning("dflash-mlx: tree verification disabled on %s, verifying linearly (%s)",
-                        mx.default_device(), why)
-        _verdicts[target] = why is None
-    return _verdicts[target]
+            log.warning("dflash-mlx: tree verification disabled on %s, verifying linearly (%s)", device, why)
+        seen[device] = why is None
+    return seen[device]

@@ -28,6 +28,11 @@ def backend() -> Optional[str]:
     return None
 
 
+def failure(e: BaseException) -> str:
+    """A one-line reason for a check that raised: the exception's type and first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def forced_reference(name: str) -> bool:
     value = os.environ.get(ENV, "").strip().lower()
     if value in ("", "0", "false", "no"):
@@ -66,7 +71,7 @@ class GuardedKernel:
                 self._check(fn)
                 self._fn, self.state, self.reason = fn, "active", f"{be} kernel matches its reference"
             except Exception as e:  # a compile error or a mismatch: never fatal
-                self.state, self.reason = "fallback", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self.state, self.reason = "fallback", failure(e)
                 log.warning("dflash-mlx: kernel %s disabled on %s, using its reference (%s)", self.name, be, self.reason)
         return self.state
 
