@@ -29,6 +29,12 @@ def main():
     """DFlash block-diffusion speculative decoding on MLX."""
 
 
+DRAFT_CONTEXT_HELP = (
+    "Let the drafter read only the first 4 and the last N rows of the context (default: every row, or the "
+    "windows its checkpoint declares). Keeps a draft's cost flat on long prompts; past N tokens the drafts "
+    "change and acceptance may drop. Output stays exact.")
+
+
 @app.command()
 def generate(
     model: str = typer.Option(
@@ -81,6 +87,7 @@ def generate(
              "drafts are drawn (exact either way; 1: as z-lab's loop), or 'auto' to learn it per draft "
              "position from the acceptance each scale would have had.",
     ),
+    draft_context: Optional[int] = typer.Option(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
     timeout: float = typer.Option(
         600.0, "--timeout", min=0.0,
@@ -113,14 +120,16 @@ def generate(
     try:
         if sharded:  # one seed for all ranks, so they draw the same numbers
             seed = distributed.shared_seed(seed, g) if temp > 0 else seed
-            pair = distributed.load_sharded(model, draft, g, sharding)
+            pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
             if block == "auto":  # each rank would time its own curve and pick its own widths
                 block = pair.draft_source.block_size
                 if main_rank:
                     err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
                               f"block size, {block}")
         else:
-            pair = dflash_mlx.load(model, draft)
+            pair = dflash_mlx.load(model, draft, draft_context=draft_context)
+        if main_rank:
+            _note_draft_context(pair)
         watchdog.beat()
         params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         if enable_thinking is None and pair.resolved is not None:
@@ -308,6 +317,7 @@ def serve(
         None, "--prompt-cache-dir",
         help="Folder for the disk prompt cache, one subfolder per model (default: prompt-cache/ in the cache folder).",
     ),
+    draft_context: Optional[int] = typer.Option(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
     sharding: str = typer.Option(
         "auto", "--sharding", help="Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target "
                                    "(auto: tensor where the family has it, else pipeline).",
@@ -335,7 +345,7 @@ def serve(
     channel = None
     try:
         if sharded:
-            pair = distributed.load_sharded(model, draft, g, sharding)
+            pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
             channel = distributed.JobChannel(g)
             if block == "auto":  # each rank would time its own curve and pick its own widths
                 block = pair.draft_source.block_size
@@ -347,9 +357,11 @@ def serve(
                 distributed.follow(pair, channel, block, cache)
                 return
         else:
-            pair = dflash_mlx.load(model, draft)
+            pair = dflash_mlx.load(model, draft, draft_context=draft_context)
             if block == "auto":
                 _auto_sizer(pair, 0)
+        if distributed.is_main(g):
+            _note_draft_context(pair)
         server = make_server(pair, model, host, port, api_key, block,
                              pair.resolved.enable_thinking if pair.resolved else None,
                              max_prompt_tokens, temp, max_tokens_limit=max_tokens,
@@ -385,6 +397,13 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _note_draft_context(pair) -> None:
+    """A bounded drafter context is never silent: one line says what the drafts read."""
+    if pair.draft_context is not None:
+        err.print(f"note: drafts read the first {pair.drafter.context_bound[0]} and the last {pair.draft_context} "
+                  f"context rows (--draft-context); past that, drafts differ from the checkpoint's own")
 
 
 def _bytes(text: str, option: str) -> int:
@@ -508,6 +527,7 @@ def bench(
     plot: Optional[str] = typer.Option(None, "--plot", help="Draw a PNG (needs matplotlib)."),
     context: Optional[str] = typer.Option(
         None, "--context", help="Put each prompt after this many tokens of a long document: e.g. 1k,8k,32k."),
+    draft_context: Optional[int] = typer.Option(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
     sharding: str = typer.Option(
         "auto", "--sharding", help="Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target "
                                    "(auto: tensor where the family has it, else pipeline).",
@@ -541,14 +561,15 @@ def bench(
         err.file = open(os.devnull, "w")
     try:
         if sharded:
-            pair = distributed.load_sharded(model, draft, g, sharding)
+            pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
             if "auto" in sizes:  # each rank would time its own curve and pick its own widths
                 fixed = pair.draft_source.block_size
                 sizes = list(dict.fromkeys(fixed if s == "auto" else s for s in sizes))
                 err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
                           f"block size, {fixed}")
         else:
-            pair = dflash_mlx.load(model, draft)
+            pair = dflash_mlx.load(model, draft, draft_context=draft_context)
+        _note_draft_context(pair)
         with show_progress(err, "benchmark") as update:
 
             def progress(done, total, what="measuring"):

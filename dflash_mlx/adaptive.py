@@ -93,11 +93,15 @@ class CostCurve:
         """The most branches of a timed tree (0: trees were not timed on this curve)."""
         return max((b for _, b in self.tree_shapes or ()), default=0) if self.tree else 0
 
-    def _interpolate(self, rows: List[List[List[float]]], context: int) -> List[float]:
+    def _interpolate(self, rows: List[List[List[float]]], context: int, floor: Optional[float] = None) -> List[float]:
         """Sum of `rows` at `context`, interpolated linearly in context length.
 
-        Beyond the measured contexts the nearest measurement is used: a linear
-        extrapolation can make a width look free and win every cycle.
+        Below the first measured context the first measurement is used. Beyond the
+        last, each column grows on at its slope between the last two measurements,
+        never slower than `floor` (seconds per context token) nor below zero: a
+        long context's attention (the target's and the drafter's) keeps adding to
+        every cycle, and a width whose cost grew slower than a plain step's would
+        look cheaper the longer the context, which no backend does.
         """
         cs = self.contexts
         i = 0 if context <= cs[0] else min(len(cs) - 2, next((j for j in range(len(cs) - 1) if context <= cs[j + 1]), len(cs) - 2))
@@ -108,18 +112,35 @@ class CostCurve:
             a, b = r[i], r[j]
             for w in range(len(out)):
                 out[w] += a[w] + t * (b[w] - a[w])
+        beyond = context - cs[-1]
+        if beyond > 0 and len(cs) > 1:
+            slopes = self._slopes(rows)
+            out = [c + beyond * max(g, floor or 0.0, 0.0) for c, g in zip(out, slopes)]
         return [max(1e-9, c) for c in out]
+
+    def _slopes(self, rows: List[List[List[float]]]) -> List[float]:
+        """Seconds per context token each column of `rows` grew by between the last two measured contexts."""
+        cs = self.contexts
+        span = cs[-1] - cs[-2]
+        return [sum(r[-1][w] - r[-2][w] for r in rows) / span for w in range(len(rows[0][0]))]
+
+    def _cycle_rows(self) -> List[List[List[float]]]:
+        return [self.cycle] if self.cycle is not None else [self.verify, self.draft]
+
+    def _plain_slope(self) -> float:
+        """How fast a plain step's cost grows with context beyond the measured ones."""
+        return max(0.0, self._slopes(self._cycle_rows())[0]) if len(self.contexts) > 1 else 0.0
 
     def costs(self, context: int) -> List[float]:
         """Seconds per drafted cycle for widths 1..max_width at `context`."""
-        return self._interpolate([self.cycle] if self.cycle is not None else [self.verify, self.draft], context)
+        return self._interpolate(self._cycle_rows(), context, self._plain_slope())
 
     def copy_costs(self, context: int) -> List[float]:
         """Seconds per cycle that verifies copied tokens (no drafter pass) for widths 1..max_width."""
         if self.copy is not None:
-            return self._interpolate([self.copy], context)
+            return self._interpolate([self.copy], context, self._plain_slope())
         if self.verify:
-            return self._interpolate([self.verify], context)
+            return self._interpolate([self.verify], context, self._plain_slope())
         return self.costs(context)  # unknown: no cheaper than a drafted cycle
 
     def tree_costs(self, context: int, branches: int) -> Dict[Tuple[int, int], float]:
@@ -137,9 +158,12 @@ class CostCurve:
 
         extra: Dict[int, List[Tuple[int, float]]] = {}
         if self.tree:
-            timed = self._interpolate([self.tree], context)
+            # A tree's own work beyond the model, as timed: held beyond the measured contexts.
+            held = min(context, self.contexts[-1])
+            at = self.costs(held), self.copy_costs(held)
+            timed = self._interpolate([self.tree], held)
             for (w, b), t in zip(self.tree_shapes, timed):
-                extra.setdefault(b, []).append((w, t - model(w, b)))
+                extra.setdefault(b, []).append((w, t - (at[0][w - 1] + at[1][tree_rows(w, b) - 1] - at[1][w - 1])))
             branches = min(branches, max(extra))
         out = {}
         for b in range(1, branches + 1):
@@ -968,11 +992,14 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
 
 
 def curve_key(pair) -> str:
-    """What a cost curve depends on: models (with their quantization and dtype), backend, MLX, BLAS."""
+    """What a cost curve depends on: models (with their quantization and dtype), the drafter's
+    context bound, backend, MLX, BLAS."""
     parts = [str(CURVE_VERSION), str(pair.target_path), str(pair.draft_path),
              json.dumps(pair.target.quantization, sort_keys=True),
              json.dumps(pair.drafter.args.quantization, sort_keys=True),
              str(mx.default_device()), mx.__version__, blas_name(), str(pair.target.dtype)]
+    if pair.drafter.context_bound is not None:  # a bounded drafter's cycles cost less on long contexts
+        parts.append(f"draft context {pair.drafter.context_bound}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

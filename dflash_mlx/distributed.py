@@ -193,7 +193,7 @@ def check_taps_whole(pair, g: mx.distributed.Group) -> None:
 
 
 def load_sharded(model: str, draft: Optional[str] = None, g: Optional[mx.distributed.Group] = None,
-                 sharding: str = "auto"):
+                 sharding: str = "auto", draft_context: Optional[int] = None):
     """A DFlashPair whose target is sharded over the process group (`sharding`:
     "tensor", "pipeline" or "auto", tensor where the family has it) and whose
     drafter is whole on every rank. In one process it is `load.load`."""
@@ -201,8 +201,8 @@ def load_sharded(model: str, draft: Optional[str] = None, g: Optional[mx.distrib
 
     g = g or group()
     if g.size() == 1:
-        return load(model, draft)
-    pair = load(model, draft, target_loader=_sharded_loader(g, sharding))
+        return load(model, draft, draft_context=draft_context)
+    pair = load(model, draft, target_loader=_sharded_loader(g, sharding), draft_context=draft_context)
     pair.group = g
     if pair.target.pipelined:
         pair.draft_source = WholeTaps(pair.draft_source, g)

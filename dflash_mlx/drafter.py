@@ -15,11 +15,10 @@ from .adapter import initialize_rope
 from .config import DrafterConfig
 
 
-# Blocks of an all-full-attention drafter see the first 4 and the last 2,048
-# context rows (z-lab's DFlash 2 drafters use 2,048-row windows). On the demo
-# pair at 1,800 tokens of context, acceptance did not drop with as few as 128
-# recent rows (benchmarks/README.md); shorter contexts are untouched.
-DEFAULT_CONTEXT_BOUND = (2048, 4)
+# A bounded drafter context (`bound_context`, off unless asked for) keeps the
+# first rows too: attention puts mass on the sequence's first tokens whatever
+# they hold, and a block that lost them would spread it over the recent rows.
+CONTEXT_SINKS = 4
 
 
 class DraftCache:
@@ -254,13 +253,13 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.bound_context(*DEFAULT_CONTEXT_BOUND)
 
-    def bound_context(self, recent: Optional[int], sinks: int = 4) -> bool:
+    def bound_context(self, recent: Optional[int], sinks: int = CONTEXT_SINKS) -> bool:
         """Let blocks see only the first `sinks` and the last `recent` context
-        rows (None: all of them). Only for drafters whose layers are all
-        unmasked full attention (a mask needs contiguous positions); returns
-        whether the bound applies. Output stays exact: only acceptance may change."""
+        rows (None, the default: every row, as the checkpoint was trained).
+        Only for drafters whose layers are all unmasked full attention (a mask
+        needs contiguous positions); returns whether the bound applies. Output
+        stays exact; drafts past `sinks + recent` rows change, and so may acceptance."""
         full = all(not l.self_attn.is_causal and l.self_attn.window is None for l in self.layers)
         # A plain attribute: a tuple set on an mlx Module would become one of its parameters.
         object.__setattr__(self, "_bound", (sinks, recent) if recent is not None and full else None)

@@ -48,6 +48,13 @@ class DFlashPair:
     _kept: Optional[dict] = field(default=None, repr=False)  # the learnt-rates file, per sampling settings
     _kept_at: float = field(default=float("-inf"), repr=False)  # when this process last wrote it
 
+    @property
+    def draft_context(self) -> Optional[int]:
+        """The last context rows a draft reads, when bounded (`load(draft_context=N)`); None: all
+        the checkpoint's layers attend to (every row, or their windows)."""
+        bound = self.drafter.context_bound
+        return None if bound is None else bound[1]
+
     def cost_curve(self, budget: float = 10.0, progress=lambda done, total: None) -> CostCurve:
         """This machine's cycle costs per width (and of a few trees, where the target can
         verify them), measured within `budget` seconds on first use, then cached."""
@@ -193,12 +200,31 @@ def load_drafter(path: Path) -> DFlashDrafter:
     return model
 
 
-def load(model: str, draft: Optional[str] = None, target_loader=None) -> DFlashPair:
+def check_draft_context(config: DrafterConfig, draft_context: Optional[int]) -> None:
+    """A bound on the drafter's context (`--draft-context`) is for drafters whose
+    layers all attend to the whole context; one declaring its own windows or
+    causal layers keeps its own definition."""
+    if draft_context is None:
+        return
+    if isinstance(draft_context, bool) or not isinstance(draft_context, int) or draft_context < 1:
+        raise DFlashError(f"--draft-context must be a positive number of rows, not {draft_context!r}.")
+    n = config.num_hidden_layers
+    if any(config.layer_is_causal(i) or config.layer_window(i) is not None for i in range(n)):
+        raise DFlashError("--draft-context bounds drafters whose layers all attend to the whole context; "
+                          "this drafter declares its own windows or causal layers: leave it out.")
+
+
+def load(model: str, draft: Optional[str] = None, target_loader=None,
+         draft_context: Optional[int] = None) -> DFlashPair:
     """Load a target (alias, repo id or directory) and its DFlash drafter.
 
     `target_loader(path)` -> (model, tokenizer, config) loads the target from
     its local directory (`adapter.load_target` unless given; e.g. a sharded
-    loader, `distributed.load_sharded`)."""
+    loader, `distributed.load_sharded`). The drafter attends to the context as
+    its checkpoint defines (every row, or its layers' windows); `draft_context`
+    N lets its blocks read only the first `CONTEXT_SINKS` and the last N rows
+    instead, which keeps a draft's cost flat on long contexts and changes the
+    drafts beyond N rows (output stays exact)."""
     resolved = resolve(model, draft)
     check_name(resolved.target, "model")
     if resolved.draft is None:
@@ -207,6 +233,7 @@ def load(model: str, draft: Optional[str] = None, target_loader=None) -> DFlashP
         )
     # The drafter's config first: one that cannot run is refused before the target downloads.
     config = DrafterConfig.from_file(fetch(resolved.draft, "config") / "config.json")
+    check_draft_context(config, draft_context)
     target_path = fetch(resolved.target, "model")
     draft_path = fetch(resolved.draft, "draft")
     model_, tokenizer, target_config = (target_loader or load_target)(target_path)
@@ -221,6 +248,7 @@ def load(model: str, draft: Optional[str] = None, target_loader=None) -> DFlashP
         drafter.set_dtype(mx.float32)
     materialize(model_)
     materialize(drafter)
+    drafter.bound_context(draft_context)
     return DFlashPair(
         target=adapter,
         drafter=drafter,

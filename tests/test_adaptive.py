@@ -773,14 +773,17 @@ def test_load_or_measure_caches_per_key_and_refines_briefly(tmp_path, monkeypatc
     assert made == [] and done.max_width == 4  # settled (here: enough rounds): nothing more is measured
 
 
-def test_curve_key_separates_quantization_dtype_and_blas(monkeypatch):
-    def pair(quant=None, dtype=mx.float16, dquant=None):
+def test_curve_key_separates_quantization_dtype_draft_context_and_blas(monkeypatch):
+    def pair(quant=None, dtype=mx.float16, dquant=None, bound=None):
         return SimpleNamespace(target_path="/t", draft_path="/d",
                                target=SimpleNamespace(quantization=quant, dtype=dtype),
-                               drafter=SimpleNamespace(args=SimpleNamespace(quantization=dquant)))
+                               drafter=SimpleNamespace(args=SimpleNamespace(quantization=dquant),
+                                                       context_bound=bound))
 
     base = adaptive.curve_key(pair())
     assert adaptive.curve_key(pair()) == base
+    assert adaptive.curve_key(pair(bound=(4, 1024))) != base
+    assert adaptive.curve_key(pair(bound=(4, 1024))) != adaptive.curve_key(pair(bound=(4, 2048)))
     assert adaptive.curve_key(pair(quant={"group_size": 64, "bits": 4})) != base
     assert adaptive.curve_key(pair(quant={"group_size": 64, "bits": 8})) != adaptive.curve_key(
         pair(quant={"group_size": 64, "bits": 4}))
@@ -790,13 +793,28 @@ def test_curve_key_separates_quantization_dtype_and_blas(monkeypatch):
     assert adaptive.curve_key(pair()) != base
 
 
-def test_costs_are_not_extrapolated_beyond_the_measured_contexts():
-    cheap_wide = [1.0 + 0.5 * (w - 1) for w in range(1, 17)]
-    cheaper_wide = [2.0 + 0.1 * (w - 1) for w in range(1, 17)]
-    c = cycle_curve([cheap_wide, cheaper_wide], contexts=(64, 1024))
-    assert c.costs(10**6) == c.costs(1024)  # linear extrapolation would make wide blocks cost less than free
-    assert c.costs(1) == c.costs(64)
+def test_costs_grow_on_beyond_the_measured_contexts_never_slower_than_a_plain_step():
+    """Past the longest measured context every width's cost grows at its own measured
+    slope, floored at a plain step's: attention keeps adding to each cycle, and a wide
+    block never looks cheaper relative to one token the longer the context."""
+    at_64 = [1.0 + 0.5 * (w - 1) for w in range(1, 17)]
+    at_1024 = [2.0 + 0.1 * (w - 1) for w in range(1, 17)]  # wide widths grew slower than one token here
+    c = cycle_curve([at_64, at_1024], contexts=(64, 1024))
+    plain = (at_1024[0] - at_64[0]) / 960
+    for w in (1, 2, 8, 16):
+        assert c.cost(w, 1024 + 9600) == pytest.approx(at_1024[w - 1] + 9600 * plain)  # floored at one token's
+    relative = [c.cost(8, n) / c.cost(1, n) for n in (1024, 4096, 32768, 10**6)]
+    assert all(a >= b for a, b in zip(relative, relative[1:])) and relative[-1] >= 1.0
+    steep = cycle_curve([[1.0 + 0.1 * (w - 1) for w in range(1, 17)], [2.0 + 0.5 * (w - 1) for w in range(1, 17)]],
+                        contexts=(64, 1024))  # wide widths grew faster: they keep their own slope
+    slope_8 = (2.0 + 0.5 * 7 - 1.0 - 0.1 * 7) / 960
+    assert steep.cost(8, 2048) == pytest.approx(2.0 + 0.5 * 7 + 1024 * slope_8)
+    assert steep.cost(8, 32768) / steep.cost(1, 32768) > steep.cost(8, 1024) / steep.cost(1, 1024)
+    assert c.costs(1) == c.costs(64)  # below the first: held
     assert c.cost(8, 544) == pytest.approx((c.cost(8, 64) + c.cost(8, 1024)) / 2)
+    falling = cycle_curve([[2.0] * 16, [1.0] * 16], contexts=(64, 1024))  # noise: never below the last
+    assert falling.costs(10**6) == falling.costs(1024)
+    assert cycle_curve([at_64], contexts=(64,)).costs(10**6) == cycle_curve([at_64], contexts=(64,)).costs(64)
 
 
 def test_explain_says_why_auto_decodes_plainly():

@@ -301,3 +301,20 @@ def test_lookup_drafts_can_be_turned_off(monkeypatch):
     assert on.exit_code == 0 and off.exit_code == 0, on.output + off.output
     assert "draft cycles from lookup" in on.stderr and "plain decoding" in off.stderr
     assert on.stdout == off.stdout
+
+
+def test_a_draft_context_bound_is_applied_reported_and_exact():
+    """`--draft-context N` is said on stderr, changes no output, and is refused
+    (one line, exit 1) for a drafter with windows of its own; by default no line."""
+    prompt = "import os\nimport sys\n\n\ndef main(argv):\n    " * 4
+    plain = run_cli("--model", "demo", "-p", prompt, "--no-chat-template", "-m", "24", "--block-size", "8")
+    bounded = run_cli("--model", "demo", "-p", prompt, "--no-chat-template", "-m", "24", "--block-size", "8",
+                      "--draft-context", "16")
+    assert plain.exit_code == 0 and bounded.exit_code == 0, bounded.output
+    assert bounded.stdout == plain.stdout
+    assert "drafts read the first 4 and the last 16 context rows (--draft-context)" in bounded.stderr
+    assert "--draft-context" not in plain.stderr
+    windowed = run_cli("--model", "demo-dflash2", "-p", "hi", "-m", "4", "--draft-context", "16")
+    assert windowed.exit_code == 1 and "declares its own windows" in windowed.stderr
+    assert len(windowed.stderr.strip().splitlines()) == 1
+    assert run_cli("--model", "demo", "-p", "hi", "--draft-context", "0").exit_code == 2

@@ -1,0 +1,209 @@
+"""Whole loops at 4,200 tokens of context against z-lab's references.
+
+The drafter attends to the context as its checkpoint defines: every committed
+row for DFlash 1, each layer's sliding window for DFlash 2. Beyond 2,048 rows
+(where a bound on the drafter's context would start to bite) every cycle must
+draft what z-lab's MLX loop drafts and accept what `dflash.model.dflash_generate`
+accepts, greedy, in float32.
+
+The target is the demo target with a window of 8,192 and linear RoPE scaling
+(factor 4, in every runtime), so that its drafts are still accepted now and then
+at this length; the drafters are the shipped demo ones.
+"""
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import dflash_mlx
+from dflash_mlx.bench import context_prompt, load_prompts
+from dflash_mlx.hub import builtin_path
+from test_reference_loop import torch_weights
+
+torch = pytest.importorskip("torch")
+reference = pytest.importorskip("dflash.model")
+
+CONTEXT = 4200  # prompt tokens: past 4,096, and twice a 2,048-row bound
+MAX_NEW = 32
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def long_target(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("long-target") / "target"
+    shutil.copytree(builtin_path("demo/target"), out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(max_position_embeddings=8192, rope_scaling={"type": "linear", "factor": 4.0})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def torch_target(long_target):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = json.loads((long_target / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    target = Qwen3ForCausalLM(Qwen3Config(**cfg)).float().eval()
+    missing, unexpected = target.load_state_dict(torch_weights(long_target / "model.safetensors"), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    target.tie_weights()
+    return target
+
+
+def float32_pair(target: Path, drafter: str, draft_context=None):
+    pair = dflash_mlx.load(str(target), builtin_path(drafter), draft_context=draft_context)
+    pair.target.model.set_dtype(mx.float32)
+    pair.drafter.set_dtype(mx.float32)
+    return pair
+
+
+@pytest.fixture(scope="module")
+def prompts(long_target):
+    pair = float32_pair(long_target, "demo/drafter")
+    texts = load_prompts("code", None)["code"][:2]
+    ids = [context_prompt(pair.tokenizer, t, CONTEXT) for t in texts]
+    assert all(4096 < len(p) <= CONTEXT + 64 for p in ids)
+    return ids
+
+
+def recorded(source_class):
+    class Recorded(source_class):
+        """Our drafter's greedy draft tokens, cycle by cycle."""
+
+        def propose(self, state, last, hidden, width):
+            logits = super().propose(state, last, hidden, width)
+            self.drafts.append(mx.argmax(logits, axis=-1).reshape(-1).tolist())
+            return logits
+
+    return Recorded
+
+
+def ours(pair, ids):
+    source = recorded(type(pair.draft_source.inner))(pair.drafter, pair.target)
+    source.fill_block = False  # draft the verified width, as both references do
+    source.drafts = []
+    tokens, events = [], []
+    for ev in dflash_mlx.stream_generate(pair, ids, max_tokens=MAX_NEW, block_size=BLOCK, lookup=False,
+                                         draft_source=source):
+        tokens += ev.tokens
+        events.append(ev)
+    return tokens, events[-1].stats.acceptance_lengths, source.drafts
+
+
+def full_width(lengths, n=MAX_NEW):
+    """Cycles the token budget did not narrow (ours never overshoots it; the references cut differently)."""
+    return [i for i in range(len(lengths) - 1) if n - 1 - sum(lengths[:i]) >= BLOCK]
+
+
+def zlab_torch(drafter, target, ids, eos, monkeypatch):
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # it times itself with torch.cuda
+    with torch.no_grad():
+        ref = reference.dflash_generate(drafter, target, torch.tensor([ids]), MAX_NEW, eos, temperature=0.0,
+                                        block_size=BLOCK, return_stats=True)
+    tokens = ref.output_ids[0, len(ids):].tolist()
+    return tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))], ref.acceptance_lengths
+
+
+def reference_drafter(path: Path, cls):
+    from transformers import Qwen3Config
+
+    cfg = json.loads((path / "config.original.json").read_text())
+    w = {k + (".weight" if k.endswith("codebook") else ""): v for k, v in torch_weights(path / "model.safetensors").items()}
+    drafter = cls(Qwen3Config(**cfg)).float().eval()
+    drafter.load_state_dict(w, strict=True)
+    return drafter
+
+
+def zlab_mlx(target: Path, drafter: Path, ids, monkeypatch, tmp_path):
+    """z-lab's MLX loop (`dflash.model_mlx.stream_generate`): tokens, each cycle's
+    committed count, and its drafter's greedy draft tokens."""
+    zl = pytest.importorskip("dflash.model_mlx")
+    folder = tmp_path / "zlab-drafter"
+    folder.mkdir(parents=True)
+    shutil.copy(drafter / "model.safetensors", folder)
+    shutil.copy(drafter / "config.original.json", folder / "config.json")
+    monkeypatch.setattr(zl, "snapshot_download", lambda repo_id, **kw: repo_id)  # a local folder, no hub
+    model, tokenizer = zl.load(str(target))
+    draft = zl.load_draft(str(folder))
+    model.set_dtype(mx.float32)
+    draft.set_dtype(mx.float32)
+    drafts, call = [], zl.DFlashDraftModel.__call__
+
+    def recorded(self, *args, **kw):
+        logits = call(self, *args, **kw)
+        drafts.append(mx.argmax(logits, axis=-1).reshape(-1).tolist())
+        return logits
+
+    monkeypatch.setattr(zl.DFlashDraftModel, "__call__", recorded)
+    tokens, accepted = [], []
+    for r in zl.stream_generate(model, draft, tokenizer, ids, block_size=BLOCK, max_tokens=MAX_NEW):
+        tokens += r.tokens
+        if r.accepted is not None:
+            accepted.append(r.accepted)
+    return tokens, accepted, drafts
+
+
+def test_dflash1_drafts_and_accepts_as_the_references_at_long_context(long_target, torch_target, prompts,
+                                                                       monkeypatch, tmp_path):
+    """Every cycle at 4,200 tokens of context drafts the tokens z-lab's MLX loop
+    drafts and accepts as many as `dflash_generate`. A 2,048-row bound on the
+    drafter's context changes those drafts here, so a bound left on would fail."""
+    pair = float32_pair(long_target, "demo/drafter")
+    assert pair.draft_context is None and pair.drafter.horizon is None
+    bounded = float32_pair(long_target, "demo/drafter", draft_context=2048)
+    assert bounded.drafter.context_bound == (4, 2048)
+    drafter = reference_drafter(Path(builtin_path("demo/drafter")), reference.DFlashDraftModel)
+    eos = sorted(pair.tokenizer.eos_token_ids)
+    accepted, differing = [], 0
+    for ids in prompts:
+        tokens, lengths, drafts = ours(pair, ids)
+        want, want_lengths = zlab_torch(drafter, torch_target, ids, eos, monkeypatch)
+        assert tokens == want[: len(tokens)] and len(tokens) == min(len(want), MAX_NEW)
+        full = full_width(lengths)
+        assert [lengths[i] for i in full] == [want_lengths[i] for i in full]
+        accepted += [lengths[i] for i in full]
+        if ids is not prompts[0]:
+            continue  # the MLX loop and the bound on one prompt: each is a whole run at 4,200 tokens
+        z_tokens, z_accepted, z_drafts = zlab_mlx(long_target, Path(builtin_path("demo/drafter")), ids,
+                                                  monkeypatch, tmp_path)
+        assert z_tokens[: len(tokens)] == tokens
+        assert [lengths[i] for i in full] == [z_accepted[i] for i in full]
+        assert [drafts[i] for i in full] == [z_drafts[i] for i in full]
+        b_tokens, _, b_drafts = ours(bounded, ids)
+        assert b_tokens == tokens  # exact either way
+        differing += sum(b != d for b, d in zip(b_drafts, drafts))
+    assert len(accepted) >= 40 and max(accepted) > 1  # cycles compared, some drafts accepted
+    assert differing > 0  # the bound reads other rows here
+
+
+def test_dflash2_accepts_as_the_reference_at_long_context(long_target, torch_target, prompts, monkeypatch):
+    """A DFlash 2 drafter reads its sliding windows (512 rows) at 4,200 tokens of
+    context, and prefill skips only the rows no window reaches: tokens and each
+    cycle's acceptance equal `dflash_generate` with z-lab's DFlash2DraftModel."""
+    pair = float32_pair(long_target, "demo/drafter2")
+    assert pair.drafter.horizon == (0, 512)
+    drafter = reference_drafter(Path(builtin_path("demo/drafter2")), reference.DFlash2DraftModel)
+    eos = sorted(pair.tokenizer.eos_token_ids)
+    accepted = []
+    for ids in prompts:
+        tokens, lengths, _ = ours(pair, ids)
+        want, want_lengths = zlab_torch(drafter, torch_target, ids, eos, monkeypatch)
+        assert tokens == want[: len(tokens)] and len(tokens) == min(len(want), MAX_NEW)
+        full = full_width(lengths)
+        assert [lengths[i] for i in full] == [want_lengths[i] for i in full]
+        accepted += [lengths[i] for i in full]
+    assert len(accepted) >= 40 and max(accepted) > 1
+
+
+def test_a_draft_context_is_refused_where_the_checkpoint_defines_windows(long_target):
+    from dflash_mlx.errors import DFlashError
+
+    with pytest.raises(DFlashError, match="declares its own windows"):
+        dflash_mlx.load(str(long_target), builtin_path("demo/drafter2"), draft_context=1024)
+    with pytest.raises(DFlashError, match="positive number of rows"):
+        dflash_mlx.load(str(long_target), builtin_path("demo/drafter"), draft_context=0)
