@@ -80,7 +80,7 @@ class CostCurve:
     draft: List[List[float]]  # [context][width - 1] seconds (0 for width 1)
     cycle: Optional[List[List[float]]] = None  # [context][width - 1] whole cycle, seconds
     copy: Optional[List[List[float]]] = None  # [context][width - 1] a cycle without a drafter pass (a lookup's)
-    catch_up: float = 0.0  # seconds per context row the drafter catches up on (the taps' own work, its projection)
+    catch_up: Optional[List[float]] = None  # [context] seconds per row the drafter catches up on (0: not measured)
     tree: Optional[List[List[float]]] = None  # [context][shape] a tree cycle of each of `tree_shapes`
     tree_shapes: Optional[List[Tuple[int, int]]] = None  # (width, branches) of the timed trees
 
@@ -143,6 +143,21 @@ class CostCurve:
             return self._interpolate([self.verify], context, self._plain_slope())
         return self.costs(context)  # unknown: no cheaper than a drafted cycle
 
+    def catch_up_seconds(self, context: int, rows: int) -> float:
+        """Seconds the drafter takes to catch up on the last `rows` rows of a `context`-token
+        context (the taps' own work, e.g. a tapped last layer, and its projection).
+
+        A row's cost is the one measured at the longest context that has one; on a
+        longer context it grows as a plain step's cost does (both are a token's
+        work through layers whose attention reads the whole context)."""
+        measured = [(c, r) for c, r in zip(self.contexts, self.catch_up or ()) if r > 0]
+        if not measured or rows <= 0:
+            return 0.0
+        c, per_row = measured[-1]
+        if context > c:
+            per_row *= self.cost(1, context) / self.cost(1, c)
+        return per_row * rows
+
     def tree_costs(self, context: int, branches: int) -> Dict[Tuple[int, int], float]:
         """Seconds per tree cycle for every (width, branch count <= `branches`) whose rows fit the
         measured widths: a drafted cycle at the path's width plus the extra rows of a bare
@@ -204,7 +219,7 @@ class CostCurve:
         copies = None if any(c is None for c in copies) else copies
         timed = None if not samples.tree_shapes or any(t is None for t in timed) else timed
         shapes = [tuple(t) for t in samples.tree_shapes] if timed else None
-        catch_up = next((c for c in reversed(samples.catch_up) if c > 0), 0.0)  # the longest context's
+        catch_up = [samples.catch_up[i] for i in n]
         return cls([samples.contexts[i] for i in n], verify, draft, cycle, copies, catch_up, timed, shapes)
 
 
@@ -702,7 +717,7 @@ class BlockSizer:
         else:
             explore = self.explore
             spread = min(left, CATCH_UP_SPREAD)
-            owed = self.curve.catch_up * unseen / spread if unseen and spread > 0 else 0.0
+            owed = self.curve.catch_up_seconds(context, unseen) / spread if unseen and spread > 0 else 0.0
             plan, _ = self.best(context, len(offer), self.sampled_alphas() if explore else None, order,
                                 owed=owed)
         if plan.copied == 0 and not plan.branches:

@@ -86,6 +86,15 @@ def peak_memory_gb() -> float:
     return peak / 1e9
 
 
+PREFILL_STEP = 2048  # prompt tokens per prefill chunk: mlx-lm's prefill_step_size
+# Bytes of a prompt's taps a prefill holds, lazy, for the first drafted cycle. Rows
+# beyond are handed to the drafter chunk by chunk during prefill, which delays the
+# first token by their projection (and by what only the taps need, e.g. a tapped
+# last layer); held rows cost memory instead. 512 MiB holds about 20k rows of a
+# 4B target's five bfloat16 taps, 130k of the demo target's.
+PREFILL_HOLD_BYTES = 512 << 20
+
+
 def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None, prompt_rows: int = 0,
                    before: int = 0):
     """(start, end, read) chunks of `n` prompt tokens, `step` at most: mlx-lm's
@@ -106,17 +115,17 @@ def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None,
     return out
 
 
-def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, hold: int = 4096,
+def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = PREFILL_STEP, hold: int = PREFILL_HOLD_BYTES,
             before_last=None, taps: bool = True, skip: bool = False, before: int = 0):
     """Run the prompt through the target: the first token waits for nothing else.
 
     As mlx-lm does, all but the last prompt token go through in chunks that
     evaluate only the caches, and the last token is one plain step; the taps
-    of the prompt are left lazy and returned (the last `hold` rows of them)
+    of the prompt are left lazy and returned (the last `hold` bytes of them)
     for the loop to hand to the drafter with its first drafted cycle, so
     neither the drafter's projection nor what only the drafter needs (e.g.
     the last layer's output over the prompt) is in the time to first token.
-    Rows beyond `hold` are given to the drafter chunk by chunk, so memory
+    Rows beyond `hold` bytes are given to the drafter chunk by chunk, so memory
     stays bounded for long prompts. Returns the last position's logits (lazy)
     and those taps (none with `taps=False`: no drafter will read them).
     `before_last(tcache)` is called when only the last token is left. With
@@ -137,10 +146,10 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = 2048, 
             held, given = [], source.arrays(dstate)
         elif taps:
             held.append(hidden)
-        while sum(h.shape[1] for h in held) > hold:
+        while sum(h.nbytes for h in held) > hold:
             source.add_context(dstate, held.pop(0))
             given = source.arrays(dstate)
-        # Evaluate the caches per chunk; the held taps stay lazy (at most `hold` rows of them).
+        # Evaluate the caches per chunk; the held taps stay lazy (at most `hold` bytes of them).
         mx.eval([c.state for c in tcache], given)
         mx.clear_cache()
     if before_last is not None:
@@ -330,8 +339,12 @@ def cycle_parts(pair, n: int, branches: int = 0):
     greedy = SamplingParams()
     prompt = mx.random.randint(0, target.vocab_size, (n,), key=mx.random.key(n))
     tcache, dstate = target.make_cache(), source.new_state()
-    _, taps = target(prompt[None], tcache, last_only=True)
-    mx.eval([c.state for c in tcache])
+    chunks = []
+    for s in range(0, n, PREFILL_STEP):  # in chunks, as a prefill runs: one pass over a long context would not fit
+        _, t = target(prompt[None, s : s + PREFILL_STEP], tcache, last_only=True)
+        mx.eval([c.state for c in tcache])
+        chunks.append(t)
+    taps = mx.concatenate(chunks, axis=1) if len(chunks) > 1 else chunks[0]
     tic = time.perf_counter()
     source.add_context(dstate, taps)
     mx.eval(source.arrays(dstate))
@@ -512,7 +525,7 @@ def stream_generate(
     sampling: Optional[SamplingParams] = None,
     block_size: Union[int, str, None, object] = None,
     stop: Sequence[str] = (),
-    prefill_step: int = 2048,
+    prefill_step: int = PREFILL_STEP,
     draft_source: Optional[DraftSource] = None,
     lookup: bool = True,
     prompt_cache: Optional[PromptCache] = None,

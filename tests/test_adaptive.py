@@ -231,21 +231,28 @@ def test_a_long_catch_up_is_paid_for_over_the_tokens_left():
     that catch-up, and decodes plainly if they cannot."""
     flat = [1.0 + 0.1 * (w - 1) for w in range(1, 17)]  # drafting pays at the prior
     s = BlockSizer(curve(flat), 16, explore=False)
-    s.curve.catch_up = 0.05  # a row costs a twentieth of a plain step
+    s.curve.catch_up = [0.05]  # a row costs a twentieth of a plain step
     assert s.start().choose(64).width > 1
     assert s.start().choose(64, unseen=2048, left=8) == PLAIN  # 100 steps for 8 tokens: no
     assert s.start().choose(64, unseen=2048, left=4096).width > 1  # spread over 512 tokens: yes
     assert s.start().choose(64, unseen=16, left=8).width > 1  # a few rows: yes
-    s.curve.catch_up = 0.0  # not measured: nothing is owed
+    s.curve.catch_up = [0.0]  # not measured: nothing is owed
     assert s.start().choose(64, unseen=2048, left=8).width > 1
 
 
-def test_the_curve_keeps_the_longest_contexts_catch_up(tmp_path):
-    samples = adaptive.CostSamples([64, 1024], 4, cycle=[[[1.0, 2.0, 3.0, 4.0]] * 3] * 2,
+def test_the_catch_up_is_the_longest_measured_contexts_and_grows_as_a_plain_step_beyond():
+    samples = adaptive.CostSamples([64, 1024], 4, cycle=[[[1.0, 2.0, 3.0, 4.0]] * 3, [[3.0, 4.0, 5.0, 6.0]] * 3],
                                    catch_up=[0.002, 0.0005])
-    assert CostCurve.from_samples(samples).catch_up == 0.0005
+    c = CostCurve.from_samples(samples)
+    assert c.catch_up_seconds(1024, 1000) == pytest.approx(0.5)
+    assert c.catch_up_seconds(512, 100) == pytest.approx(0.05)  # at or below the longest: its per-row cost
+    plain = c.cost(1, 8192) / c.cost(1, 1024)
+    assert plain > 1 and c.catch_up_seconds(8192, 8192) == pytest.approx(0.0005 * 8192 * plain)
+    assert c.catch_up_seconds(8192, 0) == 0.0
     samples.catch_up = [0.002, 0.0]  # the long context not measured yet
-    assert CostCurve.from_samples(samples).catch_up == 0.002
+    assert CostCurve.from_samples(samples).catch_up_seconds(64, 10) == pytest.approx(0.02)
+    samples.catch_up = [0.0, 0.0]
+    assert CostCurve.from_samples(samples).catch_up_seconds(4096, 4096) == 0.0
 
 
 def unlucky_start(sizer, rnd, tokens=256, accept_prob=0.9, rejected=2):

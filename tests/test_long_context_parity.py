@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import dflash_mlx
@@ -73,12 +74,17 @@ def prompts(long_target):
 
 def recorded(source_class):
     class Recorded(source_class):
-        """Our drafter's greedy draft tokens, cycle by cycle."""
+        """Our drafter's greedy draft tokens and its block outputs, cycle by cycle."""
 
         def propose(self, state, last, hidden, width):
             logits = super().propose(state, last, hidden, width)
             self.drafts.append(mx.argmax(logits, axis=-1).reshape(-1).tolist())
             return logits
+
+        def draft_states(self, state, last, hidden, width):
+            h = super().draft_states(state, last, hidden, width)
+            self.outputs.append(np.array(h.astype(mx.float32)))
+            return h
 
     return Recorded
 
@@ -86,7 +92,7 @@ def recorded(source_class):
 def ours(pair, ids):
     source = recorded(type(pair.draft_source.inner))(pair.drafter, pair.target)
     source.fill_block = False  # draft the verified width, as both references do
-    source.drafts = []
+    source.drafts, source.outputs = [], []
     tokens, events = [], []
     for ev in dflash_mlx.stream_generate(pair, ids, max_tokens=MAX_NEW, block_size=BLOCK, lookup=False,
                                          draft_source=source):
@@ -207,3 +213,38 @@ def test_a_draft_context_is_refused_where_the_checkpoint_defines_windows(long_ta
         dflash_mlx.load(str(long_target), builtin_path("demo/drafter2"), draft_context=1024)
     with pytest.raises(DFlashError, match="positive number of rows"):
         dflash_mlx.load(str(long_target), builtin_path("demo/drafter"), draft_context=0)
+
+
+@pytest.mark.parametrize("drafter, case", [("demo/drafter", "more"), ("demo/drafter2", "branch")])
+def test_prompt_cache_hits_at_long_context_draft_as_cold_runs(long_target, prompts, drafter, case):
+    """With a prompt cache at 4,200 tokens of context, a request that continues the
+    conversation (DFlash 1: the whole context cached) or one that branches 1,200
+    tokens back (DFlash 2: inside the rows its windows let prefill skip) reuses the
+    cache and drafts (the same drafter outputs), accepts and outputs what a cold
+    run without a cache does."""
+    from dflash_mlx.prompt_cache import PromptCache
+
+    pair = float32_pair(long_target, drafter)
+    Source = recorded(type(pair.draft_source.inner))
+    kept = Source(pair.drafter, pair.target)
+
+    def run(ids, source, cache=None):
+        source.drafts, source.outputs = [], []
+        events = list(dflash_mlx.stream_generate(pair, ids, max_tokens=12, block_size=BLOCK, lookup=False,
+                                                 prompt_cache=cache, draft_source=source))
+        return [(e.tokens, e.accepted) for e in events], source.outputs, events[-1].stats.cached_tokens
+
+    cache = PromptCache(pair)
+    first, _, _ = run(prompts[0], kept, cache)
+    answer = [t for ts, _ in first for t in ts]
+    if case == "more":
+        ids = prompts[0] + answer + pair.tokenizer.encode("\n\ndef helper(x):")
+    else:
+        ids = prompts[0][:3000] + pair.tokenizer.encode("    # and then")
+    warm, drafts, reused = run(ids, kept, cache)
+    cold, cold_drafts, none = run(ids, Source(pair.drafter, pair.target))
+    assert warm == cold and none == 0 and reused > 2048
+    assert len(drafts) == len(cold_drafts) > 2
+    assert all(np.allclose(d, c, atol=1e-4) for d, c in zip(drafts, cold_drafts))
+    if case == "more":
+        assert reused == len(prompts[0]) + len(answer) - 1  # the whole entry

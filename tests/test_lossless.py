@@ -424,7 +424,7 @@ def test_held_taps_join_as_if_each_step_had_concatenated_its_own():
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_prefill_leaves_the_taps_of_the_last_rows_to_the_loop(pairs, family):
-    """Prefill hands the drafter the rows beyond `hold` chunk by chunk and returns
+    """Prefill hands the drafter the rows beyond `hold` bytes chunk by chunk and returns
     the rest (lazy) with the logits: together they are exactly the taps of one
     pass over the prompt, and the logits are the last position's."""
     from dflash_mlx.decode import prefill
@@ -441,13 +441,15 @@ def test_prefill_leaves_the_taps_of_the_last_rows_to_the_loop(pairs, family):
         given.append(hidden)
         base_add(state, hidden)
 
+    want_logits, want_taps = target(prompt[None], target.make_cache())
+    row = want_taps.nbytes // n
     source.add_context = add
     try:
-        logits, held = prefill(target, source, source.new_state(), prompt, target.make_cache(), step=8, hold=16)
+        logits, held = prefill(target, source, source.new_state(), prompt, target.make_cache(), step=8,
+                               hold=16 * row)
     finally:
         source.add_context = base_add
     rows = [h.shape[1] for h in given + held]
     assert sum(rows) == n and sum(h.shape[1] for h in held) <= 16 + 8 and given
-    want_logits, want_taps = target(prompt[None], target.make_cache())
     assert mx.allclose(mx.concatenate(given + held, axis=1), want_taps, atol=1e-4).item()
     assert mx.allclose(logits, want_logits[0, -1], atol=1e-4).item()
