@@ -54,6 +54,7 @@ def main():
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--draft-context", type=int, default=None, help="bound the drafter's context (as the CLI's)")
+    ap.add_argument("--refine", type=int, default=10, help="refining runs at most, until every context is timed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
@@ -62,6 +63,11 @@ def main():
     contexts = [min(tokens(c), args.stand_in - W - 1) for c in args.contexts.split(",")]
     print("measuring the cost curve (short contexts) ...", file=sys.stderr)
     curve = pair.cost_curve()
+    for _ in range(args.refine):  # later runs' refinements, as `auto` makes them run after run
+        if len(curve.contexts) == len(pair.curve_contexts()):
+            break
+        curve = pair.cost_curve()
+    print(f"the curve's contexts: {curve.contexts}", file=sys.stderr)
     rows = []
     for n in contexts:
         tic = time.perf_counter()

@@ -34,7 +34,12 @@ import mlx.core as mx
 
 from . import tree as trees
 
-CONTEXTS = (64, 1024)
+# Context lengths the cost curve times cycles at (those that fit the model's window).
+# Beyond the last, costs grow at the slope between the last two: at 64 and 1,024 tokens
+# a step's fixed work hides how attention grows with context, so 4,096 is timed too
+# (the curve from 64 and 1,024 alone put a drafted cycle at twice its measured cost
+# relative to a plain step at 16k tokens; benchmarks/README.md).
+CONTEXTS = (64, 1024, 4096)
 COST_STEP = 32  # tokens of context growth before a sizer interpolates its costs again
 # After choosing plain decoding, the sizer holds it for this many steps without asking
 # again (unless a lookup offer comes): its per-step Python work, and the probes its
@@ -51,7 +56,7 @@ PLAIN_HOLD_MAX = 8
 # is spread over the tokens left, but over at most this many: a request rarely
 # runs its whole budget.
 CATCH_UP_SPREAD = 512
-CURVE_VERSION = 9  # bump when what a curve measures changes
+CURVE_VERSION = 10  # bump when what a curve measures changes
 # Trees of up to this many branches are timed with the curve (`tree_shapes`), and so
 # weighed by `auto` unless a request says otherwise.
 TREE_BRANCHES = 2
@@ -148,14 +153,16 @@ class CostCurve:
         context (the taps' own work, e.g. a tapped last layer, and its projection).
 
         A row's cost is the one measured at the longest context that has one; on a
-        longer context it grows as a plain step's cost does (both are a token's
-        work through layers whose attention reads the whole context)."""
+        longer context it grows linearly at the slope between the last two measured
+        contexts, and at least as a plain step's cost does (both are a token's work
+        through layers whose attention reads the whole context)."""
         measured = [(c, r) for c, r in zip(self.contexts, self.catch_up or ()) if r > 0]
         if not measured or rows <= 0:
             return 0.0
         c, per_row = measured[-1]
         if context > c:
-            per_row *= self.cost(1, context) / self.cost(1, c)
+            slope = (per_row - measured[-2][1]) / (c - measured[-2][0]) if len(measured) > 1 else 0.0
+            per_row = max(per_row * self.cost(1, context) / self.cost(1, c), per_row + slope * (context - c))
         return per_row * rows
 
     def tree_costs(self, context: int, branches: int) -> Dict[Tuple[int, int], float]:
@@ -232,7 +239,7 @@ class CostSamples:
     cycle: List[List[List[float]]] = field(default_factory=list)  # [context][round][width - 1] seconds
     copy: List[List[List[float]]] = field(default_factory=list)  # [context][round][width - 2]: copied widths 2..
     parts: List[List[List[List[float]]]] = field(default_factory=list)  # [context][round][verify, draft][width - 1]
-    setup_per_token: float = 0.0  # seconds to set a context up (its prefill), per token
+    setup_per_token: float = 0.0  # seconds to set the longest timed context up (its prefill), per token
     catch_up: List[float] = field(default_factory=list)  # [context] seconds per row of the drafter's catch-up
     tree_shapes: List[List[int]] = field(default_factory=list)  # (width, branches) of the trees timed
     tree: List[List[List[float]]] = field(default_factory=list)  # [context][round][shape] seconds
@@ -934,8 +941,10 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
             runners[i] = parts[:2]
             if len(parts) > 2:
                 samples.catch_up[i] = parts[2]
-            samples.setup_per_token = max(samples.setup_per_token,
-                                          (time.perf_counter() - tic) / samples.contexts[i])
+            # The longest timed context's: a short one's fixed work, spread over its few
+            # tokens, would price a long context's set-up far above what it costs.
+            if all(samples.contexts[i] >= c for c, r in zip(samples.contexts, samples.cycle) if r):
+                samples.setup_per_token = (time.perf_counter() - tic) / samples.contexts[i]
             if not runners.keys() - {i} and not samples.cycle[i]:
                 one_round_timed(i, record=False)  # a fresh measurement warms up once
             elif len(runners) == 1:  # a refining run: warm up on the widest cycle only (it sets the allocations)
@@ -1021,7 +1030,8 @@ def curve_key(pair) -> str:
 def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width: int, cache_dir: Path,
                     budget: float = 10.0, refine: float = 3.0, min_rounds: int = 3, max_rounds: int = 12,
                     tolerance: float = 0.02, progress: Callable[[float, float], None] = lambda d, t: None,
-                    trees: Callable[[], Sequence[Tuple[int, int]]] = tuple) -> CostCurve:
+                    trees: Callable[[], Sequence[Tuple[int, int]]] = tuple,
+                    contexts: Sequence[int] = CONTEXTS) -> CostCurve:
     """The cached cost curve for `key`: measured within about `budget` seconds
     the first time, then refined by about `refine` seconds a run until every
     width is settled (or has `max_rounds`). A first measurement also times the
@@ -1035,7 +1045,7 @@ def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width
             samples = None
     if samples is None or not samples.done(min_rounds, max_rounds, tolerance):
         first = samples is None  # refining takes a moment: no progress shown
-        samples = measure_cost_curve(make_cycle, max_width, budget=budget if first else refine,
+        samples = measure_cost_curve(make_cycle, max_width, contexts, budget=budget if first else refine,
                                      min_rounds=min_rounds, max_rounds=max_rounds, tolerance=tolerance,
                                      samples=samples, at_least=0 if first else 1,
                                      progress=progress if first else lambda d, t: None,

@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from safetensors import SafetensorError
 
-from .adaptive import BlockSizer, CostCurve, curve_key, load_or_measure, tree_shapes
+from .adaptive import CONTEXTS, BlockSizer, CostCurve, curve_key, load_or_measure, tree_shapes
 from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import CONVERSION, DrafterConfig, check_pair
 from .drafter import DFlashDrafter
@@ -65,7 +65,13 @@ class DFlashPair:
             return tree_shapes(W) if ok else ()
 
         return load_or_measure(curve_key(self), partial(cycle_parts, self), W, cache_root(), budget=budget,
-                               progress=progress, trees=trees)
+                               progress=progress, trees=trees, contexts=self.curve_contexts())
+
+    def curve_contexts(self) -> List[int]:
+        """The context lengths the cost curve times: those that leave room for the widest cycle in the window."""
+        window = getattr(self.target.args, "max_position_embeddings", None)
+        W = self.draft_source.block_size
+        return [c for c in CONTEXTS if not window or c + W < window] or list(CONTEXTS[:1])
 
     def auto_sizer(self, params: Optional[SamplingParams] = None,
                    progress=lambda done, total: None) -> BlockSizer:

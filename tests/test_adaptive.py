@@ -253,6 +253,25 @@ def test_the_catch_up_is_the_longest_measured_contexts_and_grows_as_a_plain_step
     assert CostCurve.from_samples(samples).catch_up_seconds(64, 10) == pytest.approx(0.02)
     samples.catch_up = [0.0, 0.0]
     assert CostCurve.from_samples(samples).catch_up_seconds(4096, 4096) == 0.0
+    # Where a row's cost grew between the last two contexts (a tapped layer's attention), it grows on linearly.
+    flat = [[[1.0, 2.0, 3.0, 4.0]] * 3] * 3
+    growing = CostCurve.from_samples(adaptive.CostSamples([64, 1024, 4096], 4, cycle=flat,
+                                                          catch_up=[0.002, 0.0001, 0.0004]))
+    assert growing.catch_up_seconds(4096 + 3072, 1) == pytest.approx(0.0004 + 0.0003)
+    assert growing.catch_up_seconds(2048, 1) == pytest.approx(0.0004)
+
+
+def test_the_cost_curve_times_the_contexts_that_fit_the_window(pairs, monkeypatch):
+    import importlib
+
+    load_module = importlib.import_module("dflash_mlx.load")  # the module, not the function the package exports
+    pair = pairs["qwen3"]
+    asked = []
+    monkeypatch.setattr(load_module, "load_or_measure", lambda *a, contexts, **kw: asked.append(contexts))
+    for window, want in ((2048, [64, 1024]), (8192, [64, 1024, 4096]), (100, [64])):
+        monkeypatch.setattr(pair.target.args, "max_position_embeddings", window)
+        pair.cost_curve()
+        assert asked[-1] == want
 
 
 def unlucky_start(sizer, rnd, tokens=256, accept_prob=0.9, rejected=2):
@@ -754,6 +773,27 @@ def test_measurement_keeps_to_its_budget_and_later_runs_refine_it(monkeypatch):
     assert CostCurve.from_samples(samples).relative()[7] == pytest.approx(8.0)
 
 
+def test_a_long_context_is_priced_by_the_longest_set_up_so_far_and_measured_by_later_runs(monkeypatch):
+    """A context's set-up (its prefill) has fixed work that a short context spreads
+    over few tokens: priced per token from the shortest, 4,096 tokens would never fit
+    a later run's budget and the curve would never time a long context."""
+    clock, made = FakeClock(monkeypatch), []
+    inner = fake_cycle(clock, 0.001, made)
+
+    def make(n):
+        clock.now += 0.05 + 1e-4 * n  # fixed work plus a per-token part
+        return inner(n)
+
+    samples = adaptive.measure_cost_curve(make, 4, contexts=(64, 1024, 4096), budget=1.5, tolerance=1e-6)
+    assert len(samples.cycle[1]) >= 3
+    for run in range(10):  # later runs, if the first had no time for it
+        clock.now = 0.0
+        adaptive.measure_cost_curve(make, 4, samples=samples, budget=0.4, tolerance=1e-6, at_least=1)
+        if len(samples.cycle[2]) >= 3:
+            break
+    assert CostCurve.from_samples(samples).contexts == [64, 1024, 4096]
+
+
 def test_measurement_stops_where_every_width_is_settled(monkeypatch):
     clock, made = FakeClock(monkeypatch), []
     samples = adaptive.measure_cost_curve(fake_cycle(clock, 0.001, made), 4, contexts=(64,), budget=100.0)
@@ -764,12 +804,12 @@ def test_measurement_stops_where_every_width_is_settled(monkeypatch):
 def test_load_or_measure_caches_per_key_and_refines_briefly(tmp_path, monkeypatch):
     clock, made = FakeClock(monkeypatch), []
     first = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
-                                     refine=0.05, tolerance=1e-9, max_rounds=1000)
+                                     refine=0.05, tolerance=1e-9, max_rounds=1000, contexts=(64, 1024))
     stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())
     n = sum(len(r) for r in stored["cycle"])
     clock.now = 0.0
     again = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
-                                     refine=0.05, tolerance=1e-9, max_rounds=1000)
+                                     refine=0.05, tolerance=1e-9, max_rounds=1000, contexts=(64, 1024))
     assert clock.now <= 0.05 + 2 * 0.01  # a later run refines within its shorter budget (and a warm-up)
     stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())
     assert sum(len(r) for r in stored["cycle"]) > n and again.max_width == first.max_width == 4
