@@ -1005,7 +1005,9 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
     added = 0
     while True:
         unsettled = [i for i in range(len(samples.contexts)) if len(samples.cycle[i]) >= min_rounds and wanted(i)]
-        todo = [i for i in unsettled if fits(i)] or (unsettled[:1] if added < at_least else [])
+        todo = [i for i in unsettled if fits(i)]
+        if not todo and added < at_least:  # a round a run while unsettled, a context short of rounds included
+            todo = (unsettled or [i for i in range(len(samples.contexts)) if len(samples.cycle[i]) < min_rounds])[:1]
         if not todo:
             break
         for i in todo:

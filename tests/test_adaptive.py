@@ -794,6 +794,23 @@ def test_a_long_context_is_priced_by_the_longest_set_up_so_far_and_measured_by_l
     assert CostCurve.from_samples(samples).contexts == [64, 1024, 4096]
 
 
+def test_a_context_whose_set_up_never_fits_a_run_still_gets_a_round_each_run(monkeypatch):
+    clock, made = FakeClock(monkeypatch), []
+    inner = fake_cycle(clock, 0.001, made)
+
+    def make(n):
+        clock.now += 1e-3 * n  # 4 s to set 4,096 tokens up: more than any run's budget
+        return inner(n)
+
+    samples = adaptive.measure_cost_curve(make, 4, contexts=(64, 4096), budget=0.5, tolerance=1e-6)
+    assert samples.cycle[1] == []
+    for run in range(1, 6):
+        clock.now = 0.0
+        adaptive.measure_cost_curve(make, 4, samples=samples, budget=0.3, tolerance=1e-6, at_least=1)
+        assert len(samples.cycle[1]) == min(run, 3)  # one round a run, its set-up included, until settled
+    assert CostCurve.from_samples(samples).contexts == [64, 4096]
+
+
 def test_measurement_stops_where_every_width_is_settled(monkeypatch):
     clock, made = FakeClock(monkeypatch), []
     samples = adaptive.measure_cost_curve(fake_cycle(clock, 0.001, made), 4, contexts=(64,), budget=100.0)
