@@ -152,10 +152,10 @@ class CostCurve:
         """Seconds the drafter takes to catch up on the last `rows` rows of a `context`-token
         context (the taps' own work, e.g. a tapped last layer, and its projection).
 
-        A row's cost is the one measured at the longest context that has one; on a
-        longer context it grows linearly at the slope between the last two measured
-        contexts, and at least as a plain step's cost does (both are a token's work
-        through layers whose attention reads the whole context)."""
+        A row's cost is interpolated linearly in context between the contexts where
+        it was measured (held below the first); beyond the last it grows at the
+        slope between the last two, and at least as a plain step's cost does (both
+        are a token's work through layers whose attention reads the whole context)."""
         measured = [(c, r) for c, r in zip(self.contexts, self.catch_up or ()) if r > 0]
         if not measured or rows <= 0:
             return 0.0
@@ -163,6 +163,10 @@ class CostCurve:
         if context > c:
             slope = (per_row - measured[-2][1]) / (c - measured[-2][0]) if len(measured) > 1 else 0.0
             per_row = max(per_row * self.cost(1, context) / self.cost(1, c), per_row + slope * (context - c))
+        else:
+            (c0, r0), (c1, r1) = next(((a, b) for a, b in zip(measured, measured[1:]) if context <= b[0]),
+                                      (measured[0], measured[0]))
+            per_row = r0 if c1 == c0 or context <= c0 else r0 + (r1 - r0) * (context - c0) / (c1 - c0)
         return per_row * rows
 
     def tree_costs(self, context: int, branches: int) -> Dict[Tuple[int, int], float]:

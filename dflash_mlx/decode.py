@@ -397,6 +397,23 @@ def cycle_parts(pair, n: int, branches: int = 0):
     return run_draft, run_verify, catch_up
 
 
+def caught_up(source, dstate, taps: list) -> list:
+    """Give the drafter a long backlog of held taps (a long prompt's, at its first
+    drafted cycle) in pieces of `PREFILL_STEP` rows, each evaluated before the
+    next, so the work only those taps need (e.g. a tapped last layer over the
+    prompt) holds one piece's intermediates at a time rather than the whole
+    prompt's. Returns the taps left for the cycle itself (lazy). Once a request,
+    where the backlog is long: the only host synchronisations outside a cycle's one."""
+    def rows(t):
+        return (t[0] if isinstance(t, tuple) else t).shape[1]
+
+    while len(taps) > 1 and sum(rows(t) for t in taps) > PREFILL_STEP:
+        source.add_context(dstate, joined(taps[:1]))
+        mx.eval(source.arrays(dstate))
+        taps = taps[1:]
+    return taps
+
+
 def joined(taps: list) -> mx.array:
     """Held taps as one array [1, rows, D * taps]. An entry is a pass's taps
     (an array of rows) or a plain step's (`Stepped.hidden`, a tuple of the
@@ -433,7 +450,7 @@ def launch(target, source, dstate, tcache, last, taps, plan: Plan, offer, params
     else:
         hidden = None
         if plan.drafts:
-            hidden = joined(taps) if taps else None
+            hidden = joined(caught_up(source, dstate, taps)) if taps else None
             taps = []
         if plan.branches:
             pending = verify_tree(target, tcache, draft_tree(source, dstate, last, hidden, plan.width, plan.branches),
@@ -803,7 +820,7 @@ def keep_caches(prompt_cache, target, source, dstate, tcache, history, taps, inf
         taps.append(hidden)
         rows += 1
     if taps:
-        source.add_context(dstate, joined(taps))
+        source.add_context(dstate, joined(caught_up(source, dstate, taps)))
     mx.eval([c.state for c in tcache], source.arrays(dstate))
     prompt_cache.store(target, source, dstate, history[:rows], tcache, at_prompt)
 

@@ -245,7 +245,8 @@ def test_the_catch_up_is_the_longest_measured_contexts_and_grows_as_a_plain_step
                                    catch_up=[0.002, 0.0005])
     c = CostCurve.from_samples(samples)
     assert c.catch_up_seconds(1024, 1000) == pytest.approx(0.5)
-    assert c.catch_up_seconds(512, 100) == pytest.approx(0.05)  # at or below the longest: its per-row cost
+    assert c.catch_up_seconds(544, 100) == pytest.approx(0.125)  # between two: interpolated
+    assert c.catch_up_seconds(32, 100) == pytest.approx(0.2)  # below the first: held
     plain = c.cost(1, 8192) / c.cost(1, 1024)
     assert plain > 1 and c.catch_up_seconds(8192, 8192) == pytest.approx(0.0005 * 8192 * plain)
     assert c.catch_up_seconds(8192, 0) == 0.0
@@ -258,7 +259,7 @@ def test_the_catch_up_is_the_longest_measured_contexts_and_grows_as_a_plain_step
     growing = CostCurve.from_samples(adaptive.CostSamples([64, 1024, 4096], 4, cycle=flat,
                                                           catch_up=[0.002, 0.0001, 0.0004]))
     assert growing.catch_up_seconds(4096 + 3072, 1) == pytest.approx(0.0004 + 0.0003)
-    assert growing.catch_up_seconds(2048, 1) == pytest.approx(0.0004)
+    assert growing.catch_up_seconds(2048, 1) == pytest.approx(0.0002)
 
 
 def test_the_cost_curve_times_the_contexts_that_fit_the_window(pairs, monkeypatch):

@@ -251,3 +251,42 @@ def test_a_drafter_cache_keeps_where_rows_were_skipped_through_trims_and_the_dis
     arrays, layers = encode([ContextRows(c)], object)
     (restored,) = decode(arrays, json.loads(json.dumps(layers)), object)  # as the file's header keeps them
     assert restored.cache.holes == ((3, 9),) and restored.cache.length == 12
+
+
+def test_a_long_backlog_reaches_the_drafter_in_pieces_with_the_same_context(pairs):
+    """At its first drafted cycle after a long prompt the drafter is given the held
+    taps a piece at a time (each evaluated before the next, so memory holds one
+    piece's work), and its context equals what one hand-over of them all gives."""
+    import mlx.core as mx
+
+    from dflash_mlx.decode import PREFILL_STEP, caught_up, joined
+
+    pair = pairs["qwen3"]
+    source = pair.draft_source.inner
+    D = pair.drafter.args.hidden_size * len(pair.drafter.args.target_layer_ids)
+    mx.random.seed(3)
+    pieces = [mx.random.normal((1, n, D)) for n in (PREFILL_STEP, 1500, 700)]
+    steps = [tuple(mx.random.normal((1, 1, D // len(pair.drafter.args.target_layer_ids)))
+                   for _ in pair.drafter.args.target_layer_ids) for _ in range(3)]
+    taps = pieces + steps
+    whole, parts = source.new_state(), source.new_state()
+    source.add_context(whole, joined(taps))
+    given = []
+    base = source.add_context
+
+    def add(state, hidden):
+        given.append(hidden.shape[1])
+        base(state, hidden)
+
+    source.add_context = add
+    try:
+        left = caught_up(source, parts, taps)
+    finally:
+        del source.add_context
+    assert given == [PREFILL_STEP, 1500] and len(left) == 4  # down to at most PREFILL_STEP rows left
+    source.add_context(parts, joined(left))
+    for a, b in zip(whole, parts):
+        assert a.length == b.length == sum(t.shape[1] for t in pieces) + len(steps)
+        assert mx.allclose(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :], atol=1e-5).item()
+        assert mx.allclose(a.values[..., : a.offset, :], b.values[..., : b.offset, :], atol=1e-5).item()
+    assert caught_up(source, source.new_state(), steps) == steps  # a short backlog: nothing early
