@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 reference = pytest.importorskip("dflash.model")
 
 CONTEXT = 4200  # prompt tokens: past 4,096, and twice a 2,048-row bound
-MAX_NEW = 32
+MAX_NEW = 64  # one prompt, many cycles: each run's cost is mostly its 4,200-token prefill
 BLOCK = 8
 
 
@@ -66,7 +66,7 @@ def float32_pair(target: Path, drafter: str, draft_context=None):
 @pytest.fixture(scope="module")
 def prompts(long_target):
     pair = float32_pair(long_target, "demo/drafter")
-    texts = load_prompts("code", None)["code"][:2]
+    texts = load_prompts("code", None)["code"][:1]
     ids = [context_prompt(pair.tokenizer, t, CONTEXT) for t in texts]
     assert all(4096 < len(p) <= CONTEXT + 64 for p in ids)
     return ids
@@ -173,8 +173,6 @@ def test_dflash1_drafts_and_accepts_as_the_references_at_long_context(long_targe
         full = full_width(lengths)
         assert [lengths[i] for i in full] == [want_lengths[i] for i in full]
         accepted += [lengths[i] for i in full]
-        if ids is not prompts[0]:
-            continue  # the MLX loop and the bound on one prompt: each is a whole run at 4,200 tokens
         z_tokens, z_accepted, z_drafts = zlab_mlx(long_target, Path(builtin_path("demo/drafter")), ids,
                                                   monkeypatch, tmp_path)
         assert z_tokens[: len(tokens)] == tokens
