@@ -179,7 +179,7 @@ class CostCurve:
         costs, copies = self.costs(context), self.copy_costs(context)
         W = self.max_width
 
-        def model(w, b):
+        def model(w, b, costs=costs, copies=copies):
             return costs[w - 1] + copies[tree_rows(w, b) - 1] - copies[w - 1]
 
         extra: Dict[int, List[Tuple[int, float]]] = {}
@@ -187,9 +187,8 @@ class CostCurve:
             # A tree's own work beyond the model, as timed: held beyond the measured contexts.
             held = min(context, self.contexts[-1])
             at = self.costs(held), self.copy_costs(held)
-            timed = self._interpolate([self.tree], held)
-            for (w, b), t in zip(self.tree_shapes, timed):
-                extra.setdefault(b, []).append((w, t - (at[0][w - 1] + at[1][tree_rows(w, b) - 1] - at[1][w - 1])))
+            for (w, b), t in zip(self.tree_shapes, self._interpolate([self.tree], held)):
+                extra.setdefault(b, []).append((w, t - model(w, b, *at)))
             branches = min(branches, max(extra))
         out = {}
         for b in range(1, branches + 1):

@@ -115,6 +115,17 @@ def zlab_torch(drafter, target, ids, eos, monkeypatch):
     return tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))], ref.acceptance_lengths
 
 
+def matches_dflash_generate(pair, drafter, torch_target, ids, monkeypatch):
+    """Our greedy run on `ids` against `dflash_generate`: the same tokens and the same
+    acceptance in every full-width cycle. Returns (tokens, lengths, drafts, full cycles)."""
+    tokens, lengths, drafts = ours(pair, ids)
+    want, want_lengths = zlab_torch(drafter, torch_target, ids, sorted(pair.tokenizer.eos_token_ids), monkeypatch)
+    assert tokens == want[: len(tokens)] and len(tokens) == min(len(want), MAX_NEW)
+    full = full_width(lengths)
+    assert [lengths[i] for i in full] == [want_lengths[i] for i in full]
+    return tokens, lengths, drafts, full
+
+
 def reference_drafter(path: Path, cls):
     from transformers import Qwen3Config
 
@@ -164,14 +175,9 @@ def test_dflash1_drafts_and_accepts_as_the_references_at_long_context(long_targe
     bounded = float32_pair(long_target, "demo/drafter", draft_context=2048)
     assert bounded.drafter.context_bound == (4, 2048)
     drafter = reference_drafter(Path(builtin_path("demo/drafter")), reference.DFlashDraftModel)
-    eos = sorted(pair.tokenizer.eos_token_ids)
     accepted, differing = [], 0
     for ids in prompts:
-        tokens, lengths, drafts = ours(pair, ids)
-        want, want_lengths = zlab_torch(drafter, torch_target, ids, eos, monkeypatch)
-        assert tokens == want[: len(tokens)] and len(tokens) == min(len(want), MAX_NEW)
-        full = full_width(lengths)
-        assert [lengths[i] for i in full] == [want_lengths[i] for i in full]
+        tokens, lengths, drafts, full = matches_dflash_generate(pair, drafter, torch_target, ids, monkeypatch)
         accepted += [lengths[i] for i in full]
         z_tokens, z_accepted, z_drafts = zlab_mlx(long_target, Path(builtin_path("demo/drafter")), ids,
                                                   monkeypatch, tmp_path)
@@ -192,14 +198,9 @@ def test_dflash2_accepts_as_the_reference_at_long_context(long_target, torch_tar
     pair = float32_pair(long_target, "demo/drafter2")
     assert pair.drafter.horizon == (0, 512)
     drafter = reference_drafter(Path(builtin_path("demo/drafter2")), reference.DFlash2DraftModel)
-    eos = sorted(pair.tokenizer.eos_token_ids)
     accepted = []
     for ids in prompts:
-        tokens, lengths, _ = ours(pair, ids)
-        want, want_lengths = zlab_torch(drafter, torch_target, ids, eos, monkeypatch)
-        assert tokens == want[: len(tokens)] and len(tokens) == min(len(want), MAX_NEW)
-        full = full_width(lengths)
-        assert [lengths[i] for i in full] == [want_lengths[i] for i in full]
+        _, lengths, _, full = matches_dflash_generate(pair, drafter, torch_target, ids, monkeypatch)
         accepted += [lengths[i] for i in full]
     assert len(accepted) >= 40 and max(accepted) > 1
 
