@@ -238,6 +238,8 @@ def train(
     arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (convolutions, sliding windows, "
                              "candidate selector)."),
     sliding_window: int = typer.Option(512, "--sliding-window", min=1, help="DFlash 2: the context window."),
+    init: Optional[str] = typer.Option(None, "--init", help="Start from this drafter's weights (a folder of the "
+                                       "same shape): fine-tune it on new data, such as longer contexts."),
 ):
     """Train a DFlash drafter for a target on the target's own outputs."""
     from contextlib import ExitStack
@@ -259,7 +261,7 @@ def train(
     cfg = TrainConfig(block_size=block_size, layers=layers, target_layers=taps, steps=steps, epochs=epochs,
                       lr=lr, blocks_per_seq=blocks_per_seq, max_new_tokens=max_new_tokens, temp=temp,
                       save_every=save_every, eval_every=eval_every, seed=seed, mask_token_id=mask_token_id,
-                      arch=arch, sliding_window=sliding_window)
+                      arch=arch, sliding_window=sliding_window, init=init)
     try:
         target_model, tokenizer, _ = load_target(fetch(resolve(model).target, "model"))
         if mx.default_device() == mx.cpu:

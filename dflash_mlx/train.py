@@ -66,6 +66,7 @@ class TrainConfig:
     arch: str = "dflash"  # or "dflash2": convolutions, sliding windows and a candidate selector
     sliding_window: int = 512  # DFlash 2's window over the committed context
     selector_top_k: int = 8
+    init: Optional[str] = None  # a drafter folder whose weights start the run (fine-tuning)
 
 
 @dataclass
@@ -281,6 +282,21 @@ def acceptance_estimate(drafter, target, examples: List[Example], dcfg: DrafterC
 # --- checkpoints ------------------------------------------------------------------
 
 
+def initial_weights(path: str, dcfg: DrafterConfig) -> Dict[str, mx.array]:
+    """The weights of the drafter at `path`, which must have the shape this run trains."""
+    from .load import load_drafter
+
+    start = load_drafter(Path(path))
+    have = start.args
+    for name in ("is_dflash2", "hidden_size", "num_hidden_layers", "block_size", "mask_token_id",
+                 "target_layer_ids", "vocab_size"):
+        if getattr(have, name) != getattr(dcfg, name):
+            raise DFlashError(f"--init {path} has {name}={getattr(have, name)} but this run trains "
+                              f"{name}={getattr(dcfg, name)}; pass matching --layers/--block-size/--target-layers/"
+                              "--arch, or train from scratch.")
+    return {k: v.astype(mx.float32) for k, v in tree_flatten(start.parameters())}
+
+
 def save_zlab(path: Path, drafter: DFlashDrafter, config: dict) -> None:
     """The z-lab layout: config.json + model.safetensors, keys as published."""
     params = dict(tree_flatten(drafter.parameters()))
@@ -339,6 +355,7 @@ def train(target_model, tokenizer, prompts, out: Path, cfg: TrainConfig, resume:
         settings.write_text(json.dumps({"train": asdict(cfg), "drafter": config}, indent=2))
     dcfg = DrafterConfig.from_dict(config)
     check_pair(dcfg, *model_dims(target_model))  # before the data is generated
+    init = initial_weights(cfg.init, dcfg) if cfg.init and ckpt is None else None
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     weights = mx.exp(-mx.arange(cfg.block_size - 1) / gamma)
 
@@ -355,7 +372,9 @@ def train(target_model, tokenizer, prompts, out: Path, cfg: TrainConfig, resume:
 
     mx.random.seed(cfg.seed)
     drafter = drafter_class(dcfg)(dcfg)
-    if isinstance(drafter, DFlash2Drafter):
+    if init is not None:
+        drafter.load_weights(list(init.items()), strict=True)
+    elif isinstance(drafter, DFlash2Drafter):
         drafter.init_for_training()
     optimizer = optim.AdamW(learning_rate=schedule(cfg, total), weight_decay=cfg.weight_decay)
     optimizer.init(drafter.trainable_parameters())

@@ -130,6 +130,26 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, targets, prompts_file):
         assert mx.array_equal(a[k], b[k]), k
 
 
+def test_init_starts_from_a_drafters_weights_and_refuses_another_shape(tmp_path, targets, prompts_file):
+    model, tok, _ = load_target(targets["llama"])
+    prompts = read_prompts(prompts_file, tok)
+    train(model, tok, prompts, tmp_path / "a", small_config(steps=6))
+    start = tmp_path / "a" / "mlx"  # the converted (float16) drafter, as `--init` is given one
+    model, tok, _ = load_target(targets["llama"])
+    # With a zero learning rate the run ends where it started: the weights are the ones given.
+    train(model, tok, prompts, tmp_path / "b", small_config(steps=2, lr=0.0, init=str(start)))
+    a = mx.load(str(start / "model.safetensors"))
+    b = mx.load(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert mx.array_equal(a[k].astype(mx.float32), b[k]), k
+    # A drafter of another shape is refused before the target answers any prompt.
+    model, tok, _ = load_target(targets["llama"])
+    with pytest.raises(DFlashError, match="--init .* num_hidden_layers=1 but this run trains num_hidden_layers=2"):
+        train(model, tok, prompts, tmp_path / "c", small_config(layers=2, init=str(start)))
+    assert not (tmp_path / "c" / "data.jsonl").exists()
+
+
 def test_checkpoint_loads_in_runtime_and_reference(tmp_path, targets, prompts_file):
     model, tok, _ = load_target(targets["qwen3_5"])
     train(model, tok, read_prompts(prompts_file, tok), tmp_path / "out", small_config(steps=6))
