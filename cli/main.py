@@ -580,7 +580,7 @@ def bench(
             if sizes == ["sweep"]:
                 result = B.sweep(pair, pair.draft_source.block_size, progress=progress)
             else:
-                B.check_context(pair, contexts)
+                B.check_context(pair, contexts, max_tokens)
                 texts = B.load_prompts(suite, prompts)
                 by_context = {}
                 for c in contexts:

@@ -276,6 +276,11 @@ def summarise(rows: List[Dict], key: str) -> Dict:
     return out
 
 
+# A context prompt's length is the context give or take a few tokens (the
+# document is cut, decoded and encoded again with the prompt after it).
+CONTEXT_SLACK = 16
+
+
 @functools.lru_cache(maxsize=1)
 def document() -> str:
     """A long document to put before prompts: this package's own source files, in order."""
@@ -296,13 +301,14 @@ def context_prompt(tok, text: str, context: int = 0) -> List[int]:
     return build_prompt(tok, tok.decode(doc[: context - len(ids)]) + "\n\n" + text)
 
 
-def check_context(pair, contexts: Sequence[int]) -> None:
+def check_context(pair, contexts: Sequence[int], max_tokens: int) -> None:
+    """Each context, its prompt and a `max_tokens` answer must fit the target's window."""
     window = getattr(pair.target.args, "max_position_embeddings", None)
-    over = [c for c in contexts if window and c + 64 > window]
+    over = [c for c in contexts if window and c + CONTEXT_SLACK + max_tokens > window]
     if over:
-        raise DFlashError(f"--context {over[0]} does not fit the model's window of {window} tokens "
-                          "(max_position_embeddings, with room for the prompt and answer); "
-                          "use a shorter context or a long-context model.")
+        raise DFlashError(f"--context {over[0]} with {max_tokens} new tokens does not fit the model's window of "
+                          f"{window} tokens (max_position_embeddings); use a shorter context or --max-tokens, "
+                          "or a long-context model.")
 
 
 def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,

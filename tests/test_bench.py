@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 import dflash_mlx
 from dflash_mlx.cli.main import app
 from dflash_mlx import baseline, bench
+from dflash_mlx.errors import DFlashError
 from dflash_mlx.adapter import TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear, wrap_quantized_linears
 
 
@@ -256,6 +257,17 @@ def test_bench_by_context_length(targets, drafters, tmp_path, monkeypatch):
                        ("lots", "--context takes token counts")]:
         r = CliRunner().invoke(app, base + ["--context", arg])
         assert r.exit_code == 1 and words in r.stderr, r.stderr
+
+
+def test_a_context_must_leave_room_for_the_answer_in_the_window(pairs):
+    pair = pairs["qwen3"]
+    window = pair.target.args.max_position_embeddings
+    bench.check_context(pair, [window - 100], max_tokens=8)
+    with pytest.raises(DFlashError, match=f"--context {window - 100} with 96 new tokens does not fit"):
+        bench.check_context(pair, [window - 100], max_tokens=96)
+    # Every context prompt is within the slack of its context.
+    ids = bench.context_prompt(pair.tokenizer, "import math", 1000)
+    assert abs(len(ids) - 1000) <= bench.CONTEXT_SLACK
 
 
 def test_the_context_document_is_long_and_prompts_end_with_the_task(pairs):

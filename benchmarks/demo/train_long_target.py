@@ -2,9 +2,11 @@
 an 8,192-token window), then a short run on long sequences of the same
 standard-library stream the demo target was trained on.
 
-Writes an mlx-lm model folder (the demo tokenizer, float16 weights) and
-long prompts for the drafter and for evaluation: each ends a few tokens into
-a `def`/`class` line that comes after 1k-8k tokens of the stream before it.
+Writes OUT/target, an mlx-lm model folder (the demo tokenizer, float16
+weights), and long prompts for the drafter (OUT/long_prompts.jsonl) and for
+evaluation (OUT/long_heldout_prompts.jsonl, from held-out files): each ends a
+few tokens into a `def`/`class` line that comes after 1k-8k tokens of the
+stream before it. The settings and losses go to --info.
 Held-out loss is reported per position range, before and after, so the
 effect of the window shows. Run with OpenBLAS on Linux (see README.md).
 """
@@ -79,8 +81,8 @@ def bucket_losses(model, held, windows):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True, help="the long-context target's folder")
-    ap.add_argument("--prompts-dir", required=True)
+    ap.add_argument("--out", required=True, help="a folder for the target and the prompts")
+    ap.add_argument("--info", default="benchmarks/demo/long_target_training.json")
     ap.add_argument("--factor", type=float, default=4.0)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -91,7 +93,7 @@ def main():
     from mlx_lm.models import qwen3
     from tokenizers import Tokenizer
 
-    out = Path(args.out)
+    out = Path(args.out) / "target"
     tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
     files = stdlib_files()
     train_texts = [p.read_text(errors="replace") for rel, p in files if not is_heldout(rel)]
@@ -161,8 +163,7 @@ def main():
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
-    prompts_dir = Path(args.prompts_dir)
-    prompts_dir.mkdir(parents=True, exist_ok=True)
+    prompts_dir = Path(args.out)
     prng = np.random.default_rng(args.seed)
     # Training prompts: lengths spread evenly over 1k to the window (less the answer and a block).
     lengths = prng.integers(1024, window - 160, args.train_prompts)
@@ -173,7 +174,7 @@ def main():
     info = dict(vars(args), window=window, shapes=SHAPES, heldout_loss_before=before, heldout_loss_after=after,
                 heldout_loss_note="mean over 3 held-out windows of 8,192 tokens, per position range",
                 wall_seconds=round(wall), mlx=mx.__version__, python=sys.version.split()[0])
-    (prompts_dir / "long_target_training.json").write_text(json.dumps(info, indent=2))
+    Path(args.info).write_text(json.dumps(info, indent=2))
     print(json.dumps(info, indent=2))
 
 
