@@ -187,7 +187,8 @@ def convert(
     target: Optional[str] = typer.Option(
         None, "--target", help="Check the drafter fits this target (alias, repo id or directory) first."
     ),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --mlx-path."),
+    force: int = typer.Option(0, "--force", count=True, help="Replace a previous conversion at --mlx-path; "
+                              "twice (--force --force) to replace any folder there."),
 ):
     """Convert a PyTorch / z-lab DFlash drafter checkpoint to MLX."""
     from dflash_mlx.cli.progress import progress

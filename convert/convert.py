@@ -178,14 +178,20 @@ def target_dims(name: str):
 
 
 def write_atomic(out: Path, force: bool, write: Callable[[Path], None]) -> None:
-    """Write into a temporary sibling directory, then rename it into place."""
+    """Write into a temporary sibling directory, then rename it into place. A
+    symlink is followed: the link stays and points at the new folder."""
     out = Path(out).absolute()
+    if out.is_symlink():
+        out = out.resolve()
     if out.exists() and not force:
         raise DFlashError(f"{out} already exists; pass --force to replace it.")
     if out.exists() and not out.is_dir():
         raise DFlashError(f"{out} is a file; choose a directory for --mlx-path.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise DFlashError(f"Cannot write {out} ({e.strerror or e}); choose a writable folder.")
     try:
         write(tmp)
         if out.exists():
@@ -200,6 +206,39 @@ def write_atomic(out: Path, force: bool, write: Callable[[Path], None]) -> None:
         raise
 
 
+def output_folder(mlx_path: str, force: int) -> Path:
+    """The folder a conversion goes to, checked before any work. An existing
+    one is replaced only with `force`, and one that is not a previous
+    conversion (no marker in its config.json) only with `force` 2 (--force
+    twice). A symlink is followed."""
+    out = Path(mlx_path).absolute()
+    if out.is_symlink():
+        out = out.resolve()
+    if out.exists():
+        if not out.is_dir():
+            raise DFlashError(f"{out} is a file; choose a directory for --mlx-path.")
+        if not force:
+            raise DFlashError(f"{out} already exists; pass --force to replace it.")
+        if force < 2 and not is_converted(out):
+            raise DFlashError(f"{out} is not a previous conversion (its config.json has no {FORMAT} marker); "
+                              "pass --force twice to replace it and everything in it.")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise DFlashError(f"Cannot write {out}: {parent} is not a writable folder; choose another --mlx-path.")
+    return out
+
+
+def check_apart(out: Path, source: Path) -> None:
+    """An output that is the input's folder, holds it or lies inside it is refused:
+    replacing it would delete the checkpoint or what lies beside it."""
+    src, dst = Path(source).resolve(), Path(out).resolve()
+    if dst == src or src.is_relative_to(dst) or dst.is_relative_to(src):
+        where = "is" if dst == src else "holds" if src.is_relative_to(dst) else "is inside"
+        raise DFlashError(f"--mlx-path {out} {where} the input folder {src}; choose a folder outside it.")
+
+
 def convert_drafter(
     hf_path: str,
     mlx_path: str,
@@ -208,26 +247,26 @@ def convert_drafter(
     q_bits: int = 4,
     q_group_size: int = 64,
     target: Optional[str] = None,
-    force: bool = False,
+    force: int = 0,
     progress: Callable[[str], None] = lambda step: None,
 ) -> ConvertResult:
-    """Convert a DFlash drafter (repo id, directory or checkpoint file) to MLX."""
+    """Convert a DFlash drafter (repo id, directory or checkpoint file) to MLX.
+    `force` 1 replaces a previous conversion at `mlx_path`, 2 any folder there."""
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype}).")
     if quantize and q_bits not in (4, 8):
         raise DFlashError(f"--q-bits must be 4 or 8 (got {q_bits}).")
     if quantize and q_group_size not in (32, 64, 128):
         raise DFlashError(f"--q-group-size must be 32, 64 or 128 (got {q_group_size}).")
-    out = Path(mlx_path).absolute()
-    if out.exists() and not force:
-        raise DFlashError(f"{out} already exists; pass --force to replace it.")
+    out = output_folder(mlx_path, int(force))
+    src = Path(hf_path)
+    if src.exists():
+        check_apart(out, src if src.is_dir() else src.parent)
 
     progress("reading")
-    src = Path(hf_path)
     src = src if src.exists() else fetch(hf_path, "draft")
     cfg_dir = src if src.is_dir() else src.parent
-    if out == cfg_dir.absolute():
-        raise DFlashError("--mlx-path is the input directory; choose another output directory.")
+    check_apart(out, cfg_dir)
     config_path = cfg_dir / "config.json"
     config = DrafterConfig.from_file(config_path)
     original = json.loads(config_path.read_text())
@@ -263,7 +302,7 @@ def convert_drafter(
         (tmp / "config.original.json").write_text(json.dumps(original, indent=2))
 
     progress("writing")
-    write_atomic(out, force, write)
+    write_atomic(out, True, write)
     return ConvertResult(
         path=out,
         dtype=dtype,

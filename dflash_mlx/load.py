@@ -173,7 +173,7 @@ def load_drafter(path: Path) -> DFlashDrafter:
     if not is_converted(path):
         cached = converted_path(path)
         if not is_converted(cached):
-            convert_drafter(str(path), str(cached), force=True)
+            convert_drafter(str(path), str(cached), force=2)  # our own cache entry
         path = cached
     config = DrafterConfig.from_file(path / "config.json")
     files = sorted(path.glob("*.safetensors"))

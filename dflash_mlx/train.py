@@ -413,7 +413,8 @@ def train(target_model, tokenizer, prompts, out: Path, cfg: TrainConfig, resume:
         shutil.copy(final / name, out / name)
     from .convert import convert_drafter
 
-    convert_drafter(str(out), str(out / "mlx"), dtype="float16", force=True)
+    # From the checkpoint: out/mlx lies inside out, which convert refuses.
+    convert_drafter(str(final), str(out / "mlx"), dtype="float16", force=2)
     summary = {"steps": total, "loss": loss, "heldout_acceptance": acc, "examples": len(examples),
                "heldout_examples": len(held), "gamma": gamma}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2))

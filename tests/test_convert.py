@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -441,9 +442,71 @@ def test_existing_output_needs_force_and_is_kept_intact(tmp_path, good_src):
     r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(out)])
     assert r.exit_code == 1 and "--force" in r.stderr
     assert (out / "mine.txt").read_text() == "precious"
+    # Not a previous conversion: one --force is not enough.
     r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(out), "--force"])
+    assert r.exit_code == 1 and "is not a previous conversion" in r.stderr and "--force twice" in r.stderr
+    assert (out / "mine.txt").read_text() == "precious"
+    r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(out), "--force", "--force"])
     assert r.exit_code == 0, r.output
     assert is_converted(out) and not (out / "mine.txt").exists()
+    # A previous conversion is replaced with one --force.
+    r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(out), "--force", "--dtype",
+                            "float16"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def _tree(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["parent", "same", "inside", "file-parent"])
+def test_an_output_at_or_around_the_input_is_refused_and_nothing_is_deleted(tmp_path, good_src, where):
+    """`--mlx-path ck --force` with the input at ck/step-5000 would replace ck and with it
+    the checkpoint and its siblings: refused, however many --force, before any work."""
+    ck = tmp_path / "ck"
+    shutil.copytree(good_src, ck / "step-5000")
+    (ck / "step-4000").mkdir()
+    (ck / "step-4000" / "notes.txt").write_text("keep me")
+    src = ck / "step-5000"
+    hf, out, words = {
+        "parent": (src, ck, "holds the input folder"),
+        "same": (src, src, "is the input folder"),
+        "inside": (src, src / "mlx", "is inside the input folder"),
+        "file-parent": (src / "model.safetensors", ck / "step-5000", "is the input folder"),
+    }[where]
+    before = _tree(tmp_path)
+    r = runner.invoke(app, ["convert", "--hf-path", str(hf), "--mlx-path", str(out), "--force", "--force"])
+    assert r.exit_code == 1 and words in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert _tree(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "src"]
+
+
+def test_force_onto_a_symlink_replaces_its_folder_and_keeps_the_link(tmp_path, good_src):
+    real = tmp_path / "real"
+    convert_drafter(str(good_src), str(real))
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(link), "--force",
+                            "--dtype", "float16"])
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert json.loads((real / "config.json").read_text())["dtype"] == "float16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "src"]  # no stray .old folder
+
+
+@pytest.mark.parametrize("parent", ["file", "proc"])
+def test_an_unwritable_output_parent_is_one_line(tmp_path, good_src, parent):
+    if parent == "file":
+        (tmp_path / "f").write_text("x")
+        out = tmp_path / "f" / "out"
+    else:
+        out = Path("/proc/dflash-mlx-test/out")
+    r = runner.invoke(app, ["convert", "--hf-path", str(good_src), "--mlx-path", str(out)])
+    assert r.exit_code == 1 and "Cannot write" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
 
 
 def test_failed_write_leaves_no_partial_output(tmp_path, good_src, monkeypatch):
