@@ -8,8 +8,9 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from dflash_mlx.errors import DFlashError
+from dflash_mlx.errors import DFlashError, printable
 
 app = typer.Typer(
     add_completion=False,
@@ -20,7 +21,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(printable(message))}", soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -539,7 +540,6 @@ def bench(
     """Benchmark DFlash against plain mlx-lm decoding on this machine."""
     import json as _json
 
-    from rich.markup import escape
     from rich.table import Table
 
     import dflash_mlx
@@ -672,7 +672,6 @@ def doctor():
     import platform
 
     import mlx.core as mx
-    from rich.markup import escape
     from rich.table import Table
 
     from dflash_mlx import kernels
@@ -706,7 +705,6 @@ def doctor():
 def list_models():
     """List the model aliases: target and its 4/8-bit MLX variants, drafter, and what is in the Hugging Face cache."""
     from huggingface_hub import constants
-    from rich.markup import escape
     from rich.table import Table
 
     from dflash_mlx.hub import aliases, cached_repos

@@ -60,6 +60,9 @@ CURVE_VERSION = 10  # bump when what a curve measures changes
 # Trees of up to this many branches are timed with the curve (`tree_shapes`), and so
 # weighed by `auto` unless a request says otherwise.
 TREE_BRANCHES = 2
+# A kept acceptance count is refused above this when its statistics never forget
+# (decay 1): a request's checks of one position are far fewer.
+MAX_KEPT_COUNT = 1e9
 
 
 def tree_rows(width: int, branches: int) -> int:
@@ -344,9 +347,12 @@ class AcceptanceStats:
     def load(self, state: dict) -> None:
         """Counts an earlier process kept (`state`); ValueError if they do not fit."""
         tried, accepted = [float(t) for t in state["tried"]], [float(a) for a in state["accepted"]]
+        # `add` forgets a share 1 - decay of each count per check, so no count it kept exceeds this
+        # (a huge or infinite one would stall the Beta sampler).
+        most = 1 / (1 - self.decay) + 1e-6 if self.decay < 1 else MAX_KEPT_COUNT
         if len(tried) != len(self._tried) or len(accepted) != len(tried) or \
-                any(not 0 <= a <= t + 1e-6 for a, t in zip(accepted, tried)):
-            raise ValueError("acceptance counts of another shape")
+                any(not 0 <= a <= t + 1e-6 <= most for a, t in zip(accepted, tried)):
+            raise ValueError("acceptance counts of another shape or out of range")
         self._tried, self._accepted, self._seen = tried, accepted, self.clock.tokens
 
     def capped(self, weight: float, clock: Optional[Clock] = None) -> "AcceptanceStats":

@@ -1,2 +1,13 @@
+import unicodedata
+
+
 class DFlashError(Exception):
     """A user-facing error: its message is one line that says what to do."""
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (escape sequences, newlines) written as
+    escapes: a message that quotes a file can neither drive the terminal nor
+    spill onto more lines."""
+    return "".join(c.encode("unicode_escape").decode() if unicodedata.category(c)[0] == "C" else c
+                   for c in str(text))

@@ -12,6 +12,7 @@ import dflash_mlx
 from dflash_mlx import adaptive
 from dflash_mlx import decode as decode_mod
 from dflash_mlx.adaptive import PLAIN, BlockSizer, CostCurve, FixedWidth, Plan
+from dflash_mlx.load import RATES_VERSION
 from dflash_mlx.lookup import Offer
 from dflash_mlx.sampling import SamplingParams
 
@@ -1026,8 +1027,20 @@ def test_what_the_sizers_learnt_outlives_the_process(pairs, monkeypatch, tmp_pat
     pair.keep_rates(force=True)
     assert path.exists()
 
+    def with_counts(value):
+        n = len(greedy["drafter"]["tried"])
+        kept = dict(greedy, drafter={"tried": [value] * n, "accepted": [value] * n})
+        return json.dumps({"version": RATES_VERSION, "settings": {"greedy": kept}})
+
+    assert with_counts(1.0) != path.read_text()
+    path.write_text(with_counts(1.0))  # counts in range, for the comparisons below
+    new_process()
+    assert sum(pair.auto_sizer().shared.tried) > 0
+    # Huge or infinite counts would stall the Beta sampler for ever: refused with the rest.
     for damaged in ["not json", json.dumps({"version": 1, "settings": {"greedy": {"drafter": {"tried": [1.0],
-                                                                                               "accepted": [1.0]}}}})]:
+                                                                                               "accepted": [1.0]}}}}),
+                    with_counts(1e308), with_counts(float("inf")), with_counts(float("nan")), with_counts(-1.0),
+                    with_counts(1e4)]:
         path.write_text(damaged)
         new_process()
         assert sum(pair.auto_sizer().shared.tried) == 0
