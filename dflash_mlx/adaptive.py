@@ -23,15 +23,17 @@ choice wander between widths that were in truth no better.
 import copy
 import hashlib
 import json
+import math
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from . import kept_files
 from . import tree as trees
 
 # Context lengths the cost curve times cycles at (those that fit the model's window).
@@ -56,7 +58,10 @@ PLAIN_HOLD_MAX = 8
 # is spread over the tokens left, but over at most this many: a request rarely
 # runs its whole budget.
 CATCH_UP_SPREAD = 512
-CURVE_VERSION = 10  # bump when what a curve measures changes
+CURVE_VERSION = 11  # bump when what a curve measures, or how it is kept, changes
+CURVE_KIND = "dflash_mlx.cost_curve"
+# A kept timing above this (seconds for one cycle) is not a measurement: the file is damaged.
+MAX_SECONDS = 3600.0
 # Trees of up to this many branches are timed with the curve (`tree_shapes`), and so
 # weighed by `auto` unless a request says otherwise.
 TREE_BRANCHES = 2
@@ -269,6 +274,63 @@ class CostSamples:
 
     def done(self, min_rounds: int, max_rounds: int, tolerance: float) -> bool:
         return all(finished(self.rounds(i), min_rounds, max_rounds, tolerance) for i in range(len(self.contexts)))
+
+    @classmethod
+    def parse(cls, data, contexts: Sequence[int], max_width: int) -> "CostSamples":
+        """Samples kept by an earlier process for these contexts and widths; ValueError
+        (saying what is wrong) unless every field has the shape and range a measurement gives."""
+        if not isinstance(data, dict) or set(data) - {f.name for f in fields(cls)}:
+            raise ValueError("not cost samples")
+        if data.get("contexts") != list(contexts) or data.get("max_width") != max_width:
+            raise ValueError(f"contexts or widths other than {list(contexts)} and {max_width}")
+        n, W = len(contexts), max_width
+
+        def seconds(x, zero_ok=False):
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0 \
+                    or (x == 0 and not zero_ok) or x > MAX_SECONDS:
+                raise ValueError(f"a timing of {str(x)[:20]}")
+            return float(x)
+
+        def rounds(value, width, zero_ok=False):
+            if not isinstance(value, list) or len(value) != n:
+                raise ValueError("rounds for other contexts")
+            for per_context in value:
+                if not isinstance(per_context, list):
+                    raise ValueError("rounds of another shape")
+                for r in per_context:
+                    if not isinstance(r, list) or len(r) != width:
+                        raise ValueError("a round of another width")
+                    for x in r:
+                        seconds(x, zero_ok)
+            return value
+
+        shapes = data.get("tree_shapes", [])
+        if not isinstance(shapes, list) or any(
+                not isinstance(t, list) or len(t) != 2 or tuple(t) not in tree_shapes(W) for t in shapes):
+            raise ValueError("trees the curve does not time")
+        out = cls(list(contexts), W,
+                  cycle=rounds(data.get("cycle", [[]] * n), W),
+                  copy=rounds(data.get("copy", [[]] * n), W - 1),
+                  tree=rounds(data.get("tree", [[]] * n), len(shapes)), tree_shapes=shapes)
+        parts = data.get("parts", [[]] * n)
+        if not isinstance(parts, list) or len(parts) != n:
+            raise ValueError("parts for other contexts")
+        for per_context in parts:  # rounds of [verify, draft] halves, each over widths 1..W
+            if not isinstance(per_context, list):
+                raise ValueError("parts of another shape")
+            for r in per_context:
+                if not isinstance(r, list) or len(r) != 2 or any(not isinstance(h, list) or len(h) != W for h in r):
+                    raise ValueError("parts of another shape")
+                for half in r:
+                    for x in half:
+                        seconds(x, zero_ok=True)
+        out.parts = parts
+        catch_up = data.get("catch_up", [0.0] * n)
+        if not isinstance(catch_up, list) or len(catch_up) != n:
+            raise ValueError("catch-up for other contexts")
+        out.catch_up = [seconds(x, zero_ok=True) for x in catch_up]
+        out.setup_per_token = seconds(data.get("setup_per_token", 0.0), zero_ok=True)
+        return out
 
 
 class Plan(NamedTuple):
@@ -1048,12 +1110,13 @@ def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width
     width is settled (or has `max_rounds`). A first measurement also times the
     trees `trees()` returns (asked then only: the shapes stay with the samples)."""
     path = Path(cache_dir) / "costs" / f"{key}-w{max_width}.json"
-    samples = None
-    if path.exists():
+    samples, what = None, "cost curve"
+    data = kept_files.read(path, CURVE_KIND, CURVE_VERSION, what)
+    if data is not None:
         try:
-            samples = CostSamples(**json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError):
-            samples = None
+            samples = CostSamples.parse(data, contexts, max_width)
+        except ValueError as e:
+            kept_files.set_aside(path, what, str(e))
     if samples is None or not samples.done(min_rounds, max_rounds, tolerance):
         first = samples is None  # refining takes a moment: no progress shown
         samples = measure_cost_curve(make_cycle, max_width, contexts, budget=budget if first else refine,
@@ -1061,8 +1124,5 @@ def load_or_measure(key: str, make_cycle: Callable[[int], CycleParts], max_width
                                      samples=samples, at_least=0 if first else 1,
                                      progress=progress if first else lambda d, t: None,
                                      trees=trees() if first else ())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(samples)))
-        tmp.replace(path)
+        kept_files.write(path, CURVE_KIND, CURVE_VERSION, asdict(samples))
     return CostCurve.from_samples(samples, min_rounds)

@@ -2,8 +2,6 @@
 
 import hashlib
 import json
-import os
-import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,6 +18,7 @@ from .config import CONVERSION, DrafterConfig, check_pair
 from .drafter import DFlashDrafter
 from .drafter2 import draft_source, drafter_class, published_keys
 from .errors import DFlashError
+from . import kept_files
 from . import tree as tree_lib
 from .decode import cycle_parts
 from .draft_source import DraftSource
@@ -28,7 +27,8 @@ from .proposal import ProposalScales
 from .sampling import SamplingParams
 from .hub import Resolved, cache_root, check_name, fetch, resolve
 
-RATES_VERSION = 1
+RATES_VERSION = 2
+RATES_KIND = "dflash_mlx.rates"
 RATES_EVERY = 10.0  # seconds between writes of the learnt rates (the first write is at once)
 
 
@@ -97,12 +97,11 @@ class DFlashPair:
     def _kept_rates(self) -> dict:
         """What earlier processes learnt, per sampling settings (read once; unreadable: nothing)."""
         if self._kept is None:
-            try:
-                data = json.loads(self._rates_path().read_text())
-                ok = data.get("version") == RATES_VERSION and isinstance(data.get("settings"), dict)
-            except (OSError, ValueError, AttributeError):
-                ok = False
-            self._kept = data["settings"] if ok else {}
+            path, what = self._rates_path(), "learnt rates"
+            kept = kept_files.read(path, RATES_KIND, RATES_VERSION, what)
+            if kept is not None and not isinstance(kept, dict):
+                kept_files.set_aside(path, what, "not rates per sampling setting")
+            self._kept = kept if isinstance(kept, dict) else {}
         return self._kept
 
     def _learnt(self, sizer: BlockSizer, params: SamplingParams) -> BlockSizer:
@@ -131,14 +130,7 @@ class DFlashPair:
         for key, sizer in self._sampled_sizers.items():
             settings[_settings_name(SamplingParams(*key))] = sizer.shared_state()
         self._kept, self._kept_at = settings, now
-        path = self._rates_path()
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"version": RATES_VERSION, "settings": settings}))
-            tmp.replace(path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+        kept_files.write(self._rates_path(), RATES_KIND, RATES_VERSION, settings)
 
     def proposal_scales(self, params: SamplingParams) -> ProposalScales:
         """The drafter's learned proposal scales at these sampling settings; they last across requests."""

@@ -12,7 +12,8 @@ import dflash_mlx
 from dflash_mlx import adaptive
 from dflash_mlx import decode as decode_mod
 from dflash_mlx.adaptive import PLAIN, BlockSizer, CostCurve, FixedWidth, Plan
-from dflash_mlx.load import RATES_VERSION
+from dflash_mlx import kept_files
+from dflash_mlx.load import RATES_KIND, RATES_VERSION
 from dflash_mlx.lookup import Offer
 from dflash_mlx.sampling import SamplingParams
 
@@ -824,18 +825,19 @@ def test_load_or_measure_caches_per_key_and_refines_briefly(tmp_path, monkeypatc
     clock, made = FakeClock(monkeypatch), []
     first = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
                                      refine=0.05, tolerance=1e-9, max_rounds=1000, contexts=(64, 1024))
-    stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())
+    stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())["data"]
     n = sum(len(r) for r in stored["cycle"])
     clock.now = 0.0
     again = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
                                      refine=0.05, tolerance=1e-9, max_rounds=1000, contexts=(64, 1024))
     assert clock.now <= 0.05 + 2 * 0.01  # a later run refines within its shorter budget (and a warm-up)
-    stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())
+    stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())["data"]
     assert sum(len(r) for r in stored["cycle"]) > n and again.max_width == first.max_width == 4
     assert adaptive.load_or_measure("k2", fake_cycle(clock, 0.001, made), 4, tmp_path, budget=0.2) is not None
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2  # one file per key
     made.clear()
-    done = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made), 4, tmp_path, max_rounds=1)
+    done = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made), 4, tmp_path, max_rounds=1,
+                                   contexts=(64, 1024))
     assert made == [] and done.max_width == 4  # settled (here: enough rounds): nothing more is measured
 
 
@@ -989,6 +991,11 @@ def test_acceptance_is_learnt_per_sampling_settings(pairs, monkeypatch):
     assert sum(greedy.shared.tried) > 0
 
 
+def kept_files_json(data, kind=RATES_KIND, version=RATES_VERSION):
+    """A file as `kept_files.write` makes it (a valid checksum), holding `data`."""
+    return json.dumps({"kind": kind, "version": version, "sha256": kept_files._digest(data), "data": data})
+
+
 def test_what_the_sizers_learnt_outlives_the_process(pairs, monkeypatch, tmp_path):
     """The shared rates (drafter, lookups, per sampling settings) are kept beside the
     cost curve, so a later process (a CLI run is one request) starts from them; a
@@ -1020,7 +1027,7 @@ def test_what_the_sizers_learnt_outlives_the_process(pairs, monkeypatch, tmp_pat
     new_process()
     pair.auto_sizer()  # a greedy-only process keeps what the file held for other settings
     pair.keep_rates()
-    assert json.loads(path.read_text())["settings"][json.dumps(list(t1.key))] == sampled
+    assert json.loads(path.read_text())["data"][json.dumps(list(t1.key))] == sampled
     path.unlink()
     pair.keep_rates()  # written at most every RATES_EVERY seconds
     assert not path.exists()
@@ -1030,15 +1037,14 @@ def test_what_the_sizers_learnt_outlives_the_process(pairs, monkeypatch, tmp_pat
     def with_counts(value):
         n = len(greedy["drafter"]["tried"])
         kept = dict(greedy, drafter={"tried": [value] * n, "accepted": [value] * n})
-        return json.dumps({"version": RATES_VERSION, "settings": {"greedy": kept}})
+        return kept_files_json({"greedy": kept})
 
     assert with_counts(1.0) != path.read_text()
     path.write_text(with_counts(1.0))  # counts in range, for the comparisons below
     new_process()
     assert sum(pair.auto_sizer().shared.tried) > 0
     # Huge or infinite counts would stall the Beta sampler for ever: refused with the rest.
-    for damaged in ["not json", json.dumps({"version": 1, "settings": {"greedy": {"drafter": {"tried": [1.0],
-                                                                                               "accepted": [1.0]}}}}),
+    for damaged in ["not json", kept_files_json({"greedy": {"drafter": {"tried": [1.0], "accepted": [1.0]}}}),
                     with_counts(1e308), with_counts(float("inf")), with_counts(float("nan")), with_counts(-1.0),
                     with_counts(1e4)]:
         path.write_text(damaged)
@@ -1103,12 +1109,12 @@ def test_refining_runs_measure_a_round_even_when_one_exceeds_their_budget(monkey
     adaptive.load_or_measure("big", fake_cycle(clock, 0.1, made, noise=0.3), 4, tmp_path, budget=1.0,
                              refine=0.05, tolerance=1e-9, max_rounds=6)
     path = next((tmp_path / "costs").glob("big-*.json"))
-    counts = [len(json.loads(path.read_text())["cycle"][0])]
+    counts = [len(json.loads(path.read_text())["data"]["cycle"][0])]
     for _ in range(5):
         clock.now = 0.0
         adaptive.load_or_measure("big", fake_cycle(clock, 0.1, made, noise=0.3), 4, tmp_path, budget=1.0,
                                  refine=0.05, tolerance=1e-9, max_rounds=6)
-        counts.append(len(json.loads(path.read_text())["cycle"][0]))
+        counts.append(len(json.loads(path.read_text())["data"]["cycle"][0]))
         assert clock.now < 2 * 0.1 * (sum(range(1, 5)) + sum(range(2, 5)))  # one round (and a warm-up), no more
     assert counts == [3, 4, 5, 6, 6, 6]
 
