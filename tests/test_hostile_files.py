@@ -158,3 +158,57 @@ def test_a_cost_curve_of_an_older_version_is_replaced_quietly(tmp_path, monkeypa
     with caplog.at_level("WARNING", logger="dflash_mlx"):
         _curve(tmp_path, monkeypatch, made)
     assert made == [64, 1024] and not caplog.records and not path.with_name("k-w4.json.damaged").exists()
+
+
+# --- drafter configs: every field checked for type and range before anything is built ---
+
+def _dflash(change):
+    return lambda c: change(c.setdefault("dflash_config", {}))
+
+
+CONFIG_DAMAGE = {
+    "hidden_size 'abc'": (lambda c: c.update(hidden_size="abc"), 'hidden_size must be an integer from 1 to 65536 (got "abc")'),
+    "hidden_size 1e400": (lambda c: c.update(hidden_size=float("inf")), "hidden_size must be an integer"),
+    "num_attention_heads 0": (lambda c: c.update(num_attention_heads=0), "num_attention_heads must be an integer from 1"),
+    "num_key_value_heads 3": (lambda c: c.update(num_key_value_heads=3), "must be a divisor of num_attention_heads"),
+    "num_hidden_layers 10**5": (lambda c: c.update(num_hidden_layers=10**5), "num_hidden_layers must be an integer from 1 to 256"),
+    "rms_norm_eps 'x'": (lambda c: c.update(rms_norm_eps="x"), "rms_norm_eps must be a number above 0.0"),
+    "block_size 0": (_dflash(lambda d: d.update(block_size=0)), "block_size must be an integer from 2 to 256 (got 0)"),
+    "block_size -4": (_dflash(lambda d: d.update(block_size=-4)), "block_size must be an integer from 2 to 256"),
+    "block_size 10**9": (_dflash(lambda d: d.update(block_size=10**9)), "block_size must be an integer from 2 to 256"),
+    "block_size 1e9": (_dflash(lambda d: d.update(block_size=1e9)), "block_size must be an integer from 2 to 256"),
+    "target_layer_ids '0,1'": (_dflash(lambda d: d.update(target_layer_ids="0,1")), "target_layer_ids must be a non-empty list"),
+    "target_layer_ids negative": (_dflash(lambda d: d.update(target_layer_ids=[-1, 0, 1, 2])), "target_layer_ids must be an integer from 0"),
+    "mask_token_id '1'": (_dflash(lambda d: d.update(mask_token_id="1")), "mask_token_id must be an integer"),
+    "mask_token_id -5": (_dflash(lambda d: d.update(mask_token_id=-5)), "mask_token_id must be an integer from 0 to 2047"),
+    "dflash_config a string": (lambda c: c.update(dflash_config="abc"), "dflash_config must be an object"),
+    "rope_parameters a string": (lambda c: c.update(rope_parameters="abc"), "rope_parameters must be an object"),
+    "rope factor a string": (lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": "x"}), "rope_scaling.factor must be a number"),
+    "rope_theta negative": (lambda c: c.update(rope_parameters={"rope_theta": -1.0}), "rope_theta must be a number above 0.0"),
+    "architectures a number": (lambda c: c.update(architectures=5), "architectures must be a list of strings"),
+    "is_causal 'yes'": (lambda c: c.update(is_causal="yes"), "is_causal must be true or false"),
+    "quantization a string": (lambda c: c.update(quantization="4bit"), "quantization must be an object"),
+    "sliding_window 'big'": (lambda c: c.update(sliding_window="big"), "sliding_window must be an integer"),
+    "max_position_embeddings -1": (lambda c: c.update(max_position_embeddings=-1), "max_position_embeddings must be an integer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_DAMAGE))
+def test_a_bad_drafter_config_field_is_one_line_naming_it(tmp_path, drafter, case):
+    change, words = CONFIG_DAMAGE[case]
+    edit(drafter / "config.json", change)
+    refused(["convert", "--hf-path", drafter, "--mlx-path", tmp_path / "o"], words)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nested too deeply"),
+    (b'{"hidden_size": "\xff\xfe"}', "is not UTF-8 text"),
+    (b"{", "is not valid JSON"),
+    (b"[]", "does not hold a JSON object"),
+    (b" " * (2**20 + 1), "is not a config"),
+])
+def test_an_unreadable_drafter_config_is_one_line(tmp_path, drafter, content, words):
+    (drafter / "config.json").write_bytes(content)
+    refused(["convert", "--hf-path", drafter, "--mlx-path", tmp_path / "o"], words)
+    refused(["generate", "--model", DEMO / "target", "--draft", drafter, "-p", "x", "-m", "2"], words)
