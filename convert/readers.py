@@ -13,7 +13,7 @@ import pickletools
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Dict, NamedTuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -24,11 +24,13 @@ from dflash_mlx.errors import DFlashError
 SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
 
 
-def read_safetensors(path: Path) -> Dict[str, mx.array]:
+def safetensors_header(path: Path) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """Each tensor's (dtype, shape) from a safetensors file's header, checked by
+    `safetensors.safe_open` (offsets inside the file, no overlaps); nothing is loaded."""
     path = Path(path)
     try:
         with safe_open(str(path), framework="numpy") as f:
-            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+            return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
     except SafetensorError as e:
         reason = (str(e).split(": ", 1)[-1].splitlines() or ["no header"])[0]
         # Messages differ across safetensors versions ("incomplete metadata",
@@ -36,6 +38,33 @@ def read_safetensors(path: Path) -> Dict[str, mx.array]:
         if any(w in reason.lower() for w in ("incomplete", "small", "length")):
             raise DFlashError(f"{path} is truncated or damaged ({reason}); download it again.")
         raise DFlashError(f"{path} has a corrupt safetensors header ({reason}); download it again.")
+    except OSError as e:
+        raise DFlashError(f"Cannot read {path} ({e.strerror or e}).")
+
+
+def shard_paths(index: Path) -> List[Path]:
+    """The shards a sharded safetensors index names: file names in the index's own folder."""
+    index = Path(index)
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise DFlashError(f"{index} is not a valid safetensors index (no weight_map); download it again.")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise DFlashError(f"{index}: weight_map must map tensor names to shard file names; download it again.")
+    shards = []
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard or shard in ("", ".", ".."):
+            raise DFlashError(f"{index} names shard {shard!r} outside its folder; download it again.")
+        shard_path = index.parent / shard
+        if not shard_path.is_file():
+            raise DFlashError(f"Shard {shard} listed in {index.name} is missing; download it again.")
+        shards.append(shard_path)
+    return shards
+
+
+def read_safetensors(path: Path) -> Dict[str, mx.array]:
+    path = Path(path)
+    dtypes = {k: dtype for k, (dtype, _) in safetensors_header(path).items()}
     for key, dtype in dtypes.items():
         if dtype not in SAFETENSORS_DTYPES:
             raise DFlashError(
@@ -48,15 +77,8 @@ def read_safetensors(path: Path) -> Dict[str, mx.array]:
 
 
 def read_sharded_safetensors(index: Path) -> Dict[str, mx.array]:
-    try:
-        weight_map = json.loads(Path(index).read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise DFlashError(f"{index} is not a valid safetensors index (no weight_map).")
     weights = {}
-    for shard in sorted(set(weight_map.values())):
-        shard_path = Path(index).parent / shard
-        if not shard_path.is_file():
-            raise DFlashError(f"Shard {shard} listed in {index.name} is missing; download it again.")
+    for shard_path in shard_paths(index):
         weights.update(read_safetensors(shard_path))
     return weights
 

@@ -50,27 +50,32 @@ def initialize_rope(dims, base, scaling_config, max_position_embeddings):
 
 def load_target(path, tokenizer_config: Optional[dict] = None):
     """Load an mlx-lm model and tokenizer from a local directory."""
-    import json
     from pathlib import Path
 
-    cfg_path = Path(path) / "config.json"
-    try:
-        model_type = json.loads(cfg_path.read_text()).get("model_type")
-    except FileNotFoundError:
-        raise DFlashError(f"No config.json in {path}; --model must be an mlx-lm model directory, repo id or alias.")
-    ok, why = family_verdict(str(model_type))
+    from .target_files import check_target_files, read_target_config
+
+    cfg = read_target_config(path)
+    ok, why = family_verdict(cfg["model_type"])
     if not ok:
         raise DFlashError(
-            f"Target family '{model_type}' is not supported: {why} (`dflash-mlx doctor` lists the supported families)."
+            f"Target family '{cfg['model_type']}' is not supported: {why} "
+            "(`dflash-mlx doctor` lists the supported families)."
         )
+    check_target_files(path, cfg)
     try:
         model, config = load_model(Path(path))
-    except (ValueError, FileNotFoundError) as e:
-        raise DFlashError(f"Could not load the target from {path}: {str(e).splitlines()[0]}")
-    tokenizer = load_tokenizer(
-        Path(path), tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
-    )
+    except (ValueError, FileNotFoundError, KeyError, TypeError, RuntimeError) as e:
+        raise DFlashError(f"Could not load the target from {path}: {failure_line(e)}; download the model again.")
+    try:
+        tokenizer = load_tokenizer(Path(path), tokenizer_config or {}, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # the tokenizers library raises plain Exceptions for damaged files
+        raise DFlashError(f"Could not load the target's tokenizer from {path}: {failure_line(e)}; "
+                          "download the model again.")
     return model, tokenizer, config
+
+
+def failure_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0] if str(e) else type(e).__name__
 
 
 def model_class(path, config: dict) -> type:

@@ -212,3 +212,45 @@ def test_an_unreadable_drafter_config_is_one_line(tmp_path, drafter, content, wo
     (drafter / "config.json").write_bytes(content)
     refused(["convert", "--hf-path", drafter, "--mlx-path", tmp_path / "o"], words)
     refused(["generate", "--model", DEMO / "target", "--draft", drafter, "-p", "x", "-m", "2"], words)
+
+
+# --- target folders: checked before mlx-lm builds anything from them ------------------
+
+def _index(t, weight_map):
+    (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _outside(t):
+    other = t.parent / "other"
+    other.mkdir()
+    (t / "model.safetensors").rename(other / "model.safetensors")
+    _index(t, {"model.embed_tokens.weight": "../other/model.safetensors"})
+
+
+TARGET_DAMAGE = {
+    "config '{'": (lambda t: (t / "config.json").write_text("{"), "is not valid JSON"),
+    "config []": (lambda t: (t / "config.json").write_text("[]"), "the config must be a JSON object"),
+    "no hidden_size": (lambda t: edit(t / "config.json", lambda c: c.pop("hidden_size")), "lacks hidden_size"),
+    "hidden_size 'abc'": (lambda t: edit(t / "config.json", lambda c: c.update(hidden_size="abc")),
+                          "hidden_size must be an integer"),
+    "num_hidden_layers 10**9": (lambda t: edit(t / "config.json", lambda c: c.update(num_hidden_layers=10**9)),
+                                "num_hidden_layers must be an integer from 1 to 4096"),
+    "more layers than weights": (lambda t: edit(t / "config.json", lambda c: c.update(num_hidden_layers=100)),
+                                 "num_hidden_layers is 100 but the weights hold 4 layers"),
+    "model_type a number": (lambda t: edit(t / "config.json", lambda c: c.update(model_type=5)),
+                            "model_type must be a string"),
+    "truncated weights": (lambda t: (t / "model.safetensors").write_bytes((t / "model.safetensors").read_bytes()[:-999]),
+                          "truncated"),
+    "no weights": (lambda t: (t / "model.safetensors").unlink(), "No weights"),
+    "bad tokenizer JSON": (lambda t: (t / "tokenizer.json").write_text("{"), "Could not load the target's tokenizer"),
+    "no tokenizer files": (lambda t: (t / "tokenizer.json").unlink(), "No tokenizer files"),
+    "a shard outside the folder": (_outside, "names shard '../other/model.safetensors' outside its folder"),
+    "weight_map a list": (lambda t: _index(t, ["model.safetensors"]), "weight_map must map tensor names"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TARGET_DAMAGE))
+def test_a_damaged_target_folder_is_one_line(target, case):
+    damage, words = TARGET_DAMAGE[case]
+    damage(target)
+    refused(["generate", "--model", target, "--draft", DEMO / "drafter", "-p", "x", "-m", "2"], words)
