@@ -144,7 +144,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if key not in self.storages:
             dtype = _TORCH_STORAGES[storage_type.name]
             try:
-                raw = self.archive.read(f"{self.prefix}data/{key}")
+                raw = read_entry(self.archive, f"{self.prefix}data/{key}", self.source)
             except KeyError:
                 raise ValueError(f"tensor data {key} is missing")
             self.storages[key] = (np.frombuffer(raw, dtype=dtype), dtype is np.uint16)
@@ -176,6 +176,18 @@ class _RestrictedUnpickler(pickle.Unpickler):
             data[offset:], shape=size, strides=tuple(s * data.itemsize for s in stride), writeable=False
         ).copy()
         return BF16Array(view) if is_bf16 else view
+
+
+def read_entry(archive: zipfile.ZipFile, name: str, source) -> bytes:
+    """An archive entry, refused before it is inflated if it says it is larger than the
+    whole archive on disk: torch.save stores entries uncompressed, so only a crafted
+    archive (a small file inflating to gigabytes) declares more."""
+    info = archive.getinfo(name)
+    size = Path(archive.filename).stat().st_size
+    if info.file_size > size:
+        raise DFlashError(f"{source}: entry {name} inflates to {info.file_size} bytes from a {size}-byte archive; "
+                          "it is not a torch.save checkpoint (re-save it with torch.save or as safetensors).")
+    return archive.read(info)
 
 
 def _rebuild_parameter(data, *args, **kwargs):
@@ -225,9 +237,9 @@ def read_torch(path: Path) -> Dict[str, mx.array]:
                 raise DFlashError(f"{path} has no data.pkl; it is not a PyTorch checkpoint.")
             prefix = pkl[0][: -len("data.pkl")]
             order = [n for n in names if n == f"{prefix}byteorder"]
-            if order and archive.read(order[0]).strip() != b"little":
+            if order and read_entry(archive, order[0], path).strip() != b"little":
                 raise DFlashError(f"{path} was saved big-endian, which is not supported.")
-            data = archive.read(pkl[0])
+            data = read_entry(archive, pkl[0], path)
             _check_memo(data)
             obj = _RestrictedUnpickler(io.BytesIO(data), archive, prefix, path).load()
             return {str(k): to_mx(v) for k, v in _unwrap(obj).items()}

@@ -254,3 +254,29 @@ def test_a_damaged_target_folder_is_one_line(target, case):
     damage, words = TARGET_DAMAGE[case]
     damage(target)
     refused(["generate", "--model", target, "--draft", DEMO / "drafter", "-p", "x", "-m", "2"], words)
+
+
+# --- PyTorch archives: no entry is inflated beyond the archive's own size ----------------
+
+@pytest.mark.parametrize("entry", ["archive/data.pkl", "archive/data/0"])
+def test_a_zip_bomb_checkpoint_is_refused_before_it_is_inflated(tmp_path, drafter, entry):
+    import tracemalloc
+    import zipfile
+
+    from test_convert import tensor_pickle
+
+    (drafter / "model.safetensors").unlink()
+    bomb = 64 * 2**20  # zeros: a few kilobytes deflated
+    with zipfile.ZipFile(drafter / "pytorch_model.bin", "w", zipfile.ZIP_DEFLATED) as z:
+        if entry != "archive/data.pkl":
+            z.writestr("archive/data.pkl", tensor_pickle(0, (4,), (1,)))  # a tensor in storage "0"
+        with z.open(entry, "w", force_zip64=True) as f:
+            for _ in range(bomb // 2**20):
+                f.write(bytes(2**20))
+    assert (drafter / "pytorch_model.bin").stat().st_size < 2**20
+    tracemalloc.start()
+    try:
+        refused(["convert", "--hf-path", drafter, "--mlx-path", tmp_path / "o"], f"entry {entry} inflates to {bomb}")
+        assert tracemalloc.get_traced_memory()[1] < bomb // 4
+    finally:
+        tracemalloc.stop()
