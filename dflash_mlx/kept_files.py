@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -49,6 +50,8 @@ def set_aside(path: Path, what: str, why: str) -> None:
     path = Path(path)
     aside = path.with_name(path.name + ".damaged")
     try:
+        if aside.is_dir() and not aside.is_symlink():
+            shutil.rmtree(aside)  # an earlier damaged copy of a folder we wrote
         os.replace(path, aside)
         done = f"set aside as {aside.name}"
     except OSError as e:

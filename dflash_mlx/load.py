@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from safetensors import SafetensorError
 
 from .adaptive import CONTEXTS, BlockSizer, CostCurve, curve_key, load_or_measure, tree_shapes
@@ -29,6 +30,8 @@ from .hub import Resolved, cache_root, check_name, fetch, resolve
 
 RATES_VERSION = 2
 RATES_KIND = "dflash_mlx.rates"
+# Safetensors dtypes a converted drafter's tensors may have (quantized weights are packed into U32).
+FLOAT_DTYPES = ("F32", "F16", "BF16")
 RATES_EVERY = 10.0  # seconds between writes of the learnt rates (the first write is at once)
 
 
@@ -158,41 +161,65 @@ def converted_path(path: Path) -> Path:
 
 
 def load_drafter(path: Path) -> DFlashDrafter:
-    """Load an MLX drafter; a PyTorch/z-lab one is converted once and cached."""
+    """Load an MLX drafter; a PyTorch/z-lab one is converted once and cached.
+    A cached conversion that fails its checks is set aside and converted again."""
     from .convert import convert_drafter, is_converted
 
     path = Path(path)
-    if not is_converted(path):
-        cached = converted_path(path)
-        if not is_converted(cached):
-            convert_drafter(str(path), str(cached), force=2)  # our own cache entry
-        path = cached
+    if is_converted(path):
+        return load_converted(path)
+    cached = converted_path(path)
+    if is_converted(cached):
+        try:
+            return load_converted(cached)
+        except DFlashError as e:
+            kept_files.set_aside(cached, "converted drafter", str(e))
+    convert_drafter(str(path), str(cached), force=2)  # our own cache entry
+    return load_converted(cached)
+
+
+def load_converted(path: Path) -> DFlashDrafter:
+    """A drafter in the MLX layout, every tensor checked against its config (name,
+    shape, dtype) and every header by safetensors before anything is loaded."""
+    from .convert.readers import safetensors_header
+
     config = DrafterConfig.from_file(path / "config.json")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise DFlashError(f"No *.safetensors weights in {path}; convert the drafter with `dflash-mlx convert`.")
-    weights = {}
+    header = {}
     for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except (RuntimeError, ValueError, SafetensorError) as e:
-            raise DFlashError(f"Cannot read {f} ({str(e).splitlines()[0]}); the file is corrupt, download it again.")
-    weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
-    model = drafter_class(config)(config)
+        header.update({k[len("model."):] if k.startswith("model.") else k: v for k, v in safetensors_header(f).items()})
     if config.is_dflash2:
-        weights = published_keys(weights)
+        header = published_keys(header)
+    model = drafter_class(config)(config)  # lazy: nothing is allocated until the weights replace its arrays
     if config.quantization:
         q = config.quantization
         nn.quantize(
             model,
             group_size=q.get("group_size", 64),
             bits=q.get("bits", 4),
-            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in header,
         )
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise DFlashError(f"Drafter weights in {path} do not match its config: {str(e).splitlines()[0]}")
+    expected = dict(tree_flatten(model.parameters()))
+    problem = next((f"unknown tensor {k}" for k in sorted(set(header) - set(expected))), None) or \
+        next((f"missing tensor {k}" for k in sorted(set(expected) - set(header))), None) or \
+        next((f"tensor {k} has shape {header[k][1]}, not {tuple(v.shape)}" for k, v in expected.items()
+              if header[k][1] != tuple(v.shape)), None) or \
+        next((f"tensor {k} has dtype {header[k][0]}" for k, v in expected.items()
+              if header[k][0] not in (("U32",) if v.dtype == mx.uint32 else FLOAT_DTYPES)), None)
+    if problem:
+        raise DFlashError(f"Drafter weights in {path} do not match its config: {problem}; convert it again.")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError, SafetensorError) as e:
+            raise DFlashError(f"Cannot read {f} ({str(e).splitlines()[0]}); the file is corrupt, convert it again.")
+    weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
+    if config.is_dflash2:
+        weights = published_keys(weights)
+    model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
     return model

@@ -280,3 +280,47 @@ def test_a_zip_bomb_checkpoint_is_refused_before_it_is_inflated(tmp_path, drafte
         assert tracemalloc.get_traced_memory()[1] < bomb // 4
     finally:
         tracemalloc.stop()
+
+
+# --- converted drafters: checked as the converter checks, a damaged cache entry redone ---
+
+def _int_tensor(folder):
+    import mlx.core as mx
+
+    w = mx.load(str(folder / "model.safetensors"))
+    w["norm.weight"] = w["norm.weight"].astype(mx.int32)
+    mx.save_safetensors(str(folder / "model.safetensors"), w)
+
+
+def _overlapping(folder):
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    a, b = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])[:2]
+    header[b]["data_offsets"][0] = header[a]["data_offsets"][0]  # b starts inside a
+    text = json.dumps(header).encode().ljust(n)
+    path.write_bytes(n.to_bytes(8, "little") + text + raw[8 + n :])
+
+
+@pytest.mark.parametrize("damage, words", [(_int_tensor, "tensor norm.weight has dtype I32"),
+                                           (_overlapping, "safetensors")])
+def test_a_damaged_converted_drafter_is_refused_and_a_cache_entry_converted_again(tmp_path, drafter, damage, words,
+                                                                                   caplog):
+    import mlx.core as mx
+
+    from dflash_mlx.load import converted_path, load_drafter
+
+    want = load_drafter(drafter)  # converted into the cache
+    cached = converted_path(drafter)
+    damage(cached)
+    with caplog.at_level("WARNING", logger="dflash_mlx"):
+        again = load_drafter(drafter)  # set aside and converted again from the checkpoint on disk
+    assert [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert cached.with_name(cached.name + ".damaged").is_dir()
+    assert mx.array_equal(want.norm.weight, again.norm.weight)
+    # A converted folder of the user's own is not rebuilt: one line says what is wrong.
+    mine = tmp_path / "mine"
+    shutil.copytree(cached, mine)
+    damage(mine)
+    refused(["generate", "--model", DEMO / "target", "--draft", mine, "-p", "x", "-m", "2"], words)
