@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -17,11 +18,12 @@ from mlx_lm.utils import compute_bits_per_weight, quantize_model, save_config
 
 from dflash_mlx.config import DFLASH2_FIELDS, DrafterConfig, check_pair
 from dflash_mlx.drafter2 import drafter_class, published_keys
-from dflash_mlx.errors import DFlashError
+from dflash_mlx.errors import DFlashError, printable
 from dflash_mlx.hub import TORCH_SUFFIXES, fetch
 
 from .readers import read_safetensors, read_sharded_safetensors, read_torch
 
+log = logging.getLogger("dflash_mlx")
 FORMAT = "dflash_mlx"
 FORMAT_VERSION = 1
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -52,6 +54,10 @@ def read_checkpoint(path: Path) -> Dict[str, mx.array]:
     if path.is_file():
         files = [path]
     else:
+        unread = sorted(p.name for p in path.iterdir() if p.suffix in TORCH_SUFFIXES)
+        if unread and any(path.glob("*.safetensors")):
+            log.warning(printable(f"{path} holds both safetensors weights and {', '.join(unread)}; "
+                                  "the safetensors weights are converted, the others are not read."))
         index = path / "model.safetensors.index.json"
         if index.is_file():
             return read_sharded_safetensors(index)
@@ -281,6 +287,10 @@ def convert_drafter(
     progress("checking weights")
     model = drafter_class(config)(config)
     check_weights(weights, model, str(src))
+    broken = next((k for k, v in weights.items() if not mx.all(mx.isfinite(v)).item()), None)
+    if broken:
+        raise DFlashError(f"{src}: weight {broken} holds NaN or infinite values; the checkpoint is damaged, "
+                          "download it again.")
     source_dtypes = {v.dtype for v in weights.values()}
     if dtype is None:
         dtype = next((k for k, v in DTYPES.items() if {v} == source_dtypes), "bfloat16")

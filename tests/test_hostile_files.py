@@ -324,3 +324,20 @@ def test_a_damaged_converted_drafter_is_refused_and_a_cache_entry_converted_agai
     shutil.copytree(cached, mine)
     damage(mine)
     refused(["generate", "--model", DEMO / "target", "--draft", mine, "-p", "x", "-m", "2"], words)
+
+
+def test_nan_or_infinite_weights_are_refused(tmp_path, drafter):
+    import mlx.core as mx
+
+    w = mx.load(str(drafter / "model.safetensors"))
+    w["norm.weight"] = mx.where(mx.arange(w["norm.weight"].size) == 3, float("nan"), w["norm.weight"])
+    mx.save_safetensors(str(drafter / "model.safetensors"), w)
+    refused(["convert", "--hf-path", drafter, "--mlx-path", tmp_path / "o"], "weight norm.weight holds NaN")
+
+
+def test_a_bin_beside_safetensors_is_named_not_used_silently(tmp_path, drafter, caplog):
+    (drafter / "pytorch_model.bin").write_bytes(b"not read")
+    with caplog.at_level("WARNING", logger="dflash_mlx"):
+        r = runner.invoke(app, ["convert", "--hf-path", str(drafter), "--mlx-path", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert any("pytorch_model.bin" in m and "not read" in m for m in caplog.messages)
