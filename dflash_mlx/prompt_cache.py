@@ -177,7 +177,9 @@ class PromptCache:
         if disk_bytes > 0:
             key = model_key(pair)
             folder = Path(disk_dir) if disk_dir else cache_root() / "prompt-cache"
-            self.disk = PromptStore(folder / key, key, disk_bytes, _Exact)
+            layout = [type(c).__name__ for c in pair.target.make_cache()]
+            layout += ["ContextRows"] * len(pair.drafter.make_cache())
+            self.disk = PromptStore(folder / key, key, disk_bytes, _Exact, layout)
             self._disk_source = pair.draft_source
             self._sources[id(pair.draft_source)] = pair.draft_source
 

@@ -9,7 +9,11 @@ the files' headers, so a restarted server reuses what an earlier one wrote;
 files are evicted least recently used first beyond the byte bound.
 
 A file is written under a temporary name and renamed, so an entry is whole
-or absent; one that cannot be read is removed with a warning.
+or absent. Each carries a sha256 of its tokens, layer descriptions and
+arrays; on loading, the checksum, the model's cache layout, every offset
+against the entry's tokens and the arrays' finiteness are checked, and an
+entry that fails any of them is removed with one warning (the request then
+runs cold). Anything in the folder that is not a regular file is left alone.
 """
 
 import hashlib
@@ -32,7 +36,7 @@ from .drafter import DraftCache
 from .errors import DFlashError
 from .target_caches import WindowCache
 
-FORMAT = "dflash-mlx-prompt-cache/1"
+FORMAT = "dflash-mlx-prompt-cache/2"  # 2: a checksum in every entry
 _SUFFIX = ".safetensors"
 _TMP = ".tmp" + _SUFFIX
 _STALE_TMP_S = 600  # a temporary file this old is left over from a crash
@@ -76,6 +80,73 @@ def model_key(pair) -> str:
 
 
 # -- one entry <-> arrays and metadata -----------------------------------------
+
+# A position, offset or size in an entry's metadata beyond this is damage.
+MAX_POSITION = 2**31 - 1
+
+
+def checksum(tokens: Sequence[int], layers: list, arrays: dict) -> str:
+    """sha256 of an entry: its tokens, layer descriptions and every array's name,
+    dtype, shape and bytes (row-major, as the file stores them)."""
+    h = hashlib.sha256(json.dumps([list(tokens), layers]).encode())
+    names = sorted(arrays)
+    values = [mx.contiguous(arrays[k]) for k in names]
+    mx.eval(values)
+    for k, v in zip(names, values):
+        h.update(f"|{k}|{v.dtype}|{v.shape}|".encode())
+        h.update(memoryview(v))
+    return h.hexdigest()
+
+
+def _position(value, most: int = MAX_POSITION) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise ValueError(f"a position of {str(value)[:20]}")
+    return value
+
+
+def check_entry(tokens: Sequence[int], layers, arrays: dict, layout: Sequence[str]) -> None:
+    """ValueError unless the entry has the model's layout (`layout`: its target
+    caches' classes, then drafter layers) and every offset fits its tokens."""
+    if not isinstance(layers, list) or len(layers) != len(layout):
+        raise ValueError(f"{len(layers) if isinstance(layers, list) else 'no'} layers for a model with {len(layout)}")
+    n = len(tokens)
+    for i, (layer, want) in enumerate(zip(layers, layout)):
+        if not isinstance(layer, dict):
+            raise ValueError(f"layer {i} is not described")
+        mine = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.split(".", 1)[0] == str(i)}
+        if want == "ContextRows":
+            rows = layer.get("rows")
+            if not isinstance(rows, list) or len(rows) != 5:
+                raise ValueError(f"layer {i} is not a drafter layer")
+            window, bound, offset, start, holes = rows
+            if window is not None:
+                _position(window)
+            if bound is not None and (not isinstance(bound, list) or len(bound) != 2):
+                raise ValueError(f"layer {i} has a malformed bound")
+            for b in bound or []:
+                _position(b)
+            _position(offset, n)
+            _position(start, offset)
+            if not isinstance(holes, list) or any(not isinstance(h, list) or len(h) != 2 for h in holes):
+                raise ValueError(f"layer {i} has malformed holes")
+            for a, b in holes:
+                _position(b, offset), _position(a, b)
+            if layer.get("arrays"):
+                keys = mine.get("keys")
+                if keys is None or "values" not in mine or keys.ndim != 4 or keys.shape[2] < offset - start:
+                    raise ValueError(f"layer {i} holds fewer rows than its offset")
+            continue
+        if layer.get("class") != want:
+            raise ValueError(f"layer {i} is a {str(layer.get('class'))[:40]}, not a {want}")
+        if not isinstance(layer.get("leaves", {}), dict) or not isinstance(layer.get("meta", []), list):
+            raise ValueError(f"layer {i} is not described")
+        for value in list(layer.get("leaves", {}).values()) + list(layer.get("meta", [])):
+            if isinstance(value, str) and value.lstrip("-").isdigit() or isinstance(value, int) \
+                    and not isinstance(value, bool):
+                _position(int(value))
+    floats = [v for v in arrays.values() if mx.issubdtype(v.dtype, mx.floating)]
+    if floats and not mx.all(mx.stack([mx.all(mx.isfinite(v)) for v in floats])).item():
+        raise ValueError("an array holds NaN or infinite values")
 
 def encode(objs: Sequence, exact: type) -> Optional[Tuple[dict, list]]:
     """(arrays, layer descriptions) of an entry's layers, or None if one cannot be written.
@@ -134,6 +205,20 @@ def decode(arrays: dict, layers: list, exact: type) -> list:
     return out
 
 
+def check_offsets(tokens: Sequence[int], objs: list, exact: type) -> None:
+    """ValueError unless every rebuilt target cache has seen at most the entry's tokens,
+    and a full-attention one holds the rows its offset says."""
+    for i, o in enumerate(objs):
+        c = o.cache if isinstance(o, exact) else o
+        if isinstance(c, ContextRows):
+            continue
+        offset = getattr(c, "offset", None)
+        if offset is not None:
+            _position(offset, len(tokens))
+        if type(c) is cache_lib.KVCache and offset and (c.keys is None or c.keys.shape[2] < offset):
+            raise ValueError(f"layer {i} holds fewer rows than its offset")
+
+
 # -- the folder ----------------------------------------------------------------
 
 @dataclass
@@ -150,9 +235,9 @@ class PromptStore:
 
     `exact` is the wrapper marking a layer usable only for its whole prefix."""
 
-    def __init__(self, folder, key: str, max_bytes: int, exact: type):
+    def __init__(self, folder, key: str, max_bytes: int, exact: type, layout: Sequence[str]):
         self.folder = Path(folder)
-        self.key, self.max_bytes, self.exact = key, max_bytes, exact
+        self.key, self.max_bytes, self.exact, self.layout = key, max_bytes, exact, list(layout)
         self._files: "OrderedDict[str, _File]" = OrderedDict()  # least recently used first
         self._trie = PromptTrie()
         self.nbytes = 0
@@ -185,13 +270,21 @@ class PromptStore:
                 continue
             if not path.name.endswith(_SUFFIX):
                 continue
+            if path.is_symlink() or not path.is_file():  # not ours: a FIFO would block the read
+                warnings.warn(f"prompt cache: skipping {path} (not a regular file); it was left as it is.",
+                              PromptStoreWarning, stacklevel=2)
+                continue
             try:
                 with safe_open(str(path), framework="numpy") as f:
                     meta = f.metadata() or {}
                 if meta.get("format") != FORMAT or meta.get("key") != self.key:
                     raise ValueError("written for another model or format")
                 tokens = tuple(json.loads(meta["tokens"]))
+                if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in tokens):
+                    raise ValueError("its tokens are not token ids")
                 layers, cache_type = json.loads(meta["layers"]), meta["cache_type"]
+                if not isinstance(layers, list) or not all(isinstance(l, dict) for l in layers):
+                    raise ValueError("its layers are not described")
                 if path.name != _name(tokens) + _SUFFIX:
                     raise ValueError("its name does not match its tokens")
                 st = path.stat()
@@ -247,7 +340,8 @@ class PromptStore:
         if sum(a.nbytes for a in arrays.values()) > self.max_bytes:
             return False
         meta = {"format": FORMAT, "key": self.key, "tokens": json.dumps(list(tokens)),
-                "layers": json.dumps(layers), "cache_type": cache_type}
+                "layers": json.dumps(layers), "cache_type": cache_type,
+                "sha256": checksum(tokens, layers, arrays)}
         path = self._path(name)
         tmp = self.folder / f"{name}.{os.getpid()}{_TMP}"
         try:
@@ -278,8 +372,13 @@ class PromptStore:
             arrays, meta = mx.load(str(path), return_metadata=True)
             if meta.get("key") != self.key or tuple(json.loads(meta["tokens"])) != f.tokens:
                 raise ValueError("written for another model or prompt")
-            objs = decode(arrays, json.loads(meta["layers"]), self.exact)
+            layers = json.loads(meta["layers"])
             mx.eval(list(arrays.values()))  # read now: a truncated file fails here, not mid-request
+            if meta.get("sha256") != checksum(f.tokens, layers, arrays):
+                raise ValueError("its checksum does not match its contents")
+            check_entry(f.tokens, layers, arrays, self.layout)
+            objs = decode(arrays, layers, self.exact)
+            check_offsets(f.tokens, objs, self.exact)
         except Exception as e:
             self._drop(f)
             warnings.warn(f"prompt cache: skipping {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "

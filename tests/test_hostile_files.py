@@ -341,3 +341,114 @@ def test_a_bin_beside_safetensors_is_named_not_used_silently(tmp_path, drafter, 
         r = runner.invoke(app, ["convert", "--hf-path", str(drafter), "--mlx-path", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
     assert any("pytorch_model.bin" in m and "not read" in m for m in caplog.messages)
+
+
+# --- prompt-cache entries on disk: verified before use, dropped with one line -------------
+
+def _rewrite_entry(path, change, crafted):
+    """Load an entry, `change(arrays, meta, layers)`, save it again; `crafted`: with its checksum
+    recomputed, as someone forging an entry would."""
+    import mlx.core as mx
+
+    from dflash_mlx import prompt_store
+
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    layers = json.loads(meta["layers"])
+    change(arrays, meta, layers)
+    meta["layers"] = json.dumps(layers)
+    if crafted:
+        meta["sha256"] = prompt_store.checksum(json.loads(meta["tokens"]), layers, arrays)
+    mx.save_safetensors(str(path), arrays, meta)
+
+
+def _rows(layers):
+    return next(l["rows"] for l in layers if "rows" in l)
+
+
+def _nan(arrays, meta, layers):
+    import mlx.core as mx
+
+    k = sorted(arrays)[0]
+    arrays[k] = mx.full(arrays[k].shape, float("nan"), dtype=arrays[k].dtype)
+
+
+def _target_offset(arrays, meta, layers):
+    tokens = json.loads(meta["tokens"])
+    layer = next(l for l in layers if l.get("class") == "KVCache")
+    key = next(k for k, v in layer["leaves"].items() if isinstance(v, int))
+    layer["leaves"][key] = len(tokens) + 50
+
+
+ENTRY_DAMAGE = {
+    "negative offset": lambda a, m, l: _rows(l).__setitem__(2, -5),
+    "huge offset": lambda a, m, l: _rows(l).__setitem__(2, 10**12),
+    "non-numeric offset": lambda a, m, l: _rows(l).__setitem__(2, "x"),
+    "layers []": lambda a, m, l: l.clear(),
+    "NaN arrays": _nan,
+    "a target offset beyond its tokens": _target_offset,
+}
+
+
+def _flip(path):
+    raw = bytearray(path.read_bytes())
+    for i in range(len(raw) - 64, len(raw) - 16, 4):
+        raw[i] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+def _spilled(pair, tmp_path, prompt):
+    from dflash_mlx.prompt_cache import PromptCache
+    from test_prompt_cache_disk import file_of, run
+
+    first = PromptCache(pair, disk_bytes=1 << 30, disk_dir=tmp_path)
+    answer, _, _ = run(pair, prompt, first)
+    assert first.spill() >= 1
+    return answer, file_of(first.disk, prompt)
+
+
+# Each damage as it happens (the checksum fails) and forged (its checksum recomputed:
+# the structural checks catch it); flipped bytes only happen.
+@pytest.mark.parametrize("case, crafted", [(c, f) for c in sorted(ENTRY_DAMAGE) for f in (False, True)]
+                         + [("flipped data bytes", False)])
+def test_a_damaged_prompt_cache_entry_is_dropped_and_the_text_is_a_cold_runs(pairs, tmp_path, case, crafted):
+    from dflash_mlx.prompt_cache import PromptCache
+    from dflash_mlx.prompt_store import PromptStoreWarning
+    from test_prompt_cache_disk import run
+
+    pair = pairs["qwen3"]
+    tok = pair.tokenizer
+    prompt = tok.encode("Once upon a time there was a tiny language model that could count: one two")
+    answer, path = _spilled(pair, tmp_path, prompt)
+    if case == "flipped data bytes":
+        _flip(path)
+    else:
+        _rewrite_entry(path, ENTRY_DAMAGE[case], crafted)
+    nxt = prompt + answer + tok.encode(" turn two def add(a, b):")
+    with pytest.warns(PromptStoreWarning) as caught:
+        again = PromptCache(pair, disk_bytes=1 << 30, disk_dir=tmp_path)
+        warm, stats, _ = run(pair, nxt, again)
+    cold, _, _ = run(pair, nxt)
+    assert warm == cold and stats.cached_tokens == 0
+    assert len([w for w in caught if issubclass(w.category, PromptStoreWarning)]) == 1
+    assert not path.exists()  # dropped: the next start does not meet it again
+
+
+def test_a_fifo_named_like_an_entry_does_not_stop_the_cache(pairs, tmp_path):
+    import os
+    import threading
+
+    from dflash_mlx.prompt_cache import PromptCache
+    from dflash_mlx.prompt_store import PromptStoreWarning
+
+    pair = pairs["qwen3"]
+    prompt = pair.tokenizer.encode("Once upon a time")
+    _, path = _spilled(pair, tmp_path, prompt)
+    fifo = path.with_name("0" * 32 + ".safetensors")
+    os.mkfifo(fifo)
+    done = []
+    with pytest.warns(PromptStoreWarning, match="not a regular file"):
+        t = threading.Thread(target=lambda: done.append(PromptCache(pair, disk_bytes=1 << 30, disk_dir=tmp_path)),
+                             daemon=True)
+        t.start()
+        t.join(timeout=30)
+    assert done and len(done[0].disk) == 1 and fifo.exists()
