@@ -1,6 +1,7 @@
 """Converting PyTorch/z-lab DFlash drafter checkpoints into the MLX layout."""
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -46,6 +47,15 @@ def is_converted(path: Path) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     return isinstance(cfg.get(FORMAT), dict) and cfg[FORMAT].get("format_version") == FORMAT_VERSION
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, read in pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 24), b""):
+            h.update(piece)
+    return h.hexdigest()
 
 
 def read_checkpoint(path: Path) -> Dict[str, mx.array]:
@@ -308,6 +318,7 @@ def convert_drafter(
 
     def write(tmp: Path):
         mx.save_safetensors(str(tmp / "model.safetensors"), params, metadata={"format": "mlx"})
+        new_cfg[FORMAT]["sha256"] = file_digest(tmp / "model.safetensors")  # checked on every load
         save_config(new_cfg, tmp / "config.json")
         (tmp / "config.original.json").write_text(json.dumps(original, indent=2))
 

@@ -181,12 +181,18 @@ def load_drafter(path: Path) -> DFlashDrafter:
 def load_converted(path: Path) -> DFlashDrafter:
     """A drafter in the MLX layout, every tensor checked against its config (name,
     shape, dtype) and every header by safetensors before anything is loaded."""
+    from .convert.convert import FORMAT, file_digest
     from .convert.readers import safetensors_header
 
     config = DrafterConfig.from_file(path / "config.json")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise DFlashError(f"No *.safetensors weights in {path}; convert the drafter with `dflash-mlx convert`.")
+    written = json.loads((path / "config.json").read_text()).get(FORMAT, {}).get("sha256")
+    if written is not None and (not (path / "model.safetensors").is_file()
+                                or file_digest(path / "model.safetensors") != written):
+        raise DFlashError(f"{path / 'model.safetensors'} does not match the checksum written when it was converted; "
+                          "convert it again.")
     header = {}
     for f in files:
         header.update({k[len("model."):] if k.startswith("model.") else k: v for k, v in safetensors_header(f).items()})

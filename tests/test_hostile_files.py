@@ -284,12 +284,20 @@ def test_a_zip_bomb_checkpoint_is_refused_before_it_is_inflated(tmp_path, drafte
 
 # --- converted drafters: checked as the converter checks, a damaged cache entry redone ---
 
+def _forged(folder):
+    """The checksum in the config recomputed, as someone forging a conversion would."""
+    from dflash_mlx.convert.convert import file_digest
+
+    edit(folder / "config.json", lambda c: c["dflash_mlx"].update(sha256=file_digest(folder / "model.safetensors")))
+
+
 def _int_tensor(folder):
     import mlx.core as mx
 
     w = mx.load(str(folder / "model.safetensors"))
     w["norm.weight"] = w["norm.weight"].astype(mx.int32)
     mx.save_safetensors(str(folder / "model.safetensors"), w)
+    _forged(folder)
 
 
 def _overlapping(folder):
@@ -301,6 +309,7 @@ def _overlapping(folder):
     header[b]["data_offsets"][0] = header[a]["data_offsets"][0]  # b starts inside a
     text = json.dumps(header).encode().ljust(n)
     path.write_bytes(n.to_bytes(8, "little") + text + raw[8 + n :])
+    _forged(folder)
 
 
 @pytest.mark.parametrize("damage, words", [(_int_tensor, "tensor norm.weight has dtype I32"),
@@ -452,3 +461,20 @@ def test_a_fifo_named_like_an_entry_does_not_stop_the_cache(pairs, tmp_path):
         t.start()
         t.join(timeout=30)
     assert done and len(done[0].disk) == 1 and fifo.exists()
+
+
+def test_a_converted_drafter_whose_bytes_changed_fails_its_checksum(tmp_path, drafter, caplog):
+    from dflash_mlx.load import converted_path, load_drafter
+
+    load_drafter(drafter)
+    cached = converted_path(drafter)
+    assert json.loads((cached / "config.json").read_text())["dflash_mlx"]["sha256"]
+    _flip(cached / "model.safetensors")  # data bytes only: every header check still passes
+    with caplog.at_level("WARNING", logger="dflash_mlx"):
+        load_drafter(drafter)
+    assert any("checksum" in m and "set aside" in m for m in caplog.messages)
+    mine = tmp_path / "mine"
+    shutil.copytree(cached, mine)
+    _flip(mine / "model.safetensors")
+    refused(["generate", "--model", DEMO / "target", "--draft", mine, "-p", "x", "-m", "2"],
+            "does not match the checksum written when it was converted")
