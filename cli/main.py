@@ -563,6 +563,7 @@ def bench(
     if not main_rank:  # only rank 0 reports; every rank runs the same benchmark
         err.file = open(os.devnull, "w")
     try:
+        texts = None if sizes == ["sweep"] else B.load_prompts(suite, prompts)  # before any model loads
         if sharded:
             pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
             if "auto" in sizes:  # each rank would time its own curve and pick its own widths
@@ -582,7 +583,6 @@ def bench(
                 result = B.sweep(pair, pair.draft_source.block_size, progress=progress)
             else:
                 B.check_context(pair, contexts, max_tokens)
-                texts = B.load_prompts(suite, prompts)
                 by_context = {}
                 for c in contexts:
                     def step(done, total, what="measuring", c=c):

@@ -78,17 +78,23 @@ def load_prompts(suite: Optional[str] = None, path: Optional[str] = None) -> Dic
         p = Path(path)
         if not p.is_file():
             raise DFlashError(f"--prompts {path} does not exist; give a .jsonl file of {{\"prompt\": ...}} rows.")
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            raise DFlashError(f"--prompts {path} is not UTF-8 text; give a .jsonl file of {{\"prompt\": ...}} rows.")
         rows = []
-        for n, line in enumerate(p.read_text().splitlines(), 1):
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
                 rows.append(row["prompt"] if isinstance(row, dict) else None)
-            except (json.JSONDecodeError, KeyError):
+            except (ValueError, KeyError, RecursionError):
                 rows.append(None)
             if not isinstance(rows[-1], str):
                 raise DFlashError(f"{path}:{n} must be a JSON object with a 'prompt' string.")
+        if not rows:
+            raise DFlashError(f"--prompts {path} holds no prompts; give a .jsonl file of {{\"prompt\": ...}} rows.")
         return {p.stem: rows}
     names = SUITES if suite in (None, "all") else (suite,)
     if any(n not in SUITES for n in names):

@@ -102,12 +102,16 @@ def read_prompts(path: Path, tokenizer, chunk_tokens: int = 64) -> List[List[int
                     prompts.append(ids)
                     piece = []
     elif path.is_file():
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise DFlashError(f"--data {path} is not UTF-8 text; give a prompts .jsonl file.")
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 raise DFlashError(f"{path}:{n} is not valid JSON; each line must be an object with 'prompt'.")
             if not isinstance(row, dict):
                 raise DFlashError(f"{path}:{n} must be a JSON object with 'prompt', 'text' or 'messages'.")

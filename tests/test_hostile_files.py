@@ -478,3 +478,26 @@ def test_a_converted_drafter_whose_bytes_changed_fails_its_checksum(tmp_path, dr
     _flip(mine / "model.safetensors")
     refused(["generate", "--model", DEMO / "target", "--draft", mine, "-p", "x", "-m", "2"],
             "does not match the checksum written when it was converted")
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'{"prompt": "\xff"}\n', "is not UTF-8 text"),
+    (b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"\n", "must be a JSON object"),
+    (b"\n\n", "holds no prompts"),
+    (b'{"prompt": 5}\n', "must be a JSON object with a 'prompt' string"),
+])
+def test_a_bad_bench_prompts_file_is_one_line(tmp_path, content, words):
+    p = tmp_path / "p.jsonl"
+    p.write_bytes(content)
+    refused(["bench", "--prompts", p, "-m", "2", "--block-size", "4"], words)
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'{"prompt": "\xff"}\n', "is not UTF-8 text"),
+    (b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"\n", "is not valid JSON"),
+])
+def test_a_bad_training_prompts_file_is_one_line(tmp_path, content, words):
+    p = tmp_path / "p.jsonl"
+    p.write_bytes(content)
+    refused(["train", "--model", DEMO / "target", "--data", p, "--out", tmp_path / "o", "--steps", "1"], words)
+    assert not (tmp_path / "o" / "checkpoints").exists()
