@@ -501,3 +501,49 @@ def test_a_bad_training_prompts_file_is_one_line(tmp_path, content, words):
     p.write_bytes(content)
     refused(["train", "--model", DEMO / "target", "--data", p, "--out", tmp_path / "o", "--steps", "1"], words)
     assert not (tmp_path / "o" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("case", ["flipped data bytes", "non-numeric offset"])
+def test_a_server_answers_a_damaged_entrys_prefix_as_a_cold_server(pairs, targets, tmp_path, case):
+    """`serve --prompt-cache-disk-bytes`: a damaged entry on disk (as it happens, or forged) is dropped
+    at the next request that would extend it, which gets HTTP 200 and a cold server's text."""
+    import threading
+
+    import http.client
+
+    from dflash_mlx.prompt_store import PromptStoreWarning
+    from dflash_mlx.server import make_server
+
+    model = str(targets["qwen3"])
+
+    def answer(messages, **cache):
+        server = make_server(pairs["qwen3"], model, "127.0.0.1", 0, **cache)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+            conn.request("POST", "/v1/chat/completions", json.dumps(
+                {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0}))
+            response = conn.getresponse()
+            assert response.status == 200
+            body = json.loads(response.read())
+            conn.close()
+        finally:
+            server.shutdown()
+            server.engine.close()  # with a disk tier: memory is spilled to it
+        return body
+
+    disk = dict(prompt_cache_disk_bytes=1 << 30, prompt_cache_dir=tmp_path)
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    body = answer(messages, **disk)
+    (path,) = tmp_path.glob("*/*.safetensors")
+    if case == "flipped data bytes":
+        _flip(path)
+    else:
+        _rewrite_entry(path, ENTRY_DAMAGE[case], crafted=True)
+    messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "import math"}]
+    with pytest.warns(PromptStoreWarning):
+        warm = answer(messages, **disk)
+    cold = answer(messages, prompt_cache_bytes=0)
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
