@@ -70,20 +70,18 @@ def _sharded_loader(g: mx.distributed.Group, sharding: str = "auto"):
 
     from .adapter import model_class
     from .target_caches import family_verdict
+    from .target_files import check_target_files, read_target_config
 
     if sharding not in SHARDINGS:
         raise DFlashError(f"--sharding must be one of {', '.join(SHARDINGS)} (got '{sharding}').")
 
     def load_target(path: Path):
-        cfg_path = Path(path) / "config.json"
-        try:
-            config = json.loads(cfg_path.read_text())
-        except FileNotFoundError:
-            raise DFlashError(f"No config.json in {path}; --model must be an mlx-lm model directory, repo id or alias.")
-        model_type = str(config.get("model_type"))
+        config = read_target_config(path)
+        model_type = config["model_type"]
         ok, why = family_verdict(model_type)
         if not ok:
             raise DFlashError(f"Target family '{model_type}' is not supported: {why}.")
+        check_target_files(path, config)
         model_cls = model_class(path, config)
         kind = _sharding_kind(model_cls, model_type, sharding, g)
         tested = TENSOR_PARALLEL if kind == "tensor" else PIPELINE_PARALLEL

@@ -35,7 +35,7 @@ def weight_files(path: Path) -> List[Path]:
 
 
 def read_target_config(path) -> Dict:
-    """The target's config.json, its sizes checked."""
+    """The target's config.json: an object naming its family (`model_type`)."""
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
@@ -46,6 +46,15 @@ def read_target_config(path) -> Dict:
         f.fail("the config", "a JSON object", cfg)
     if not isinstance(cfg.get("model_type"), str):
         f.fail("model_type", "a string naming an mlx-lm family", cfg.get("model_type"))
+    return cfg
+
+
+def check_target_files(path, cfg: Dict) -> None:
+    """The config's sizes (in range), the weights (present, headers intact, as many
+    layers as the config says) and the tokenizer files."""
+    path = Path(path)
+    cfg_path = path / "config.json"
+    f = Fields(str(cfg_path))
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     values = {}
     for name, (lo, hi) in LIMITS.items():
@@ -55,12 +64,7 @@ def read_target_config(path) -> Dict:
     missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in values]
     if missing:
         raise DFlashError(f"{cfg_path} lacks {', '.join(missing)}; it is not a complete model config ({AGAIN}).")
-    return cfg
 
-
-def check_target_files(path, cfg: Dict) -> None:
-    """The weights (present, headers intact, as many layers as `cfg` says) and tokenizer files."""
-    path = Path(path)
     files = weight_files(path)
     if not files:
         raise DFlashError(f"No weights (*.safetensors) in {path}; {AGAIN}.")
@@ -70,10 +74,9 @@ def check_target_files(path, cfg: Dict) -> None:
             m = LAYER_KEY.search(key)
             if m:
                 layers.add(int(m.group(1)))
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
-    n = text.get("num_hidden_layers", cfg.get("num_hidden_layers"))
+    n = values["num_hidden_layers"]
     if layers and n > max(layers) + 1:
-        raise DFlashError(f"{path / 'config.json'} says num_hidden_layers is {n} but the weights hold "
+        raise DFlashError(f"{cfg_path} says num_hidden_layers is {n} but the weights hold "
                           f"{max(layers) + 1} layers; {AGAIN}.")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise DFlashError(f"No tokenizer files in {path} ({' or '.join(TOKENIZER_FILES[:2])}); {AGAIN}.")
