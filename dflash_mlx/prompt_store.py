@@ -130,7 +130,7 @@ def check_entry(tokens: Sequence[int], layers, arrays: dict, layout: Sequence[st
             if not isinstance(holes, list) or any(not isinstance(h, list) or len(h) != 2 for h in holes):
                 raise ValueError(f"layer {i} has malformed holes")
             for a, b in holes:
-                _position(b, offset), _position(a, b)
+                _position(a, _position(b, offset))
             if layer.get("arrays"):
                 keys = mine.get("keys")
                 if keys is None or "values" not in mine or keys.ndim != 4 or keys.shape[2] < offset - start:

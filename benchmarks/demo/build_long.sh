@@ -2,7 +2,7 @@
 # Build the long-context demo pair (not shipped: it is for benchmarks) into
 # $DFLASH_MLX_CACHE/bench/demo-long (default ~/.cache/dflash-mlx/bench/demo-long):
 # the demo target with an 8,192-token window, fine-tuned on long sequences, and
-# the demo drafter fine-tuned on its answers to 1k-8k-token prompts. About 80
+# the demo drafter fine-tuned on its answers to 1k-8k-token prompts. About 90
 # minutes on 2 CPU cores with OpenBLAS. Run from the repository root.
 set -euo pipefail
 BLAS=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
@@ -15,12 +15,13 @@ OUT=${DFLASH_MLX_CACHE:-$HOME/.cache/dflash-mlx}/bench/demo-long
 # 2. The drafter: the shipped demo drafter, fine-tuned on the target's answers to 400 long prompts.
 rm -rf "$OUT/drafter"
 dflash-mlx train --model "$OUT/target" --data "$OUT/long_prompts.jsonl" --out "$OUT/drafter" \
-    --init dflash_mlx/demo/drafter --block-size 16 --layers 4 --target-layers 0,1,2,3 --steps 300 --lr 3e-4 \
-    --blocks-per-seq 64 --max-new-tokens 96 --save-every 100 --eval-every 100
+    --init dflash_mlx/demo/drafter --block-size 16 --layers 4 --target-layers 0,1,2,3 --steps 150 --lr 5e-4 \
+    --blocks-per-seq 81 --max-new-tokens 96 --save-every 50 --eval-every 150
 cp "$OUT/drafter/train_config.json" benchmarks/demo/long_train_config.json
 cp "$OUT/drafter/train_summary.json" benchmarks/demo/long_train_summary.json
 
 # 3. The figures in benchmarks/README.md: acceptance against z-lab's MLX loop, then `bench` at long contexts.
 python benchmarks/long_context.py --pair "$OUT" --out benchmarks/results/long-pair-acceptance-linux-cpu-openblas.json
-dflash-mlx bench --model "$OUT/target" --draft "$OUT/drafter/mlx" --suite code --context 1k,2k,4k,8000 \
+head -3 dflash_mlx/suites/code.jsonl > "$OUT/code3.jsonl"
+dflash-mlx bench --model "$OUT/target" --draft "$OUT/drafter/mlx" --prompts "$OUT/code3.jsonl" --context 1k,2k,4k,8000 \
     --block-size 8,16,auto --max-tokens 96 --out benchmarks/results/long-pair-bench-linux-cpu-openblas.json
