@@ -2,7 +2,7 @@
 # Build the long-context demo pair (not shipped: it is for benchmarks) into
 # $DFLASH_MLX_CACHE/bench/demo-long (default ~/.cache/dflash-mlx/bench/demo-long):
 # the demo target with an 8,192-token window, fine-tuned on long sequences, and
-# the demo drafter fine-tuned on its answers to 1k-8k-token prompts. About 90
+# the demo drafter fine-tuned on its answers to 1k-8k-token prompts. About 100
 # minutes on 2 CPU cores with OpenBLAS. Run from the repository root.
 set -euo pipefail
 BLAS=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
