@@ -16,17 +16,15 @@ import json
 import shutil
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from train_target import is_heldout, stdlib_files
+from train_target import is_heldout, stdlib_files, trainer
 
 DEMO = Path(__file__).resolve().parents[2] / "dflash_mlx" / "demo" / "target"
 # Position ranges the held-out loss is reported over: the demo window, then beyond it.
@@ -112,23 +110,7 @@ def main():
     before = bucket_losses(model, held, windows)
     print("held-out loss before", before, flush=True)
 
-    def loss_fn(model, x, y):
-        return nn.losses.cross_entropy(model(x), y, reduction="mean")
-
-    warm = max(1, args.steps // 10)
-    sched = optim.join_schedules(
-        [optim.linear_schedule(1e-6, args.lr, warm), optim.cosine_decay(args.lr, args.steps - warm, args.lr * 0.05)],
-        [warm])
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.05)
-    loss_and_grad = nn.value_and_grad(model, loss_fn)
-    state = [model.state, opt.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def train_step(x, y):
-        loss, grads = loss_and_grad(model, x, y)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(model, grads)
-        return loss
+    train_step, state = trainer(model, args.lr, args.steps, max(1, args.steps // 10))
 
     rng = np.random.default_rng(args.seed)
     tic = time.time()

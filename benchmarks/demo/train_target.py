@@ -76,6 +76,28 @@ def make_prompts(texts, tok, n, rng, prompt_tokens=48):
     return prompts
 
 
+def loss_fn(model, x, y):
+    return nn.losses.cross_entropy(model(x), y, reduction="mean")
+
+
+def trainer(model, lr: float, steps: int, warm: int):
+    """A compiled AdamW step (warm-up, cosine decay, clipping) for `model`, and the state it updates."""
+    sched = optim.join_schedules(
+        [optim.linear_schedule(1e-6, lr, warm), optim.cosine_decay(lr, steps - warm, lr * 0.05)], [warm])
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.05)
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    state = [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def train_step(x, y):
+        loss, grads = loss_and_grad(model, x, y)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        return loss
+
+    return train_step, state
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="dflash_mlx/demo/target")
@@ -115,23 +137,7 @@ def main():
                bos_token_id=0, torch_dtype="float16")
     model = qwen3.Model(qwen3.ModelArgs.from_dict(cfg))
 
-    def loss_fn(model, x, y):
-        return nn.losses.cross_entropy(model(x), y, reduction="mean")
-
-    warm = min(100, args.steps // 10)
-    sched = optim.join_schedules(
-        [optim.linear_schedule(1e-6, args.lr, warm), optim.cosine_decay(args.lr, args.steps - warm, args.lr * 0.05)],
-        [warm])
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.05)
-    loss_and_grad = nn.value_and_grad(model, loss_fn)
-    state = [model.state, opt.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def train_step(x, y):
-        loss, grads = loss_and_grad(model, x, y)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(model, grads)
-        return loss
+    train_step, state = trainer(model, args.lr, args.steps, min(100, args.steps // 10))
 
     def held_loss(x, y):
         return loss_fn(model, x, y)
