@@ -24,6 +24,7 @@ wanders).
 
 import copy
 import functools
+import gzip
 import json
 import math
 import os
@@ -289,10 +290,10 @@ CONTEXT_SLACK = 16
 
 @functools.lru_cache(maxsize=1)
 def document() -> str:
-    """A long document to put before prompts: this package's own source files, in order."""
-    root = resources.files("dflash_mlx")
-    files = sorted((f for f in root.iterdir() if f.name.endswith(".py")), key=lambda f: f.name)
-    return "\n\n".join(f.read_text() for f in files)
+    """A long document to put before prompts: about 77k tokens of this package's
+    source, frozen in `suites/document.txt.gz` so that a context prompt is the same
+    in every version (figures taken at different commits compare the same prompts)."""
+    return gzip.decompress(resources.files("dflash_mlx").joinpath("suites/document.txt.gz").read_bytes()).decode()
 
 
 def context_prompt(tok, text: str, context: int = 0) -> List[int]:
