@@ -1,8 +1,8 @@
 """What a cycle costs at long contexts, measured, against what `auto`'s cost curve predicts.
 
-`auto` times whole cycles at short contexts (`adaptive.CONTEXTS`) and extends
+`auto` times whole cycles at short contexts (`policy.costs.CONTEXTS`) and extends
 them beyond: each width grows at its measured slope, never slower than a
-plain step. This script times the same cycles (`decode.cycle_parts`, as the
+plain step. This script times the same cycles (`decode.timing.cycle_parts`, as the
 curve does) at long contexts and prints, per context and width, the measured
 seconds, the curve's prediction and both relative to one plain token, plus
 the drafter's catch-up per context row.
@@ -25,7 +25,7 @@ import mlx.core as mx
 
 import dflash_mlx
 from dflash_mlx.bench import machine_info
-from dflash_mlx.decode import cycle_parts
+from dflash_mlx.decode.timing import cycle_parts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from prompt_cache import DEMO, stand_in  # noqa: E402

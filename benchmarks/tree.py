@@ -65,7 +65,7 @@ def run(pair, prompt, max_tokens, width, tree):
 
 def costs(pair, name, out=None, argv=None):
     """The cost curve's tree costs against the linear model and linear cycles, per context."""
-    from dflash_mlx.adaptive import tree_rows
+    from dflash_mlx.policy.costs import tree_rows
 
     curve = pair.cost_curve()
     if not curve.tree:

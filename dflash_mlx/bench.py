@@ -40,10 +40,12 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from . import decode
-from .adaptive import CostCurve, blas_name, measure_cost_curve
+from .policy.costs import CostCurve, measure_cost_curve
 from .baseline import generate as baseline_generate, plain_target
-from .decode import DraftSource, cycle_parts, peak_memory_gb, stream_generate
+from .decode import passes, stream_generate
+from .decode.timing import cycle_parts
+from .draft_source import DraftSource
+from .machine import blas_name, peak_memory_gb
 from .errors import DFlashError
 from .prompt import build_prompt
 from .sampling import SamplingParams
@@ -198,9 +200,9 @@ def verify_seconds(pair, seq: Sequence[int], prompt_tokens: int, cycles) -> floa
         mx.eval(block)
         tic = time.perf_counter()
         if width == 1:
-            mx.eval(decode.step(target, tcache, block, greedy))
+            mx.eval(passes.step(target, tcache, block, greedy))
         else:
-            mx.eval(decode.verify(target, tcache, block[:1], block[1:], None, greedy))
+            mx.eval(passes.verify(target, tcache, block[:1], block[1:], None, greedy))
         total += time.perf_counter() - tic
         if width > 1:
             target.crop(tcache, kept, width)

@@ -13,7 +13,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from safetensors import SafetensorError
 
-from .adaptive import CONTEXTS, BlockSizer, CostCurve, curve_key, load_or_measure, tree_shapes
+from .policy.costs import CONTEXTS, CostCurve, curve_key, load_or_measure, tree_shapes
+from .policy.sizer import BlockSizer
 from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import CONVERSION, DrafterConfig, check_pair
 from .drafter import DFlashDrafter
@@ -21,7 +22,7 @@ from .drafter2 import draft_source, drafter_class, published_keys
 from .errors import DFlashError
 from . import kept_files
 from . import tree as tree_lib
-from .decode import cycle_parts
+from .decode.timing import cycle_parts
 from .draft_source import DraftSource
 from .lookup import WithLookup
 from .proposal import ProposalScales

@@ -62,7 +62,7 @@ def model_key(pair) -> str:
     drafter context bound, draft source, backend, MLX, mlx-lm and BLAS."""
     import mlx_lm
 
-    from .adaptive import blas_name
+    from .machine import blas_name
     from .config import CONVERSION
 
     if pair.target_path is None or pair.draft_path is None:

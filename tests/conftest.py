@@ -6,8 +6,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.adaptive import Plan
-from dflash_mlx.decode import DraftSource
+from dflash_mlx.policy.plan import Plan
+from dflash_mlx.draft_source import DraftSource
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -261,6 +261,9 @@ class ScriptedWidths:
     each request's run plays `widths` in turn (a width, or a `Plan` copying from
     the lookup offer), cycling, and records what the loop reports back."""
 
+    learns_branches = False
+    default_branches = 0
+
     def __init__(self, widths):
         self.widths = [w if isinstance(w, Plan) else Plan(w) for w in widths]
 
@@ -275,9 +278,12 @@ class ScriptedWidths:
         self.unseen.append(unseen)
         return plan
 
-    def update(self, plan, accepted, tokens=()):
-        self.updates.append((plan.width, accepted))
+    def update(self, plan, outcome):
+        self.updates.append((plan.width, outcome.accepted))
         self.plans.append(plan)
 
     def lookup_pays(self, context):
         return any(p.copied for p in self.widths)
+
+    def drafter_pays(self, first, last):
+        return True

@@ -9,10 +9,12 @@ import mlx.core as mx
 import pytest
 
 import dflash_mlx
-from dflash_mlx import adaptive
-from dflash_mlx import decode as decode_mod
-from dflash_mlx.adaptive import PLAIN, BlockSizer, CostCurve, FixedWidth, Plan
-from dflash_mlx import kept_files
+from dflash_mlx.policy import costs
+from dflash_mlx.decode import cycle as cycle_mod
+from dflash_mlx.policy.costs import CostCurve
+from dflash_mlx.policy.sizer import COST_STEP, BlockSizer
+from dflash_mlx.policy.plan import PLAIN, FixedWidth, Outcome, Plan
+from dflash_mlx import kept_files, machine
 from dflash_mlx.load import RATES_KIND, RATES_VERSION
 from dflash_mlx.lookup import Offer
 from dflash_mlx.sampling import SamplingParams
@@ -44,7 +46,7 @@ def feed(sizer, accept_prob, cycles=300, width=16):
         a = 0
         while a < width - 1 and rnd.random() < accept_prob:
             a += 1
-        sizer.update(Plan(width), a, [0] * (a + 1))
+        sizer.record(Plan(width), a, [0] * (a + 1))
 
 
 def brute_force_best(sizer, context):
@@ -102,7 +104,7 @@ def test_a_request_starts_from_shared_statistics_and_then_follows_its_own():
     second = root.start()
     assert second.choose(64).width == wide  # the next request starts where the last one left off
     for _ in range(40):  # ... but this prompt's drafts all miss
-        second.update(second.choose(64), 0, [0])
+        second.record(second.choose(64), 0, [0])
     assert second.choose(64).width <= 2
     assert root.start().choose(64).width > 4  # the shared statistics move more slowly
     assert first.choose(64).width == wide  # and leave other requests alone
@@ -111,9 +113,9 @@ def test_a_request_starts_from_shared_statistics_and_then_follows_its_own():
 def test_requests_record_into_the_shared_statistics_once():
     root = BlockSizer(curve([1.0] * 8), 8, decay=1.0, half_life=0)
     run = root.start()
-    run.update(Plan(8), 3, [0] * 4)
+    run.record(Plan(8), 3, [0] * 4)
     assert root.shared.tried[1:5] == [1.0] * 4 and root.shared.accepted[1:5] == [1.0, 1.0, 1.0, 0.0]
-    root.update(Plan(8), 3, [0] * 4)  # the root records into the shared statistics directly
+    root.record(Plan(8), 3, [0] * 4)  # the root records into the shared statistics directly
     assert root.shared.tried[1] == 2.0
 
 
@@ -125,7 +127,7 @@ def test_curve_profile_ignores_drift_between_rounds():
         speed = rnd.uniform(0.6, 1.6)  # the whole machine runs faster or slower this round
         rounds.append([speed * c * rnd.uniform(0.97, 1.03) for c in shape])
     rounds[3][5] *= 20  # one cycle stalled by something else
-    got = adaptive.profile(rounds)
+    got = costs.profile(rounds)
     scale = got[0] / shape[0]
     assert all(g / scale == pytest.approx(c, rel=0.03) for g, c in zip(got, shape))
     # A plain per-width median, as before, bends the shape under such drift.
@@ -137,8 +139,8 @@ def test_curve_measurement_stops_once_settled():
     rnd = random.Random(0)
     quiet = [[c * rnd.uniform(0.995, 1.005) for c in (1.0, 2.0, 3.0)] for _ in range(5)]
     noisy = [[c * rnd.uniform(0.7, 1.3) for c in (1.0, 2.0, 3.0)] for _ in range(5)]
-    assert adaptive.settled(quiet, 0.01) and not adaptive.settled(noisy, 0.01)
-    assert not adaptive.settled(quiet[:2], 0.01)  # too few rounds to tell
+    assert costs.settled(quiet, 0.01) and not costs.settled(noisy, 0.01)
+    assert not costs.settled(quiet[:2], 0.01)  # too few rounds to tell
 
 
 def plain_run(sizer, tokens, accept_prob=0.0, rnd=None):
@@ -150,7 +152,7 @@ def plain_run(sizer, tokens, accept_prob=0.0, rnd=None):
         a = 0
         while a < plan.width - 1 and rnd.random() < accept_prob:
             a += 1
-        sizer.update(plan, a, [0] * (a + 1))
+        sizer.record(plan, a, [0] * (a + 1))
         drafted += plan.width > 1
         done += a + 1
     return drafted
@@ -161,15 +163,15 @@ def test_committed_tokens_age_the_requests_and_the_shared_statistics():
     through the sizers' clocks): the request's own and the shared ones, drafter,
     lookups per order and alternatives alike; another request's own are untouched."""
     root = BlockSizer(curve([1.0] * 8), 8, decay=1.0, half_life=100)
-    root.update(Plan(8, 0), 3, [0] * 4, (4, 2))  # drafter and alternatives checked
+    root.record(Plan(8, 0), 3, [0] * 4, (4, 2))  # drafter and alternatives checked
     root.choose(64, Offer([1, 2, 3], 4))
-    root.update(Plan(3, 2), 2, [1, 2, 9])  # the offer checked
+    root.record(Plan(3, 2), 2, [1, 2, 9])  # the offer checked
     a, b = root.start(branches=2), root.start(branches=2)
     everything = lambda r: [r.stats, *r.lookup.values(), *r.alt]  # noqa: E731
     shared = [root.shared, *root.shared_lookup.values(), *root.shared_alt]
     before = [list(st.tried) for st in everything(a) + everything(b) + shared]
     assert all(any(t > 0 for t in tried) for tried in before) and len(root.shared_lookup) == 1
-    a.update(PLAIN, 0, [0] * 100)  # a half-life of tokens
+    a.record(PLAIN, 0, [0] * 100)  # a half-life of tokens
     after = [list(st.tried) for st in everything(a) + everything(b) + shared]
     n = len(everything(a))
     for i, (old, new) in enumerate(zip(before, after)):
@@ -205,11 +207,11 @@ def test_a_long_plain_run_asks_less_often_whatever_the_evidence():
     evidence thin for good, and a hold kept short for it drew every other step."""
     s = BlockSizer(curve([1.0 + 0.6 * (w - 1) for w in range(1, 17)]), 16)  # pays only at high acceptance
     for _ in range(20):
-        s.update(Plan(16), 0, [0])  # drafts here miss
+        s.record(Plan(16), 0, [0])  # drafts here miss
     for run in (s.start(), s.fresh().start()):  # the evidence in; none at all
         if run.stats.tried[1] == 0:
             for _ in range(2):
-                run.update(Plan(16), 0, [0])  # two misses: less than the prior's worth
+                run.record(Plan(16), 0, [0])  # two misses: less than the prior's worth
         steps, expected, streak, probes = [], [], 0, 0
         for i in range(200):
             asked = run.held == 0
@@ -220,7 +222,7 @@ def test_a_long_plain_run_asks_less_often_whatever_the_evidence():
                 expected.append(min(2 << (streak - 1), 8) if streak else 1)
             if plan != PLAIN:  # a probe: it misses too, and the hold starts again from 2
                 probes += 1
-                run.update(plan, 0, [0])
+                run.record(plan, 0, [0])
         gaps = [b - a for a, b in zip(steps, steps[1:])]
         assert gaps == expected[:-1] and [2, 4, 8] in [gaps[i : i + 3] for i in range(len(gaps))]
         assert gaps.count(8) >= len(gaps) // 2
@@ -243,7 +245,7 @@ def test_a_long_catch_up_is_paid_for_over_the_tokens_left():
 
 
 def test_the_catch_up_is_the_longest_measured_contexts_and_grows_as_a_plain_step_beyond():
-    samples = adaptive.CostSamples([64, 1024], 4, cycle=[[[1.0, 2.0, 3.0, 4.0]] * 3, [[3.0, 4.0, 5.0, 6.0]] * 3],
+    samples = costs.CostSamples([64, 1024], 4, cycle=[[[1.0, 2.0, 3.0, 4.0]] * 3, [[3.0, 4.0, 5.0, 6.0]] * 3],
                                    catch_up=[0.002, 0.0005])
     c = CostCurve.from_samples(samples)
     assert c.catch_up_seconds(1024, 1000) == pytest.approx(0.5)
@@ -258,7 +260,7 @@ def test_the_catch_up_is_the_longest_measured_contexts_and_grows_as_a_plain_step
     assert CostCurve.from_samples(samples).catch_up_seconds(4096, 4096) == 0.0
     # Where a row's cost grew between the last two contexts (a tapped layer's attention), it grows on linearly.
     flat = [[[1.0, 2.0, 3.0, 4.0]] * 3] * 3
-    growing = CostCurve.from_samples(adaptive.CostSamples([64, 1024, 4096], 4, cycle=flat,
+    growing = CostCurve.from_samples(costs.CostSamples([64, 1024, 4096], 4, cycle=flat,
                                                           catch_up=[0.002, 0.0001, 0.0004]))
     assert growing.catch_up_seconds(4096 + 3072, 1) == pytest.approx(0.0004 + 0.0003)
     assert growing.catch_up_seconds(2048, 1) == pytest.approx(0.0002)
@@ -288,7 +290,7 @@ def unlucky_start(sizer, rnd, tokens=256, accept_prob=0.9, rejected=2):
             drafted += 1
             while drafted > rejected and a < plan.width - 1 and rnd.random() < accept_prob:
                 a += 1
-        sizer.update(plan, a, [0] * (a + 1))
+        sizer.record(plan, a, [0] * (a + 1))
         cost += sizer.curve.cost(plan.width, 64)
         done += a + 1
     return done, cost, drafted
@@ -368,14 +370,14 @@ def test_whether_lookups_pay_is_weighed_again_only_when_something_changed(monkey
     assert s.lookup_pays(64) and len(weighed) == 1
     for _ in range(40):
         s.choose(64)
-        s.update(PLAIN, 0, [1])
+        s.record(PLAIN, 0, [1])
         assert s.lookup_pays(64)
     assert len(weighed) == 1
-    s.lookup_pays(64 + adaptive.COST_STEP)  # the costs moved on
+    s.lookup_pays(64 + COST_STEP)  # the costs moved on
     assert len(weighed) == 2
     for _ in range(30):  # offers that always miss: the lookup stops paying, seen at once
         s.choose(64, [5, 6, 7])
-        s.update(PLAIN, 0, [9])
+        s.record(PLAIN, 0, [9])
     assert not s.lookup_pays(64)
 
 
@@ -401,7 +403,7 @@ def test_lookup_rates_are_learnt_from_offers_not_taken():
         right = stream[i : i + 6]
         offer = right if rnd.random() < 2 / 3 else [t + 1 for t in right]  # 2 in 3 offers right
         assert s.choose(64, offer) == PLAIN
-        s.update(PLAIN, 0, stream[i : i + 1])
+        s.record(PLAIN, 0, stream[i : i + 1])
         i += 1
     rates = s.lookup_alphas()
     assert rates[0] == pytest.approx(2 / 3, abs=0.12) and min(rates[1:5]) > 0.9
@@ -418,7 +420,7 @@ def test_lookup_rates_are_kept_per_ngram_order():
         right = i % 2 == 0
         s.choose(64, Offer([7, 8, 9], 6 if right else 3))
         for t in ((7, 8, 9) if right else (1, 2, 3)):
-            s.update(PLAIN, 0, [t])
+            s.record(PLAIN, 0, [t])
     assert min(s.lookup_alphas(6)[:3]) > 0.9 and s.lookup_alphas(3)[0] < 0.1
     assert s.lookup_alphas(0)[0] == pytest.approx(s.lookup_prior)  # no unordered offer seen
     assert s.choose(64, Offer([1, 2, 3], 6)) == Plan(4, 3)
@@ -463,7 +465,7 @@ def test_the_plan_maximises_expected_tokens_per_second(seed):
         offer = list(range(n))
         hit = rnd.randrange(n + 1) if rnd.random() < 0.5 else n
         s.choose(64, offer)
-        s.update(PLAIN, 0, offer[:hit] + [999] * (n - hit + 1))
+        s.record(PLAIN, 0, offer[:hit] + [999] * (n - hit + 1))
     for offered in (0, 1, 3, 7, 15):
         assert s.best(64, offered)[0] == brute_best(s, 64, offered)
 
@@ -476,14 +478,14 @@ def test_good_lookups_are_taken_alone_or_ahead_of_the_drafter():
     for _ in range(100):  # the lookup is always right: each offer is borne out by the next three tokens
         s.choose(64, [7, 8, 9])
         for t in (7, 8, 9):
-            s.update(PLAIN, 0, [t])
+            s.record(PLAIN, 0, [t])
     assert s.choose(64, [1, 2, 3]) == Plan(4, 3)  # lookup alone: no drafter pass
     assert s.best(64)[0] == PLAIN
     good = BlockSizer(s.curve, W)
     feed(good, 0.95, cycles=200)  # a drafter that is nearly always right ...
     for i in range(300):
         good.choose(64, [7])
-        good.update(PLAIN, 0, [7])
+        good.record(PLAIN, 0, [7])
     plan = good.choose(64, [5])
     assert plan.copied == 1 and plan.width > 2  # ... fills the block after the lookup's token
 
@@ -493,7 +495,7 @@ def test_choice_sticks_unless_clearly_better():
     feed(s, 0.5, cycles=400)
     first = s.choose(64).width
     for _ in range(40):  # acceptance improves a little: not enough to move
-        s.update(Plan(16), 2, [0] * 3)
+        s.record(Plan(16), 2, [0] * 3)
     assert s.choose(64).width == first
 
 
@@ -508,7 +510,7 @@ def feed_misses(sizer, width, accept, hit2, hit3, cycles, rnd):
         if a < width - 1:
             u = rnd.random()
             missed = (a + 1, 2 if u < hit2 else 3 if u < hit2 + hit3 else 0)
-        sizer.update(Plan(width), a, [0] * (a + 1), missed)
+        sizer.record(Plan(width), a, [0] * (a + 1), missed)
 
 
 def test_alternatives_are_learnt_per_depth_from_linear_cycles():
@@ -587,11 +589,11 @@ def test_trees_are_chosen_only_where_they_pay():
 
 
 def timed_trees(rows, extra):
-    """A whole-cycle curve (`cycle_curve`) that also timed the trees of `adaptive.tree_shapes`:
+    """A whole-cycle curve (`cycle_curve`) that also timed the trees of `costs.tree_shapes`:
     each cost what a linear cycle of its rows does plus `extra(width, branches)`."""
     c = cycle_curve([rows])
-    c.tree_shapes = adaptive.tree_shapes(len(rows))
-    c.tree = [[rows[adaptive.tree_rows(w, b) - 1] + extra(w, b) for w, b in c.tree_shapes]]
+    c.tree_shapes = costs.tree_shapes(len(rows))
+    c.tree = [[rows[costs.tree_rows(w, b) - 1] + extra(w, b) for w, b in c.tree_shapes]]
     return c
 
 
@@ -627,25 +629,25 @@ def test_tree_costs_are_the_timed_trees_between_their_shapes(monkeypatch, tmp_pa
     def make(n):
         def verify(w, tokens):
             if isinstance(tokens, tuple):
-                clock.now += adaptive.tree_rows(tokens[1], tokens[2]) * s + extra(tokens[1], tokens[2])
+                clock.now += costs.tree_rows(tokens[1], tokens[2]) * s + extra(tokens[1], tokens[2])
             else:
                 clock.now += w * s
 
         return (lambda w, b=0: ("tree", w, b) if b else mx.array([0] * (w - 1)), verify)
 
-    shapes = adaptive.tree_shapes(16)
+    shapes = costs.tree_shapes(16)
     assert shapes == [(3, 1), (12, 1), (3, 2), (8, 2)]
-    curve = adaptive.load_or_measure("t", make, 16, tmp_path, budget=5.0, trees=lambda: shapes)
-    costs = curve.tree_costs(64, 2)
-    assert sorted(costs) == sorted([(w, 1) for w in range(3, 13)] + [(w, 2) for w in range(3, 9)])
-    for (w, b), c in costs.items():
-        assert c == pytest.approx(adaptive.tree_rows(w, b) * s + extra(w, b), rel=1e-6), (w, b)
-    assert curve.tree_costs(64, 1).keys() == {k for k in costs if k[1] == 1}
-    again = adaptive.load_or_measure("t", make, 16, tmp_path, budget=5.0)  # read back, nothing new timed
-    assert again.tree_shapes == shapes and again.tree_costs(64, 2) == pytest.approx(costs)
-    plain = adaptive.load_or_measure("u", make, 16, tmp_path, budget=5.0)
+    curve = costs.load_or_measure("t", make, 16, tmp_path, budget=5.0, trees=lambda: shapes)
+    timed = curve.tree_costs(64, 2)
+    assert sorted(timed) == sorted([(w, 1) for w in range(3, 13)] + [(w, 2) for w in range(3, 9)])
+    for (w, b), c in timed.items():
+        assert c == pytest.approx(costs.tree_rows(w, b) * s + extra(w, b), rel=1e-6), (w, b)
+    assert curve.tree_costs(64, 1).keys() == {k for k in timed if k[1] == 1}
+    again = costs.load_or_measure("t", make, 16, tmp_path, budget=5.0)  # read back, nothing new timed
+    assert again.tree_shapes == shapes and again.tree_costs(64, 2) == pytest.approx(timed)
+    plain = costs.load_or_measure("u", make, 16, tmp_path, budget=5.0)
     assert plain.tree is None and plain.tree_branches == 0  # timed no trees: the model alone
-    assert plain.tree_costs(64, 1)[(5, 1)] == pytest.approx(adaptive.tree_rows(5, 1) * s)
+    assert plain.tree_costs(64, 1)[(5, 1)] == pytest.approx(costs.tree_rows(5, 1) * s)
 
 
 def test_allowing_trees_does_not_make_the_sizer_draft_more():
@@ -673,7 +675,7 @@ def test_allowing_trees_does_not_make_the_sizer_draft_more():
                     if a < plan.width - 1:
                         u = rnd.random()
                         missed = (a + 1, 2 if u < 0.3 else 3 if u < 0.4 else 0)
-                run.update(plan, a, [0] * (a + 1), *([missed] if run.learns_branches else []))
+                run.record(plan, a, [0] * (a + 1), *([missed] if run.learns_branches else []))
                 done += a + 1
     assert drafted[0] > 0
     assert drafted[2] <= 1.15 * drafted[0], (drafted, trees)
@@ -722,7 +724,7 @@ def test_a_tree_cycle_teaches_the_best_path_alone():
     (a branch's tokens are not its guesses), and the alternative that was right."""
     run = BlockSizer(cycle_curve([FLAT]), 16, half_life=0).start(branches=2)
     before = run.stats.tried[:], run.stats.accepted[:]
-    run.update(Plan(8, 0, 2), 5, [0] * 6, (2, 2))  # best path held to depth 1; a branch at 2 took it to 5
+    run.record(Plan(8, 0, 2), 5, [0] * 6, (2, 2))  # best path held to depth 1; a branch at 2 took it to 5
     tried, acc = run.stats.tried, run.stats.accepted
     assert tried[1] > before[0][1] and acc[1] > before[1][1]  # depth 1: held
     assert tried[2] > before[0][2] and acc[2] == pytest.approx(before[1][2] * run.stats.decay)  # depth 2: failed
@@ -739,7 +741,7 @@ class FakeClock:
 
     def __init__(self, monkeypatch):
         self.now = 0.0
-        monkeypatch.setattr(adaptive.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(costs.time, "perf_counter", lambda: self.now)
 
 
 def fake_cycle(clock, seconds_per_width, made, noise=0.0):
@@ -758,7 +760,7 @@ def fake_cycle(clock, seconds_per_width, made, noise=0.0):
 
 def test_measurement_keeps_to_its_budget_and_later_runs_refine_it(monkeypatch):
     clock, made = FakeClock(monkeypatch), []
-    samples = adaptive.measure_cost_curve(fake_cycle(clock, 0.002, made), 8, contexts=(64, 1024), budget=0.5,
+    samples = costs.measure_cost_curve(fake_cycle(clock, 0.002, made), 8, contexts=(64, 1024), budget=0.5,
                                           tolerance=1e-6, split_rounds=1)
     round_s = 0.002 * (sum(range(1, 9)) + sum(range(2, 9)))  # drafted widths 1-8 and copied ones 2-8
     assert clock.now <= 0.5 + round_s  # the cap holds, give or take the round under way
@@ -768,7 +770,7 @@ def test_measurement_keeps_to_its_budget_and_later_runs_refine_it(monkeypatch):
     for run in range(2, 10):  # later runs, each within its own budget, carry on with the missing context
         before = sum(len(r) for r in samples.cycle)
         clock.now = 0.0
-        adaptive.measure_cost_curve(fake_cycle(clock, 0.002, made), 8, budget=0.4, samples=samples, tolerance=1e-6)
+        costs.measure_cost_curve(fake_cycle(clock, 0.002, made), 8, budget=0.4, samples=samples, tolerance=1e-6)
         assert clock.now <= 0.4 + round_s and sum(len(r) for r in samples.cycle) > before
         if CostCurve.from_samples(samples).contexts == [64, 1024]:
             break
@@ -787,11 +789,11 @@ def test_a_long_context_is_priced_by_the_longest_set_up_so_far_and_measured_by_l
         clock.now += 0.05 + 1e-4 * n  # fixed work plus a per-token part
         return inner(n)
 
-    samples = adaptive.measure_cost_curve(make, 4, contexts=(64, 1024, 4096), budget=1.5, tolerance=1e-6)
+    samples = costs.measure_cost_curve(make, 4, contexts=(64, 1024, 4096), budget=1.5, tolerance=1e-6)
     assert len(samples.cycle[1]) >= 3
     for run in range(10):  # later runs, if the first had no time for it
         clock.now = 0.0
-        adaptive.measure_cost_curve(make, 4, samples=samples, budget=0.4, tolerance=1e-6, at_least=1)
+        costs.measure_cost_curve(make, 4, samples=samples, budget=0.4, tolerance=1e-6, at_least=1)
         if len(samples.cycle[2]) >= 3:
             break
     assert CostCurve.from_samples(samples).contexts == [64, 1024, 4096]
@@ -805,38 +807,38 @@ def test_a_context_whose_set_up_never_fits_a_run_still_gets_a_round_each_run(mon
         clock.now += 1e-3 * n  # 4 s to set 4,096 tokens up: more than any run's budget
         return inner(n)
 
-    samples = adaptive.measure_cost_curve(make, 4, contexts=(64, 4096), budget=0.5, tolerance=1e-6)
+    samples = costs.measure_cost_curve(make, 4, contexts=(64, 4096), budget=0.5, tolerance=1e-6)
     assert samples.cycle[1] == []
     for run in range(1, 6):
         clock.now = 0.0
-        adaptive.measure_cost_curve(make, 4, samples=samples, budget=0.3, tolerance=1e-6, at_least=1)
+        costs.measure_cost_curve(make, 4, samples=samples, budget=0.3, tolerance=1e-6, at_least=1)
         assert len(samples.cycle[1]) == min(run, 3)  # one round a run, its set-up included, until settled
     assert CostCurve.from_samples(samples).contexts == [64, 4096]
 
 
 def test_measurement_stops_where_every_width_is_settled(monkeypatch):
     clock, made = FakeClock(monkeypatch), []
-    samples = adaptive.measure_cost_curve(fake_cycle(clock, 0.001, made), 4, contexts=(64,), budget=100.0)
+    samples = costs.measure_cost_curve(fake_cycle(clock, 0.001, made), 4, contexts=(64,), budget=100.0)
     assert len(samples.cycle[0]) == 3  # noiseless rounds settle at once: the budget is not spent
     assert samples.done(3, 40, 0.02)
 
 
 def test_load_or_measure_caches_per_key_and_refines_briefly(tmp_path, monkeypatch):
     clock, made = FakeClock(monkeypatch), []
-    first = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
+    first = costs.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
                                      refine=0.05, tolerance=1e-9, max_rounds=1000, contexts=(64, 1024))
     stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())["data"]
     n = sum(len(r) for r in stored["cycle"])
     clock.now = 0.0
-    again = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
+    again = costs.load_or_measure("k1", fake_cycle(clock, 0.001, made, noise=0.3), 4, tmp_path, budget=0.2,
                                      refine=0.05, tolerance=1e-9, max_rounds=1000, contexts=(64, 1024))
     assert clock.now <= 0.05 + 2 * 0.01  # a later run refines within its shorter budget (and a warm-up)
     stored = json.loads(next((tmp_path / "costs").glob("k1-*.json")).read_text())["data"]
     assert sum(len(r) for r in stored["cycle"]) > n and again.max_width == first.max_width == 4
-    assert adaptive.load_or_measure("k2", fake_cycle(clock, 0.001, made), 4, tmp_path, budget=0.2) is not None
+    assert costs.load_or_measure("k2", fake_cycle(clock, 0.001, made), 4, tmp_path, budget=0.2) is not None
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2  # one file per key
     made.clear()
-    done = adaptive.load_or_measure("k1", fake_cycle(clock, 0.001, made), 4, tmp_path, max_rounds=1,
+    done = costs.load_or_measure("k1", fake_cycle(clock, 0.001, made), 4, tmp_path, max_rounds=1,
                                    contexts=(64, 1024))
     assert made == [] and done.max_width == 4  # settled (here: enough rounds): nothing more is measured
 
@@ -848,17 +850,17 @@ def test_curve_key_separates_quantization_dtype_draft_context_and_blas(monkeypat
                                drafter=SimpleNamespace(args=SimpleNamespace(quantization=dquant),
                                                        context_bound=bound))
 
-    base = adaptive.curve_key(pair())
-    assert adaptive.curve_key(pair()) == base
-    assert adaptive.curve_key(pair(bound=(4, 1024))) != base
-    assert adaptive.curve_key(pair(bound=(4, 1024))) != adaptive.curve_key(pair(bound=(4, 2048)))
-    assert adaptive.curve_key(pair(quant={"group_size": 64, "bits": 4})) != base
-    assert adaptive.curve_key(pair(quant={"group_size": 64, "bits": 8})) != adaptive.curve_key(
+    base = costs.curve_key(pair())
+    assert costs.curve_key(pair()) == base
+    assert costs.curve_key(pair(bound=(4, 1024))) != base
+    assert costs.curve_key(pair(bound=(4, 1024))) != costs.curve_key(pair(bound=(4, 2048)))
+    assert costs.curve_key(pair(quant={"group_size": 64, "bits": 4})) != base
+    assert costs.curve_key(pair(quant={"group_size": 64, "bits": 8})) != costs.curve_key(
         pair(quant={"group_size": 64, "bits": 4}))
-    assert adaptive.curve_key(pair(dquant={"group_size": 64, "bits": 4})) != base
-    assert adaptive.curve_key(pair(dtype=mx.bfloat16)) != base
-    monkeypatch.setattr(adaptive, "blas_name", lambda: "another-blas")
-    assert adaptive.curve_key(pair()) != base
+    assert costs.curve_key(pair(dquant={"group_size": 64, "bits": 4})) != base
+    assert costs.curve_key(pair(dtype=mx.bfloat16)) != base
+    monkeypatch.setattr(costs, "blas_name", lambda: "another-blas")
+    assert costs.curve_key(pair()) != base
 
 
 def test_costs_grow_on_beyond_the_measured_contexts_never_slower_than_a_plain_step():
@@ -888,18 +890,18 @@ def test_costs_grow_on_beyond_the_measured_contexts_never_slower_than_a_plain_st
 def test_explain_says_why_auto_decodes_plainly():
     steep = BlockSizer(cycle_curve([STEEP]), 16)
     why = steep.explain(64)
-    assert "drafting does not pay here" in why and "16.0x one token" in why and "--block-size 16" in why
+    assert "predicts the drafter does not pay here" in why and "16.0x one token" in why and "--block-size 16" in why
     assert "lookup" not in why  # a bare verify costs as much: the lookup does not pay either
     assert BlockSizer(cycle_curve([FLAT]), 16).explain(64) is None
     cheap_copies = BlockSizer(lookup_curve(STEEP, [1.0] + [1.0 + 0.02 * w for w in range(1, 16)]), 16)
-    assert "with lookup drafts where the text repeats" in cheap_copies.explain(64)
+    assert "drafting from the n-gram lookup where the text repeats" in cheap_copies.explain(64)
 
 
 def test_seeded_requests_do_not_depend_on_earlier_ones():
     root = BlockSizer(cycle_curve([[1.0 + 0.15 * (w - 1) for w in range(1, 17)]]), 16)
     fresh = root.start(seeded=True).choose(64).width
     for _ in range(200):
-        root.update(Plan(16), 0, [0])  # earlier requests' drafts all missed
+        root.record(Plan(16), 0, [0])  # earlier requests' drafts all missed
     assert root.start().choose(64).width < fresh  # an unseeded request follows them
     assert root.start(seeded=True).choose(64).width == fresh  # a seeded one starts from the prior alone
 
@@ -907,7 +909,7 @@ def test_seeded_requests_do_not_depend_on_earlier_ones():
 def test_fixed_width_policy():
     p = FixedWidth(5)
     run = p.start(seeded=True)
-    run.update(Plan(5), 2, [0] * 3)
+    run.update(Plan(5), Outcome(2, [0] * 3))
     assert run.choose(10) == Plan(5) and run.choose(10**6, [1, 2, 3]) == Plan(5)  # the drafter alone, always
 
 
@@ -945,7 +947,7 @@ def test_same_seed_same_text_whatever_came_before(pairs, monkeypatch):
     prompt = pair.tokenizer.encode("Once upon a time")
     first, _ = dflash_mlx.generate(pair, prompt, max_tokens=30, sampling=params, block_size="auto")
     for _ in range(300):
-        pair._sizer.update(Plan(pair.draft_source.block_size), 0, [0])  # earlier requests taught the sizer to stay narrow
+        pair._sizer.record(Plan(pair.draft_source.block_size), 0, [0])  # earlier requests taught the sizer to stay narrow
     dflash_mlx.generate(pair, "an unrelated request", max_tokens=10, sampling=SamplingParams(temp=1.0),
                         block_size="auto")
     again, _ = dflash_mlx.generate(pair, prompt, max_tokens=30, sampling=params, block_size="auto")
@@ -958,7 +960,7 @@ def test_a_greedy_request_with_a_seed_follows_the_shared_statistics(pairs, monke
     pair = pairs["qwen3"]
     install_curve(monkeypatch, pair, [[1.0 + 0.6 * (k - 1) for k in range(1, pair.draft_source.block_size + 1)]])
     for _ in range(300):
-        pair._sizer.update(Plan(pair.draft_source.block_size), 0, [0])  # drafts here always miss
+        pair._sizer.record(Plan(pair.draft_source.block_size), 0, [0])  # drafts here always miss
     prompt = pair.tokenizer.encode("Once upon a time")
     seeded = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=30, sampling=SamplingParams(seed=11),
                                              block_size="auto"))
@@ -1075,16 +1077,16 @@ def test_timed_cycles_leave_the_context_as_they_found_it(pairs, family):
     loop does and is rewound, each verify is cropped back; width 1 runs
     PLAIN_STEPS pipelined steps (as the loop's plain steps run) and says so,
     and the KV caches are trimmed back after them."""
-    from dflash_mlx.decode import PLAIN_STEPS, cycle_parts
+    from dflash_mlx.decode.timing import PLAIN_STEPS, cycle_parts
 
     offsets = []
-    real_step = decode_mod.step
+    real_step = cycle_mod.step
 
     def watched(target, tcache, *a, **kw):
         offsets.append([c.offset for c in tcache if c.is_trimmable()])
         return real_step(target, tcache, *a, **kw)
 
-    decode_mod.step = watched
+    cycle_mod.step = watched
     try:
         run_draft, run_verify, catch_up = cycle_parts(pairs[family], 24)
         assert catch_up > 0  # seconds per row of the drafter's catch-up on the context
@@ -1096,7 +1098,7 @@ def test_timed_cycles_leave_the_context_as_they_found_it(pairs, family):
             assert run_verify(w, tokens) == (PLAIN_STEPS if w == 1 else None)
         assert all(mx.array_equal(run_draft(w), first[w]) for w in first)
     finally:
-        decode_mod.step = real_step
+        cycle_mod.step = real_step
     # Both width-1 timings start from the same context, and each step follows the one before.
     assert len(offsets) == 2 * PLAIN_STEPS and offsets[0] == offsets[PLAIN_STEPS]
     assert all(b == [o + 1 for o in a] for a, b in zip(offsets, offsets[1:PLAIN_STEPS]))
@@ -1106,13 +1108,13 @@ def test_refining_runs_measure_a_round_even_when_one_exceeds_their_budget(monkey
     """A large model's round can take longer than a refining run's budget: the
     curve must still improve run by run until settled, one round at a time."""
     clock, made = FakeClock(monkeypatch), []
-    adaptive.load_or_measure("big", fake_cycle(clock, 0.1, made, noise=0.3), 4, tmp_path, budget=1.0,
+    costs.load_or_measure("big", fake_cycle(clock, 0.1, made, noise=0.3), 4, tmp_path, budget=1.0,
                              refine=0.05, tolerance=1e-9, max_rounds=6)
     path = next((tmp_path / "costs").glob("big-*.json"))
     counts = [len(json.loads(path.read_text())["data"]["cycle"][0])]
     for _ in range(5):
         clock.now = 0.0
-        adaptive.load_or_measure("big", fake_cycle(clock, 0.1, made, noise=0.3), 4, tmp_path, budget=1.0,
+        costs.load_or_measure("big", fake_cycle(clock, 0.1, made, noise=0.3), 4, tmp_path, budget=1.0,
                                  refine=0.05, tolerance=1e-9, max_rounds=6)
         counts.append(len(json.loads(path.read_text())["data"]["cycle"][0]))
         assert clock.now < 2 * 0.1 * (sum(range(1, 5)) + sum(range(2, 5)))  # one round (and a warm-up), no more
@@ -1125,7 +1127,7 @@ def test_the_blas_is_read_from_library_names_not_from_kernel_names():
     numpy's private OpenBLAS must not change it."""
     stock = ["/x/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0", "/x/numpy.libs/libscipy_openblas64_-32a4b2a6.so",
              "/tmp/mlx/0.32.4/cpu/libGf4ISubtractABHf4IMinimumKLNf4IMultiplyHMOf4_contiguous.so"]
-    assert adaptive._blas_of(stock) == "reference (stock mlx[cpu])"
-    assert adaptive._blas_of(stock + ["/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"]) == "openblas"
-    assert adaptive._blas_of(stock + ["/opt/intel/oneapi/lib/libmkl_rt.so.2"]) == "mkl"
-    assert adaptive._blas_of(stock + ["/usr/lib/libblis.so.4"]) == "blis"
+    assert machine._blas_of(stock) == "reference (stock mlx[cpu])"
+    assert machine._blas_of(stock + ["/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"]) == "openblas"
+    assert machine._blas_of(stock + ["/opt/intel/oneapi/lib/libmkl_rt.so.2"]) == "mkl"
+    assert machine._blas_of(stock + ["/usr/lib/libblis.so.4"]) == "blis"

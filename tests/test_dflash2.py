@@ -314,7 +314,7 @@ def source_for(pair, drafting, cls=None):
 def widths(block_size):
     from conftest import ScriptedWidths
 
-    from dflash_mlx.adaptive import Plan
+    from dflash_mlx.policy.plan import Plan
 
     # Lookup tokens first where the n-gram index has some, the drafter after them.
     return block_size if block_size != "lookup" else ScriptedWidths([Plan(6, 2), 3, Plan(5, 1), 8])

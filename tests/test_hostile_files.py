@@ -77,12 +77,12 @@ def test_markup_and_escapes_in_a_target_family_are_printed_escaped(target):
 # --- files the runtime keeps for itself: cost curves and learnt rates -------------
 
 def _curve(tmp_path, monkeypatch, made):
-    from dflash_mlx import adaptive
+    from dflash_mlx.policy import costs
     from test_adaptive import FakeClock, fake_cycle
 
     clock = FakeClock(monkeypatch)
     clock.now = 0.0
-    return adaptive.load_or_measure("k", fake_cycle(clock, 0.001, made), 4, tmp_path, budget=0.2,
+    return costs.load_or_measure("k", fake_cycle(clock, 0.001, made), 4, tmp_path, budget=0.2,
                                     contexts=(64, 1024), max_rounds=3)
 
 
@@ -147,13 +147,13 @@ def test_a_damaged_cost_curve_is_set_aside_and_measured_again(tmp_path, monkeypa
 
 
 def test_a_cost_curve_of_an_older_version_is_replaced_quietly(tmp_path, monkeypatch, caplog):
-    from dflash_mlx import adaptive
+    from dflash_mlx.policy import costs
 
     made = []
     _curve(tmp_path, monkeypatch, made)
     path = tmp_path / "costs" / "k-w4.json"
     raw = json.loads(path.read_text())
-    path.write_text(json.dumps(dict(raw, version=adaptive.CURVE_VERSION - 1)))
+    path.write_text(json.dumps(dict(raw, version=costs.CURVE_VERSION - 1)))
     made.clear()
     with caplog.at_level("WARNING", logger="dflash_mlx"):
         _curve(tmp_path, monkeypatch, made)

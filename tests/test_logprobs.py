@@ -8,7 +8,7 @@ import pytest
 from conftest import FAMILIES, ScriptedWidths
 
 import dflash_mlx
-from dflash_mlx.adaptive import Plan
+from dflash_mlx.policy.plan import Plan
 
 
 def mlx_lm_logprobs(model, prompt, n):

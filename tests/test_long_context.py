@@ -85,7 +85,8 @@ def test_rows_no_draft_reads_are_skipped_and_the_drafts_stay_the_same(pairs, bas
     output is plain greedy."""
     from conftest import plain_greedy
 
-    from dflash_mlx.decode import DFlashDraftSource, prefill_chunks
+    from dflash_mlx.decode.passes import prefill_chunks
+    from dflash_mlx.draft_source import DFlashDraftSource
 
     class Counted(DFlashDraftSource):
         def __init__(self, pair, skips):
@@ -146,7 +147,7 @@ def test_a_prompt_cache_never_hands_a_draft_the_rows_a_prefill_skipped(pairs, ba
 
     from dflash_mlx.prompt_cache import PromptCache
 
-    from dflash_mlx.decode import DFlashDraftSource
+    from dflash_mlx.draft_source import DFlashDraftSource
 
     class Recorded(DFlashDraftSource):
         def propose(self, state, last, hidden, width):
@@ -198,7 +199,7 @@ def test_the_sizer_is_told_how_many_rows_the_drafter_has_not_seen(pairs):
     whole prompt before the first draft, then what plain steps added since."""
     from conftest import ScriptedWidths
 
-    from dflash_mlx.decode import DFlashDraftSource
+    from dflash_mlx.draft_source import DFlashDraftSource
 
     pair = pairs["qwen3"]
 
@@ -259,7 +260,7 @@ def test_a_long_backlog_reaches_the_drafter_in_pieces_with_the_same_context(pair
     piece's work), and its context equals what one hand-over of them all gives."""
     import mlx.core as mx
 
-    from dflash_mlx.decode import PREFILL_STEP, caught_up, joined
+    from dflash_mlx.decode.passes import PREFILL_STEP, caught_up, joined
 
     pair = pairs["qwen3"]
     source = pair.draft_source.inner

@@ -7,8 +7,11 @@ from conftest import ScriptedWidths, plain_greedy
 from test_lossless import PROMPTS, ContextChecked, dflash_tokens
 
 import dflash_mlx
-from dflash_mlx import decode as decode_mod
-from dflash_mlx.adaptive import BlockSizer, CostCurve, Plan
+from dflash_mlx.decode import cycle as cycle_mod
+from dflash_mlx.decode import request as request_mod
+from dflash_mlx.policy.costs import CostCurve
+from dflash_mlx.policy.sizer import BlockSizer
+from dflash_mlx.policy.plan import Plan
 from dflash_mlx.lookup import BULK, NgramIndex, WithLookup
 
 
@@ -145,9 +148,9 @@ def test_auto_uses_the_lookup_on_repetitive_text_and_stays_lossless(monkeypatch)
     monkeypatch.setattr(pair, "_sizer", BlockSizer(CostCurve([64], [flat], [[0.0] * W], [steep], [flat]), W))
     assert isinstance(pair.draft_source, WithLookup)
     asked = []  # the `taps` of each prefill and plain step: whether the drafter's context was computed
-    real_step, real_prefill = decode_mod.step, decode_mod.prefill
-    monkeypatch.setattr(decode_mod, "step", lambda *a, **k: asked.append(k["taps"]) or real_step(*a, **k))
-    monkeypatch.setattr(decode_mod, "prefill", lambda *a, **k: asked.append(k["taps"]) or real_prefill(*a, **k))
+    real_step, real_prefill = cycle_mod.step, request_mod.prefill
+    monkeypatch.setattr(cycle_mod, "step", lambda *a, **k: asked.append(k["taps"]) or real_step(*a, **k))
+    monkeypatch.setattr(request_mod, "prefill", lambda *a, **k: asked.append(k["taps"]) or real_prefill(*a, **k))
     prompt = pair.tokenizer.encode("class Stack:\n    def push(self, x):")
     want = generate(plain_target(pair), pair.tokenizer, prompt, 60, 0.0)["tokens"]
     events = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=60, block_size="auto"))
@@ -168,7 +171,7 @@ def test_auto_uses_the_lookup_on_repetitive_text_and_stays_lossless(monkeypatch)
 
 
 def test_a_conversations_next_turn_copies_the_kept_index_and_indexes_only_the_rest(pairs, baselines):
-    from dflash_mlx.decode import DFlashDraftSource
+    from dflash_mlx.draft_source import DFlashDraftSource
     from dflash_mlx.prompt_cache import PromptCache
 
     pair = pairs["qwen3"]

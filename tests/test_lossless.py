@@ -7,7 +7,7 @@ from conftest import (FAMILIES, LOSSLESS_FAMILIES, OracleSource, ScriptedWidths,
                       greedy_ref, plain_greedy)
 
 import dflash_mlx
-from dflash_mlx.decode import DFlashDraftSource
+from dflash_mlx.draft_source import DFlashDraftSource
 
 PROMPTS = [
     "def add(a, b):",
@@ -186,7 +186,7 @@ class Counting:
 def test_one_target_pass_and_one_drafter_pass_per_cycle(pairs, family):
     import dataclasses
 
-    from dflash_mlx.decode import DFlashDraftSource
+    from dflash_mlx.draft_source import DFlashDraftSource
 
     pair = pairs[family]
     target, drafter = Counting(pair.target), Counting(pair.drafter)
@@ -408,7 +408,7 @@ def test_held_taps_join_as_if_each_step_had_concatenated_its_own():
     """Plain steps hold their tapped layers' outputs unjoined; `joined` gives the
     drafter exactly the rows per-step concatenation would, in order, mixed with
     passes' taps (arrays of rows)."""
-    from dflash_mlx.decode import joined
+    from dflash_mlx.decode.passes import joined
 
     D, n = 8, 3
     block = mx.random.normal((1, 4, D * n), key=mx.random.key(0))
@@ -427,7 +427,7 @@ def test_prefill_leaves_the_taps_of_the_last_rows_to_the_loop(pairs, family):
     """Prefill hands the drafter the rows beyond `hold` bytes chunk by chunk and returns
     the rest (lazy) with the logits: together they are exactly the taps of one
     pass over the prompt, and the logits are the last position's."""
-    from dflash_mlx.decode import prefill
+    from dflash_mlx.decode.passes import prefill
 
     pair = pairs[family]
     target, source = pair.target, pair.draft_source

@@ -8,7 +8,7 @@ from conftest import FAMILIES, ScriptedWidths
 from mlx_lm.sample_utils import make_logits_processors
 
 import dflash_mlx
-from dflash_mlx.adaptive import Plan
+from dflash_mlx.policy.plan import Plan
 
 SETTINGS = {
     "repetition": dict(repetition_penalty=1.5, repetition_context_size=20),

@@ -7,8 +7,8 @@ import tiny
 from conftest import FAMILIES, ScriptedWidths, plain_greedy
 
 import dflash_mlx
-from dflash_mlx.adaptive import Plan
-from dflash_mlx.decode import prefill
+from dflash_mlx.policy.plan import Plan
+from dflash_mlx.decode.passes import prefill
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.prompt_cache import PromptCache
 

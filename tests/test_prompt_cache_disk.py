@@ -13,8 +13,8 @@ from conftest import ScriptedWidths, plain_greedy
 
 import dflash_mlx
 from dflash_mlx import prompt_store
-from dflash_mlx.adaptive import Plan
-from dflash_mlx.decode import prefill
+from dflash_mlx.policy.plan import Plan
+from dflash_mlx.decode.passes import prefill
 from dflash_mlx.prompt_cache import PromptCache
 from dflash_mlx.prompt_store import PromptStoreWarning
 

@@ -15,11 +15,12 @@ import pytest
 
 import conftest
 import dflash_mlx
+from dflash_mlx import sampling
+from dflash_mlx.decode import passes
 from conftest import ScriptedWidths
-from dflash_mlx import decode as gen
-from dflash_mlx.adaptive import Plan
+from dflash_mlx.policy.plan import Plan
 from dflash_mlx.drafter import DFlashDrafter
-from dflash_mlx.decode import DFlashDraftSource, DraftSource
+from dflash_mlx.draft_source import DFlashDraftSource, DraftSource
 from dflash_mlx.proposal import SCALES, ProposalScales, rescale
 from dflash_mlx.sampling import SamplingParams, log_probs
 
@@ -180,7 +181,7 @@ def test_the_check_catches_a_wrong_acceptance_rule(small_pair, monkeypatch):
     def accept_all(draft, logits, params, q_lp=None):
         return mx.array(draft.shape[0]), mx.random.categorical(log_probs(logits[-1], params))
 
-    monkeypatch.setattr(gen, "verify_accept", accept_all)
+    monkeypatch.setattr(passes, "verify_accept", accept_all)
     seqs, probs = exact_distribution(model, params)
     # A quarter of the samples the tests above take already rejects it: they have the power to.
     n = SAMPLES // 4
@@ -233,10 +234,10 @@ def test_greedy_pick_uses_mlx_lm_log_probabilities_in_the_model_dtype():
     assert mx.argmax(logits).item() == 199_999
     want = mlx_lm_greedy(logits).item()
     assert want == 0
-    assert gen.pick(logits, SamplingParams()).item() == want
+    assert sampling.pick(logits, SamplingParams()).item() == want
     # Rows of a batch are picked the same way, each on its own.
     rows = mx.stack([logits, logits[::-1]])
-    assert gen.pick(rows, SamplingParams()).tolist() == [want, mlx_lm_greedy(logits[::-1]).item()]
+    assert sampling.pick(rows, SamplingParams()).tolist() == [want, mlx_lm_greedy(logits[::-1]).item()]
 
 
 def test_penalties_keep_sampling_exact(small_pair):

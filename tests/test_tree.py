@@ -8,11 +8,14 @@ from conftest import greedy_ref, plain_greedy
 from test_lossless import PROMPTS
 
 import dflash_mlx
-from dflash_mlx import adaptive
 from dflash_mlx import tree as trees
-from dflash_mlx.decode import DraftSource, accept_tree, cycle_parts, draft_tree, verify_tree
+from dflash_mlx.decode.cycle import Decoding, TreeCycle
+from dflash_mlx.decode.passes import draft_tree
+from dflash_mlx.decode.timing import cycle_parts
+from dflash_mlx.draft_source import DraftSource
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.policy import costs
+from dflash_mlx.sampling import Processed, SamplingParams
 
 real_tree_mask = trees.tree_mask
 
@@ -105,9 +108,10 @@ def test_branch_accepted_at_every_fork_keeps_only_its_rows(pairs, baselines, fam
     for fork in range(1, W):
         cache = target.make_cache()
         target(mx.array([seq[:m]]), cache)
-        d_tree = draft_tree(Forked(), None, mx.array(seq[m : m + 1]), None, W, tree)
-        v = verify_tree(target, cache, d_tree)
-        accepted, tokens, hidden, _, branched, missed = accept_tree(target, cache, v)
+        last = mx.array(seq[m : m + 1])
+        d = Decoding(target, Forked(), None, cache, SamplingParams(), Processed((), ()))
+        out = TreeCycle(d, last, draft_tree(Forked(), None, last, None, W, tree)).settle()
+        accepted, tokens, hidden, branched, missed = out.accepted, out.tokens, out.hidden, out.branched, out.missed
         assert branched and accepted == min(fork + L - 1, W - 1), fork
         assert missed == (fork, 2)  # for the sizer: the best path failed there, the 2nd choice was right
         assert tokens == seq[m + 1 : m + accepted + 2]
@@ -153,7 +157,7 @@ def test_auto_verifies_trees_where_they_pay(pairs, baselines, family, monkeypatc
     (Gated DeltaNet) always verifies linearly."""
     from test_adaptive import cycle_curve, timed_trees
 
-    from dflash_mlx.adaptive import BlockSizer
+    from dflash_mlx.policy.sizer import BlockSizer
 
     pair = pairs[family]
     prompt = pair.tokenizer.encode(PROMPTS[0])
@@ -393,4 +397,4 @@ def test_a_tree_pass_that_fails_its_self_check_is_never_used(pairs, baselines, m
     monkeypatch.setattr(trees, "_verdicts", weakref.WeakKeyDictionary())
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "healthy"))
     curve = pair.cost_curve(budget=0.5)
-    assert curve.tree_shapes == adaptive.tree_shapes(pair.draft_source.block_size) and curve.tree_branches == 2
+    assert curve.tree_shapes == costs.tree_shapes(pair.draft_source.block_size) and curve.tree_branches == 2

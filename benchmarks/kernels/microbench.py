@@ -22,7 +22,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from dflash_mlx import kernels
-from dflash_mlx.adaptive import blas_name
+from dflash_mlx.machine import blas_name
 from dflash_mlx.sampling import SamplingParams, log_probs
 
 va, gv, gr, qm = (importlib.import_module(f"dflash_mlx.kernels.{m}") for m in

@@ -301,7 +301,7 @@ def run(args):
     import mlx.core as mx
 
     import widen
-    from dflash_mlx.adaptive import blas_name
+    from dflash_mlx.machine import blas_name
     from dflash_mlx.bench import machine_info
 
     names = [n.strip() for n in args.runtimes.split(",") if n.strip()]

@@ -36,7 +36,7 @@ def load(args):
     import mlx_lm
 
     import dflash_mlx
-    from dflash_mlx.adaptive import blas_name
+    from dflash_mlx.machine import blas_name
 
     pair = dflash_mlx.load(args.target, args.drafter)
     dtypes = sorted(set(float_dtypes(pair.target.model.parameters())) | set(float_dtypes(pair.drafter.parameters())))

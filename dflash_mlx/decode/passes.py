@@ -1,0 +1,263 @@
+"""The model passes of a cycle, arrays in and arrays out: prefill, draft, verify,
+a plain step, and a tree's draft and verify. No policy and no host
+synchronisation here: each returns lazy arrays for a cycle (`cycle.py`) to
+launch and settle."""
+
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .. import tree as trees
+from ..kernels import verify_accept
+from ..lookup import point_masses
+from ..proposal import rescale
+from ..sampling import Processed, SamplingParams, greedy_log_probs, log_probs, pick
+
+
+PREFILL_STEP = 2048  # prompt tokens per prefill chunk: mlx-lm's prefill_step_size
+# Bytes of a prompt's taps a prefill holds, lazy, for the first drafted cycle. Rows
+# beyond are handed to the drafter chunk by chunk during prefill, which delays the
+# first token by their projection (and by what only the taps need, e.g. a tapped
+# last layer); held rows cost memory instead. 512 MiB holds about 20k rows of a
+# 4B target's five bfloat16 taps, 130k of the demo target's.
+PREFILL_HOLD_BYTES = 512 << 20
+
+
+def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None, prompt_rows: int = 0,
+                   before: int = 0):
+    """(start, end, read) chunks of `n` prompt tokens, `step` at most: mlx-lm's
+    chunks, unless a `horizon` (first, last) leaves rows no draft will read
+    (after the first `first` context rows, `before` of which the drafter holds
+    already, and behind the last `last` of the `prompt_rows` to come), which get
+    chunks of their own with `read` False."""
+    a = b = n
+    if horizon is not None:
+        first, last = horizon
+        a = min(max(first - before, 0), n)
+        b = max(a, min(n, prompt_rows - last))
+    if b == a:
+        a = b = n
+    out = []
+    for lo, hi, read in ((0, a, True), (a, b, False), (b, n, True)):
+        out += [(s, min(s + step, hi), read) for s in range(lo, hi, step)]
+    return out
+
+
+def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = PREFILL_STEP, hold: int = PREFILL_HOLD_BYTES,
+            before_last=None, taps: bool = True, skip: bool = False, before: int = 0):
+    """Run the prompt through the target: the first token waits for nothing else.
+
+    As mlx-lm does, all but the last prompt token go through in chunks that
+    evaluate only the caches, and the last token is one plain step; the taps
+    of the prompt are left lazy and returned (the last `hold` bytes of them)
+    for the loop to hand to the drafter with its first drafted cycle, so
+    neither the drafter's projection nor what only the drafter needs (e.g.
+    the last layer's output over the prompt) is in the time to first token.
+    Rows beyond `hold` bytes are given to the drafter chunk by chunk, so memory
+    stays bounded for long prompts. Returns the last position's logits (lazy)
+    and those taps (none with `taps=False`: no drafter will read them).
+    `before_last(tcache)` is called when only the last token is left. With
+    `skip`, prompt rows no draft will read (`DraftSource.horizon`; `before`:
+    the context rows the drafter holds already, a prompt cache's) are skipped:
+    their taps, and what only they need, are never computed.
+    """
+    held = []
+    body = prompt[:-1]
+    horizon = source.horizon(dstate) if skip and taps else None
+    for s, e, read in prefill_chunks(body.shape[0], step, horizon, prompt.shape[0], before):
+        _, hidden = target(body[None, s:e], tcache, last_only=True, taps=taps and read)
+        given = []
+        if not read:  # the rows before these first, in order
+            for h in held:
+                source.add_context(dstate, h)
+            source.skip(dstate, e - s)
+            held, given = [], source.arrays(dstate)
+        elif taps:
+            held.append(hidden)
+        while sum(h.nbytes for h in held) > hold:
+            source.add_context(dstate, held.pop(0))
+            given = source.arrays(dstate)
+        # Evaluate the caches per chunk; the held taps stay lazy (at most `hold` bytes of them).
+        mx.eval([c.state for c in tcache], given)
+        mx.clear_cache()
+    if before_last is not None:
+        before_last(tcache)
+    logits, hidden = target(prompt[None, -1:], tcache, taps=taps)
+    return logits[0, -1], (held + [hidden] if taps else [])
+
+
+class Draft(NamedTuple):
+    tokens: mx.array  # [width - 1]
+    q_lp: Optional[mx.array]  # their proposal's log probabilities [width - 1, V] when sampling
+    alternatives: Optional[mx.array]  # the drafter's 2nd and 3rd choices [width - 1, 2], when asked for
+
+
+def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copied: Sequence[int] = (),
+          proc: Optional[Processed] = None, alternatives: bool = False,
+          scales: Optional[Sequence[float]] = None) -> Draft:
+    """Draft tokens for a cycle of `width`, their log probabilities when
+    sampling and, with `alternatives` (greedy, nothing copied), the drafter's
+    2nd and 3rd choices at each position.
+
+    `copied` tokens (a lookup's) take the first positions, each a certain
+    draft (a point mass); the drafter fills the rest, and is not run when
+    nothing is left to fill. With logits processors (`proc`), each drafter
+    position is processed after the drafts before it, so they go one by one.
+    When sampling, drafter position i is drawn at `scales[i]` (`proposal.py`).
+    """
+    alts = None
+    tokens, qs, n = [], [], len(copied)
+    if n:
+        tokens.append(mx.array(copied, dtype=mx.uint32))
+        if not params.greedy:
+            qs.append(point_masses(tokens[0], source.vocab_size))
+    path = None
+    if n < width - 1:
+        path = source.propose_path(dstate, last, hidden, width, params, copied, proc.row if proc else None,
+                                   scales)
+    if path is not None:  # the source drew each position after the ones before it
+        tokens.append(path[0])
+        if not params.greedy:
+            qs.append(path[1])
+    elif n < width - 1:
+        logits = source.propose(dstate, last, hidden, width)[n:]
+        if alternatives and params.greedy and not proc and n == 0:
+            alts = trees.alternatives(logits)
+        rows = [logits] if not proc else [None] * logits.shape[0]
+        for i, row in enumerate(rows):
+            if proc:
+                before = mx.concatenate(tokens) if len(tokens) > 1 else (tokens or [None])[0]
+                row = proc.row(logits[i : i + 1], before)
+            if params.greedy:
+                tokens.append(mx.argmax(row, axis=-1).astype(mx.uint32))
+            else:
+                lp = log_probs(row, params)
+                qs.append(lp if scales is None else rescale(lp, scales[n + i]))
+                tokens.append(mx.random.categorical(qs[-1]).astype(mx.uint32))
+    tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
+    if params.greedy:
+        return Draft(tokens, None, alts)
+    return Draft(tokens, qs[0] if len(qs) == 1 else mx.concatenate(qs), alts)
+
+
+class Verified(NamedTuple):
+    drafts: mx.array  # the tokens verified after `last`
+    accepted: mx.array
+    token: mx.array  # the target's token after the accepted drafts
+    hidden: mx.array  # taps of the block
+    logprobs: Optional[tuple]  # `token_logprobs` of the block's rows, when asked for
+    alternatives: Optional[mx.array] = None  # the drafter's 2nd and 3rd choices, for the sizer
+    logits: Optional[mx.array] = None  # the block's rows and what the drafts were drawn from, kept
+    q_lp: Optional[mx.array] = None  # when the proposal scales learn from this cycle (`proposal.py`)
+
+
+class Stepped(NamedTuple):
+    token: mx.array  # [1]: it is the next step's input as it is
+    hidden: Optional[tuple]  # the tapped layers' outputs [1, 1, D] each, joined later (`joined`)
+    logprobs: Optional[tuple]
+
+
+def token_logprobs(logits: mx.array, chosen: mx.array, k: int):
+    """mlx-lm's log probabilities (`logits - logsumexp`) of `chosen` [n] in each
+    row of `logits` [n, V], and each row's k most likely tokens (unordered)."""
+    lp = greedy_log_probs(logits)
+    mine = mx.take_along_axis(lp, chosen[:, None].astype(mx.uint32), axis=-1)[:, 0]
+    if k == 0:
+        return (mine.astype(mx.float32),)
+    top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    return mine.astype(mx.float32), top, mx.take_along_axis(lp, top, axis=-1).astype(mx.float32)
+
+
+def logprob_rows(values, n: int):
+    """`token_logprobs` results (evaluated) -> n rows of (log probability, [(token, log probability)] best first)."""
+    lists = [v.tolist() for v in values]
+    tops = [sorted(zip(*row), key=lambda t: -t[1]) for row in zip(*lists[1:])] if len(lists) > 1 else [[]] * n
+    return list(zip(lists[0][:n], tops[:n]))
+
+
+def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Optional[int] = None,
+           proc: Optional[Processed] = None, keep: bool = False) -> Verified:
+    """One target pass over [last, tokens]: accepted count, next token, taps
+    (and with `top`, the log probabilities of the tokens it commits; with
+    `keep`, the block's logits and `q_lp`)."""
+    block = mx.concatenate([last, tokens])
+    logits, hidden = target(block[None], tcache, record=True)
+    logits = logits[None, 0] if not proc else proc(logits[0], tokens)[None]
+    accepted, nxt = verify_accept(tokens, logits[0], params, q_lp)
+    lps = None
+    if top is not None:
+        rows = mx.arange(block.shape[0])
+        ahead = mx.concatenate([tokens, nxt.reshape(1).astype(tokens.dtype)])
+        lps = token_logprobs(logits[0], mx.where(rows == accepted, nxt.astype(tokens.dtype), ahead), top)
+    if keep:
+        return Verified(tokens, accepted, nxt, hidden, lps, logits=logits[0], q_lp=q_lp)
+    return Verified(tokens, accepted, nxt, hidden, lps)
+
+
+def step(target, tcache, last, params: SamplingParams, record: bool = False, top: Optional[int] = None,
+         proc: Optional[Processed] = None, taps: bool = True) -> Stepped:
+    """One plain decoding step, as mlx-lm's: the token after `last`, and the
+    taps as a tuple of the tapped layers' outputs (None with `taps=False`):
+    `joined` concatenates a run of steps' taps at once when the drafter reads them.
+
+    The loop records nothing for a rollback: a plain step is never cropped.
+    """
+    logits, hidden = target(last[None], tcache, record=record, taps="layers" if taps else False)
+    logits = logits[0, -1:] if not proc else proc.row(logits[0, -1:])
+    token = pick(logits, params)
+    return Stepped(token, hidden, None if top is None else token_logprobs(logits, token, top))
+
+
+class TreeVerified(NamedTuple):
+    tree: trees.Tree
+    picks: mx.array  # the target's greedy token after each node
+    hidden: mx.array  # taps of every node
+    logprobs: Optional[tuple]  # `token_logprobs` of every node's pick, when asked for
+
+
+def draft_tree(source, dstate, last, hidden, width: int, branches: int) -> trees.Tree:
+    """The drafter's best path over `width` positions and `branches` branches (`tree.build`)."""
+    return trees.build(last, source.propose(dstate, last, hidden, width), branches)
+
+
+def verify_tree(target, tcache, tree: trees.Tree, top: Optional[int] = None) -> TreeVerified:
+    """One target pass over every node of `tree`: each node's greedy pick, and the taps."""
+    logits, taps = target(tree.tokens[None], tcache, tree=(tree.mask, tree.runs()))
+    picks = mx.argmax(greedy_log_probs(logits[0]), axis=-1)
+    return TreeVerified(tree, picks, taps, None if top is None else token_logprobs(logits[0], picks, top))
+
+
+def caught_up(source, dstate, taps: list) -> list:
+    """Give the drafter a long backlog of held taps (a long prompt's, at its first
+    drafted cycle) in pieces of `PREFILL_STEP` rows, each evaluated before the
+    next, so the work only those taps need (e.g. a tapped last layer over the
+    prompt) holds one piece's intermediates at a time rather than the whole
+    prompt's. Returns the taps left for the cycle itself (lazy). Once a request,
+    where the backlog is long: the only host synchronisations outside a cycle's one."""
+    def rows(t):
+        return (t[0] if isinstance(t, tuple) else t).shape[1]
+
+    while len(taps) > 1 and sum(rows(t) for t in taps) > PREFILL_STEP:
+        source.add_context(dstate, joined(taps[:1]))
+        mx.eval(source.arrays(dstate))
+        taps = taps[1:]
+    return taps
+
+
+def joined(taps: list) -> mx.array:
+    """Held taps as one array [1, rows, D * taps]. An entry is a pass's taps
+    (an array of rows) or a plain step's (`Stepped.hidden`, a tuple of the
+    tapped layers' outputs); a run of steps is joined layer by layer, a few ops
+    for the whole run rather than one per step."""
+    parts, run = [], []
+    for t in taps + [None]:
+        if isinstance(t, tuple):
+            run.append(t)
+            continue
+        if run:
+            layers = [mx.concatenate(rows, axis=1) if len(rows) > 1 else rows[0] for rows in zip(*run)]
+            parts.append(mx.concatenate(layers, axis=-1))
+            run = []
+        if t is not None:
+            parts.append(t)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)

@@ -1,0 +1,1 @@
+"""What decides each cycle's plan: the `Policy` / `Run` protocol (`plan.py`)."""
