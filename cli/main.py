@@ -3,6 +3,7 @@
 import os
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -23,6 +24,30 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 def fail(message: str) -> None:
     err.print(f"[bold red]error:[/] {escape(printable(message))}", soft_wrap=True)
     raise typer.Exit(1)
+
+
+def _number(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def ranged(default, *names, min=None, max=None, help: Optional[str] = None, **kwargs):
+    """A numeric typer.Option that takes values from `min` to `max`.
+
+    Out of range is one `error:` line and exit 1, as the commands' own checks
+    give (typer's own bounds print a usage box and exit 2), and it is refused
+    while the command line is read, before any model loads."""
+    low, high = min, max
+    span = (f"from {_number(low)} to {_number(high)}" if low is not None and high is not None
+            else f"{_number(low)} or more" if low is not None else f"{_number(high)} or less")
+
+    def check(param: typer.CallbackParam, value):
+        if value is not None and (low is not None and value < low or high is not None and value > high):
+            name = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+            fail(f"{name} must be {span} (got {_number(value)}).")
+        return value
+
+    help = " ".join(filter(None, [help, f"Range: {span.removeprefix('from ')}."]))
+    return typer.Option(default, *names, callback=check, help=help, **kwargs)
 
 
 @app.callback()
@@ -50,11 +75,11 @@ def generate(
     prompt: Optional[str] = typer.Option(
         None, "--prompt", "-p", help="Prompt text; '-' or no flag reads stdin."
     ),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-m", min=1, help="Most tokens to generate."),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0 = greedy)."),
+    max_tokens: int = ranged(256, "--max-tokens", "-m", min=1, help="Most tokens to generate."),
+    temp: float = ranged(0.0, "--temp", min=0.0, help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Sample from the k most likely tokens (0 = off)."),
-    min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Min-p filter (0 = off)."),
+    top_k: int = ranged(0, "--top-k", min=0, help="Sample from the k most likely tokens (0 = off)."),
+    min_p: float = ranged(0.0, "--min-p", min=0.0, max=1.0, help="Min-p filter (0 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     block_size: str = typer.Option(
         "auto", "--block-size",
@@ -74,7 +99,7 @@ def generate(
         True, "--lookup/--no-lookup",
         help="With --block-size auto, also draft from an n-gram lookup over the prompt and the text so far.",
     ),
-    tree: Optional[int] = typer.Option(
+    tree: Optional[int] = ranged(
         None, "--tree", min=0, max=8,
         help="Tree verification (greedy, attention-only targets; others verify linearly): with a fixed "
              "--block-size, also verify this many branches (the drafter's 2nd/3rd choices) in every target "
@@ -88,9 +113,9 @@ def generate(
              "drafts are drawn (exact either way; 1: as z-lab's loop), or 'auto' to learn it per draft "
              "position from the acceptance each scale would have had.",
     ),
-    draft_context: Optional[int] = typer.Option(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
+    draft_context: Optional[int] = ranged(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
-    timeout: float = typer.Option(
+    timeout: float = ranged(
         600.0, "--timeout", min=0.0,
         help="Under mlx.launch: end the run when a rank makes no progress for this many seconds (0: never).",
     ),
@@ -109,10 +134,13 @@ def generate(
     from dflash_mlx.sampling import SamplingParams
 
     block, sharding, scale = _one_block_size(block_size), _sharding(sharding), _proposal_scale(proposal_scale)
-    if prompt is None or prompt == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            fail("give a prompt with --prompt, or pipe it on stdin.")
-        prompt = sys.stdin.read()
+    try:
+        params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    except DFlashError as e:
+        fail(str(e))
+    prompt = _prompt_text(prompt)
+    if system is not None:
+        system = _utf8(system, "--system")
     g = distributed.group()
     sharded, main_rank = g.size() > 1, distributed.is_main(g)
     watchdog = distributed.Watchdog(timeout if sharded else 0, f"dflash-mlx (rank {g.rank()} of {g.size()})")
@@ -120,7 +148,8 @@ def generate(
     stats = None
     try:
         if sharded:  # one seed for all ranks, so they draw the same numbers
-            seed = distributed.shared_seed(seed, g) if temp > 0 else seed
+            if temp > 0:
+                params = replace(params, seed=distributed.shared_seed(seed, g))
             pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
             if block == "auto":  # each rank would time its own curve and pick its own widths
                 block = pair.draft_source.block_size
@@ -130,15 +159,14 @@ def generate(
         else:
             pair = dflash_mlx.load(model, draft, draft_context=draft_context)
         if main_rank:
+            _note_demo(pair)
             _note_draft_context(pair)
         watchdog.beat()
-        params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         if enable_thinking is None and pair.resolved is not None:
             enable_thinking = pair.resolved.enable_thinking
         ids = build_prompt(pair.tokenizer, prompt, system, chat_template and not ignore_chat_template,
                            enable_thinking)
-        if block == "auto":
-            _auto_sizer(pair, len(ids))
+        predicted = _auto_sizer(pair, len(ids)) if block == "auto" else None
         if verbose and main_rank:
             cfg = pair.drafter.args
             err.print(
@@ -172,6 +200,8 @@ def generate(
         err.print("acceptance histogram: " + ", ".join(f"{k}:{hist[k]}" for k in sorted(hist)))
         if stats.proposal_scales:
             err.print(stats.proposal_scales)
+    if block == "auto" and stats.cycles:
+        err.print(_decision(stats, predicted is not None), highlight=False)
     err.print(stats.line() if not sharded else f"[{g.size()} ranks] {stats.line()}")
 
 
@@ -221,25 +251,25 @@ def train(
     model: str = typer.Option(..., "--model", help="Target: alias, repo id or mlx-lm directory."),
     data: str = typer.Option(..., "--data", help="Prompts .jsonl ('prompt'/'text'/'messages') or a text directory."),
     out: str = typer.Option(..., "--out", help="Output directory (z-lab layout, plus mlx/)."),
-    block_size: int = typer.Option(16, "--block-size", min=2, max=64),
-    layers: int = typer.Option(5, "--layers", min=1, max=64, help="Drafter layers."),
+    block_size: int = ranged(16, "--block-size", min=2, max=64),
+    layers: int = ranged(5, "--layers", min=1, max=64, help="Drafter layers."),
     target_layers: Optional[str] = typer.Option(
         None, "--target-layers", help="Comma-separated target layers to tap (default: spread evenly)."
     ),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Training steps (default: --epochs)."),
-    epochs: int = typer.Option(1, "--epochs", min=1),
-    lr: float = typer.Option(6e-4, "--lr", min=0.0),
-    blocks_per_seq: int = typer.Option(16, "--blocks-per-seq", min=1, help="Blocks trained per sequence."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Target response length."),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Target sampling temperature for the data."),
-    save_every: int = typer.Option(200, "--save-every", min=1),
-    eval_every: int = typer.Option(50, "--eval-every", min=1, help="Steps between held-out acceptance estimates."),
+    steps: Optional[int] = ranged(None, "--steps", min=1, help="Training steps (default: --epochs)."),
+    epochs: int = ranged(1, "--epochs", min=1),
+    lr: float = ranged(6e-4, "--lr", min=0.0),
+    blocks_per_seq: int = ranged(16, "--blocks-per-seq", min=1, help="Blocks trained per sequence."),
+    max_new_tokens: int = ranged(256, "--max-new-tokens", min=1, help="Target response length."),
+    temp: float = ranged(0.0, "--temp", min=0.0, help="Target sampling temperature for the data."),
+    save_every: int = ranged(200, "--save-every", min=1),
+    eval_every: int = ranged(50, "--eval-every", min=1, help="Steps between held-out acceptance estimates."),
     seed: int = typer.Option(0, "--seed"),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
     arch: str = typer.Option("dflash", "--arch", help="dflash, or dflash2 (convolutions, sliding windows, "
                              "candidate selector)."),
-    sliding_window: int = typer.Option(512, "--sliding-window", min=1, help="DFlash 2: the context window."),
+    sliding_window: int = ranged(512, "--sliding-window", min=1, help="DFlash 2: the context window."),
     init: Optional[str] = typer.Option(None, "--init", help="Start from this drafter's weights (a folder of the "
                                        "same shape): fine-tune it on new data, such as longer contexts."),
 ):
@@ -297,15 +327,15 @@ def serve(
         None, "--draft", "--draft-model", help="DFlash drafter (default: the model's own)."
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise)."),
-    port: int = typer.Option(8080, "--port", min=0, max=65535),
+    port: int = ranged(8080, "--port", min=0, max=65535),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY'."),
     block_size: str = typer.Option("auto", "--block-size", help="N or 'auto'."),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, max=2.0, help="Default temperature."),
-    max_prompt_tokens: int = typer.Option(32768, "--max-prompt-tokens", min=1),
-    max_tokens: int = typer.Option(
+    temp: float = ranged(0.0, "--temp", min=0.0, max=2.0, help="Default temperature."),
+    max_prompt_tokens: int = ranged(32768, "--max-prompt-tokens", min=1),
+    max_tokens: int = ranged(
         32768, "--max-tokens", min=1, help="Most tokens one request may generate; asking for more gets a 400."
     ),
-    default_max_tokens: int = typer.Option(
+    default_max_tokens: int = ranged(
         256, "--default-max-tokens", min=1, help="Tokens generated for a request that sets no max_tokens."
     ),
     prompt_cache_bytes: str = typer.Option(
@@ -321,7 +351,7 @@ def serve(
         None, "--prompt-cache-dir",
         help="Folder for the disk prompt cache, one subfolder per model (default: prompt-cache/ in the cache folder).",
     ),
-    draft_context: Optional[int] = typer.Option(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
+    draft_context: Optional[int] = ranged(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
     sharding: str = typer.Option(
         "auto", "--sharding", help="Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target "
                                    "(auto: tensor where the family has it, else pipeline).",
@@ -424,9 +454,10 @@ def _bytes(text: str, option: str) -> int:
     return int(value)
 
 
-def _auto_sizer(pair, context: int) -> None:
+def _auto_sizer(pair, context: int) -> Optional[str]:
     """Ready --block-size auto (measuring this machine's costs first if needed,
-    with progress) and say so when it will start by decoding plainly, and why."""
+    with progress); say and return what the cost curve predicts where it
+    predicts that the drafter does not pay (None where it predicts drafting)."""
     from contextlib import ExitStack
 
     from dflash_mlx.cli.progress import progress
@@ -444,9 +475,71 @@ def _auto_sizer(pair, context: int) -> None:
             bar[0](done, total)
 
         sizer = pair.auto_sizer(progress=update)
-    why = sizer.explain(context)
-    if why:
-        err.print(why, highlight=False)
+    prediction = sizer.explain(context)
+    if prediction:
+        err.print(prediction, highlight=False)
+    return prediction
+
+
+def _decision(stats, predicted: bool) -> str:
+    """What --block-size auto did, from the final stats and in their words, and why."""
+    drafted, lookup = stats.draft_cycles, stats.lookup_cycles
+    if not drafted:
+        return "the default decoded plainly" + (
+            ", as the cost curve predicted" if predicted else ": no draft was expected to pay on this text")
+    if lookup == drafted:
+        plain = stats.cycles - drafted
+        return (f"the default drafted from the n-gram lookup only ({drafted} cycles, where the text repeated)"
+                + (f" and decoded plainly elsewhere ({plain} cycles)" if plain else "")
+                + ("; the drafter was not expected to pay" if predicted else ""))
+    from_lookup = f", {lookup} of them from the lookup" if lookup else ""
+    return (f"the default drafted with the drafter ({drafted} cycles{from_lookup}): "
+            + ("it tried whether this text's acceptance pays, against the cost curve's prediction" if predicted
+               else "the acceptance it expected paid for the wider verify passes"))
+
+
+def _note_demo(pair) -> None:
+    """The bundled demo's text is repetitive: say so once, and how to run a real model."""
+    from dflash_mlx.hub import aliases
+
+    alias = pair.resolved.alias if pair.resolved is not None else None
+    if alias and aliases().get(alias, {}).get("builtin"):
+        err.print(f"note: '{alias}' is a tiny {pair.target.num_layers}-layer demo model whose text is repetitive by "
+                  "nature; for a real model: dflash-mlx generate --model qwen3-4b (dflash-mlx list shows all)",
+                  highlight=False)
+
+
+def _utf8(text, where: str) -> str:
+    """`text` (bytes, or a str from the command line, where undecodable bytes arrive
+    as surrogate escapes) as UTF-8 text; one error line, before any model loads, if it is not."""
+    if isinstance(text, str):
+        try:
+            text = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "surrogatepass")
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = text.count(b"\n", 0, e.start) + 1
+        fail(f"{where} is not UTF-8 text (byte 0x{text[e.start]:02x} at offset {e.start}, line {line}); "
+             f"convert it to UTF-8 first, e.g. with iconv -f LATIN1 -t UTF-8.")
+
+
+def _prompt_text(prompt: Optional[str]) -> str:
+    """The prompt from --prompt or stdin, refused before any model loads where it is not UTF-8 text or is empty."""
+    if prompt is None or prompt == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            fail("give a prompt with --prompt, or pipe it on stdin.")
+        stdin = getattr(sys.stdin, "buffer", None)
+        try:
+            prompt = _utf8(stdin.read() if stdin is not None else sys.stdin.read(), "stdin")
+        except UnicodeDecodeError:  # a text stream that decodes strictly by itself
+            fail("stdin is not UTF-8 text; convert it to UTF-8 first, e.g. with iconv -f LATIN1 -t UTF-8.")
+    else:
+        prompt = _utf8(prompt, "--prompt")
+    if not prompt.strip():
+        fail("The prompt is empty; give some text with --prompt or on stdin.")
+    return prompt
 
 
 def _busy() -> Optional[str]:
@@ -522,16 +615,16 @@ def bench(
     draft: Optional[str] = typer.Option(None, "--draft", "--draft-model"),
     suite: str = typer.Option("all", "--suite", help="code, math, chat or all (shipped prompt suites)."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="A .jsonl of {\"prompt\": ...} rows instead."),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-m", min=1),
+    max_tokens: int = ranged(128, "--max-tokens", "-m", min=1),
     block_size: str = typer.Option("auto", "--block-size", help="N, auto, sweep, or a comma list (e.g. 4,8,16,auto)."),
-    temp: float = typer.Option(0.0, "--temp", min=0.0),
-    repeats: int = typer.Option(1, "--repeats", min=1),
+    temp: float = ranged(0.0, "--temp", min=0.0),
+    repeats: int = ranged(1, "--repeats", min=1),
     out: Optional[str] = typer.Option(None, "--out", help="Write the results as JSON."),
     oracle: bool = typer.Option(False, "--oracle", help="Draft the target's own continuation (the ceiling)."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Draw a PNG (needs matplotlib)."),
     context: Optional[str] = typer.Option(
         None, "--context", help="Put each prompt after this many tokens of a long document: e.g. 1k,8k,32k."),
-    draft_context: Optional[int] = typer.Option(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
+    draft_context: Optional[int] = ranged(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
     sharding: str = typer.Option(
         "auto", "--sharding", help="Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target "
                                    "(auto: tensor where the family has it, else pipeline).",
@@ -675,7 +768,7 @@ def doctor():
     from rich.table import Table
 
     from dflash_mlx import kernels
-    from dflash_mlx.adaptive import blas_name
+    from dflash_mlx.machine import blas_name
 
     device = "metal" if kernels.backend() == "metal" else str(mx.default_device())
     err.print(f"MLX {mx.__version__} on {device}, {platform.system()} {platform.machine()}, BLAS: {escape(blas_name())}")
@@ -701,11 +794,69 @@ def doctor():
     out.print(f"  tested in CI against plain mlx-lm decoding: {', '.join(CI_TESTED)}")
 
 
+# `list`'s columns; on a terminal too narrow for all of them, LIST_SPARE are left out
+# in this order before an id is cut. The alias and target columns, what a user types, stay.
+LIST_COLUMNS = ("alias", "target (--model ALIAS) and variants (ALIAS:VARIANT)", "drafter", "DFlash",
+                "target family", "ids confirmed by", "cached locally")
+LIST_SPARE = ("ids confirmed by", "target family", "DFlash", "cached locally", "drafter")
+
+
+def _stdout() -> Console:
+    return Console(highlight=False)
+
+
+def _alias_table(console: Console, rows: List[List[str]]):
+    """(table, headers left out) for `console`.
+
+    Off a terminal (a pipe, a file) the table takes its natural width: no cell
+    wraps, nothing is cut. On a terminal too narrow for that, the alias, target
+    and drafter columns keep the width of their longest id while the other
+    columns wrap; where even that does not fit, the least needed columns are
+    left out, and only where the alias and target columns alone do not fit do
+    the target's ids fold (every character kept) onto more lines."""
+    from rich.measure import Measurement
+    from rich.table import Column, Table
+    from rich.text import Text
+
+    def widest(i):
+        return max(len(w) for row in rows for w in Text.from_markup(row[i]).plain.split())
+
+    def build(headers, fixed=False):
+        columns = []
+        for h in headers:
+            i = LIST_COLUMNS.index(h)
+            if i == 0:
+                columns.append(Column(h, no_wrap=True, width=widest(0)))
+            elif i <= 2:  # rich shrinks only the columns without a set width
+                columns.append(Column(h, width=widest(i) if fixed else None, overflow="fold"))
+            else:
+                columns.append(Column(h, overflow="fold"))
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*[row[LIST_COLUMNS.index(h)] for h in headers])
+        return table
+
+    def needs(table):
+        return Measurement.get(console, console.options.update_width(1 << 16), table)
+
+    table = build(LIST_COLUMNS)
+    if not console.is_terminal:
+        console.width = needs(table).maximum
+        return table, []
+    if needs(table).maximum <= console.width:
+        return table, []
+    for n in range(len(LIST_SPARE) + 1):
+        headers = [h for h in LIST_COLUMNS if h not in LIST_SPARE[:n]]
+        table = build(headers, fixed=True)
+        if needs(table).minimum <= console.width:
+            return table, list(LIST_SPARE[:n])
+    return build(headers), list(LIST_SPARE)
+
+
 @app.command("list")
 def list_models():
     """List the model aliases: target and its 4/8-bit MLX variants, drafter, and what is in the Hugging Face cache."""
     from huggingface_hub import constants
-    from rich.table import Table
 
     from dflash_mlx.hub import aliases, cached_repos
     from dflash_mlx.target_caches import family_verdict
@@ -716,8 +867,7 @@ def list_models():
     def repo(name: str) -> str:
         return escape(name) + marks.get(cached.get(name.lower()), "")
 
-    table = Table("alias", "target (--model ALIAS) and variants (ALIAS:VARIANT)", "drafter", "DFlash",
-                  "target family", "ids confirmed by", "cached locally")
+    rows = []
     for alias, e in aliases().items():
         if e.get("builtin"):
             target, draft, have = f"{e['target']} (in the package)", f"{e['draft']} (in the package)", "built in"
@@ -732,12 +882,17 @@ def list_models():
         ok, _ = family_verdict(family)
         family_cell = family + (f" ({e['model_type']})" if e.get("model_type") else "")
         family_cell += "" if ok else " [red](not in this mlx-lm)[/]"
-        table.add_row(alias, target, draft, str(e.get("dflash", 1)), family_cell, escape(e.get("confirmed", "unconfirmed")),
-                      have)
-    out = Console(highlight=False)
+        rows.append([escape(alias), target, draft, str(e.get("dflash", 1)), family_cell,
+                     escape(e.get("confirmed", "unconfirmed")), have])
+    out = _stdout()
+    table, left_out = _alias_table(out, rows)
     out.print(table)
+    if left_out:
+        out.print(f"Left out to fit this terminal: {', '.join(left_out)}; `dflash-mlx list | cat` prints every "
+                  "column.", soft_wrap=True)
     out.print(f"Hugging Face cache: {escape(str(constants.HF_HUB_CACHE))}. "
-              "Run `dflash-mlx generate --model ALIAS` (or ALIAS:4bit, ALIAS:8bit for a quantized MLX target).")
+              "Run `dflash-mlx generate --model ALIAS` (or ALIAS:4bit, ALIAS:8bit for a quantized MLX target).",
+              soft_wrap=True)
 
 
 if __name__ == "__main__":
