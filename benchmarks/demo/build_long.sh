@@ -22,6 +22,20 @@ cp "$OUT/drafter/train_summary.json" benchmarks/demo/long_train_summary.json
 
 # 3. The figures in benchmarks/README.md: acceptance against z-lab's MLX loop, then `bench` at long contexts.
 python benchmarks/long_context.py --pair "$OUT" --out benchmarks/results/long-pair-acceptance-linux-cpu-openblas.json
+# bench runs the weights as saved: time a float32 copy (float16 matmuls are slow on a CPU).
+python - "$OUT" <<'EOF'
+import json, shutil, sys
+from pathlib import Path
+import mlx.core as mx
+src = Path(sys.argv[1]) / "target"
+dst = src.with_name("target-f32")
+shutil.rmtree(dst, ignore_errors=True)
+shutil.copytree(src, dst)
+for f in dst.glob("*.safetensors"):
+    mx.save_safetensors(str(f), {k: v.astype(mx.float32) for k, v in mx.load(str(f)).items()}, metadata={"format": "mlx"})
+cfg = json.loads((dst / "config.json").read_text())
+(dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}, indent=2))
+EOF
 head -3 dflash_mlx/suites/code.jsonl > "$OUT/code3.jsonl"
-dflash-mlx bench --model "$OUT/target" --draft "$OUT/drafter/mlx" --prompts "$OUT/code3.jsonl" --context 1k,2k,4k,8000 \
+dflash-mlx bench --model "$OUT/target-f32" --draft "$OUT/drafter/mlx" --prompts "$OUT/code3.jsonl" --context 1k,2k,4k,8000 \
     --block-size 8,16,auto --max-tokens 96 --out benchmarks/results/long-pair-bench-linux-cpu-openblas.json
