@@ -1,4 +1,4 @@
-"""DFlash on a target sharded across processes with `mx.distributed` (issue 16).
+"""DFlash on a target sharded across processes with `mx.distributed`.
 
 With more than one process in the group, the target is sharded with
 mlx-lm's tensor parallelism (`model.shard(group)`; tested for the families
