@@ -48,6 +48,11 @@ def initialize_rope(dims, base, scaling_config, max_position_embeddings):
     )
 
 
+def cache_classes() -> Dict[str, type]:
+    """mlx-lm's cache classes by name (its private `_BaseCache` is their common base)."""
+    return {n: c for n, c in vars(cache_lib).items() if isinstance(c, type) and issubclass(c, cache_lib._BaseCache)}
+
+
 def load_target(path, tokenizer_config: Optional[dict] = None):
     """Load an mlx-lm model and tokenizer from a local directory."""
     from pathlib import Path

@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.models.cache import PromptTrie
 
+from .adapter import cache_classes
 from .draft_source import ContextRows
 from .drafter import DraftCache
 from .errors import DFlashError
@@ -42,8 +43,7 @@ _TMP = ".tmp" + _SUFFIX
 _STALE_TMP_S = 600  # a temporary file this old is left over from a crash
 
 # Cache classes an entry may hold, by name (never resolved from anything else).
-_CLASSES = {n: c for n, c in vars(cache_lib).items() if isinstance(c, type) and issubclass(c, cache_lib._BaseCache)}
-_CLASSES["WindowCache"] = WindowCache
+_CLASSES = {**cache_classes(), "WindowCache": WindowCache}
 
 
 class PromptStoreWarning(UserWarning):

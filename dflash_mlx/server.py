@@ -40,6 +40,8 @@ from .tools import ToolError, check_tools, splitter, template_messages, tool_cho
 
 MAX_BODY = 4 * 1024 * 1024
 POLL_S = 0.05  # how often a waiting handler checks that its client is still there
+MAX_STOP = 4  # stop strings per request: OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and completions' logprobs)
 # Fields the speculative path cannot honour yet: refused (400) when set to
 # anything but their neutral value, never silently ignored. mlx-lm's server
 # accepts the penalties, logit_bias and XTC; it treats repetition_penalty 0 as
@@ -386,11 +388,12 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4):
-        raise APIError(400, "'stop' must be a string or a list of up to 4 strings.", param="stop")
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP):
+        raise APIError(400, f"'stop' must be a string or a list of up to {MAX_STOP} strings.", param="stop")
     stream = _get(body, "stream", bool, False, None, "a boolean")
     if chat:
-        top = _get(body, "top_logprobs", int, None, lambda v: 0 <= v <= 20, "an integer from 0 to 20")
+        top = _get(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                   f"an integer from 0 to {MAX_TOP_LOGPROBS}")
         if not _get(body, "logprobs", bool, False, None, "a boolean"):
             if top is not None:
                 raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
@@ -398,7 +401,8 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         else:
             logprobs = top or 0
     else:
-        logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= 20, "an integer from 0 to 20")
+        logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                        f"an integer from 0 to {MAX_TOP_LOGPROBS}")
     params = SamplingParams(temp=float(temp), top_p=float(top_p), top_k=top_k, min_p=float(min_p), seed=seed)
     processors = _processor_args(body, engine)
 

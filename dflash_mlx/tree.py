@@ -164,21 +164,32 @@ def missed(alternatives: Sequence[int], k: int, depth: int, token: int) -> Tuple
     return depth, (alts.index(token) + 2 if token in alts else 0)
 
 
+# The self-check's tree: small enough to run in milliseconds at load, with a branch
+# at every depth a default tree uses; fixed keys, so every run checks the same tree.
+CHECK_KEYS = (7, 8)  # the random context's and the drafter logits'
+CHECK_LOGIT_SCALE = 3.0  # random logits this wide give distinct best and 2nd/3rd choices
+# Logits of a node and of its path decoded linearly agree to the dtype's rounding:
+# relative to the largest logit, 1e-3 in float32 and 3e-2 in half precision.
+CHECK_TOLERANCE = {mx.float32: 1e-3}
+CHECK_TOLERANCE_HALF = 3e-2
+
+
 def self_check(target, width: int = 5, branches: int = 2, context: int = 12) -> Optional[str]:
     """None where a tree pass over a small random context gives every node the
     logits of its root-to-node path decoded linearly (to the dtype's rounding);
     else what differed. Tree verification is lossless only where this holds,
     so it is checked on the backend before a tree is verified (`works`)."""
     V = target.vocab_size
-    prompt = mx.random.randint(0, V, (context,), key=mx.random.key(7))
-    tree = build(prompt[-1:], mx.random.normal((width - 1, V), key=mx.random.key(8)) * 3, branches)
+    prompt = mx.random.randint(0, V, (context,), key=mx.random.key(CHECK_KEYS[0]))
+    logits = mx.random.normal((width - 1, V), key=mx.random.key(CHECK_KEYS[1])) * CHECK_LOGIT_SCALE
+    tree = build(prompt[-1:], logits, branches)
     cache = target.make_cache()
     target(prompt[None, :-1], cache, last_only=True, taps=False)
     got = target(tree.tokens[None], cache, tree=(tree.mask, tree.runs()), taps=False)[0][0].astype(mx.float32)
     tokens, forks, L = tree.tokens.tolist(), tree.forks.tolist(), tree.length
     paths = [list(range(width))] + [list(range(j)) + list(range(width + b * L, width + (b + 1) * L))
                                     for b, j in enumerate(forks)]
-    tol = 1e-3 if target.dtype == mx.float32 else 3e-2
+    tol = CHECK_TOLERANCE.get(target.dtype, CHECK_TOLERANCE_HALF)
     for path in paths:
         ref = target.make_cache()
         target(prompt[None, :-1], ref, last_only=True, taps=False)

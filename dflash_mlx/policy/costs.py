@@ -38,6 +38,9 @@ CURVE_VERSION = 11  # bump when what a curve measures, or how it is kept, change
 CURVE_KIND = "dflash_mlx.cost_curve"
 # A kept timing above this (seconds for one cycle) is not a measurement: the file is damaged.
 MAX_SECONDS = 3600.0
+# A context not timed yet is expected to take this much longer than the longest timed
+# one (it is longer): a guess that keeps a run from starting a round it cannot finish.
+NEW_CONTEXT_GROWTH = 1.5
 # Trees of up to this many branches are timed with the curve (`tree_shapes`), and so
 # weighed by `auto` unless a request says otherwise.
 TREE_BRANCHES = 2
@@ -403,7 +406,7 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
         """Seconds the next round at context i should take, its set-up (a prefill) included if new."""
         own = [sum(r) for r in samples.rounds(i)]
         before = [sum(r) for j in range(i) for r in samples.rounds(j)]
-        seconds = max(own) if own else 1.5 * max(before, default=0.0)  # longer contexts cost more
+        seconds = max(own) if own else NEW_CONTEXT_GROWTH * max(before, default=0.0)
         seconds *= 1 + (len(samples.parts[i]) < split_rounds)
         return seconds + (i not in runners) * samples.setup_per_token * samples.contexts[i]
 

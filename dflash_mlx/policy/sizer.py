@@ -33,6 +33,27 @@ PLAIN_HOLD_MAX = 8
 # is spread over the tokens left, but over at most this many: a request rarely
 # runs its whole budget.
 CATCH_UP_SPREAD = 512
+# The sizer's defaults. A trained drafter's first positions are accepted most of the
+# time: the drafter's prior is a rate of 0.8, worth WEIGHT cycles, so a request's own
+# few cycles outweigh it quickly. A lookup offer is a coin toss until its n-gram order
+# has a record (0.5), and the drafter's 2nd/3rd choice is rarely right where its best
+# was not (0.2).
+DRAFTER_PRIOR = 0.8
+LOOKUP_PRIOR = 0.5
+BRANCH_PRIOR = 0.2
+WEIGHT = 4.0
+# Per position, each new check of it counts for 1 and older ones by DECAY each:
+# the rates follow the text within a few dozen cycles.
+DECAY = 0.98
+# Every statistic loses half its weight per HALF_LIFE committed tokens, so evidence
+# that drafting does not pay becomes uncertain again and the drafter is retried.
+HALF_LIFE = 1024.0
+# A request starts from the shared statistics worth at most CARRY cycles per position:
+# enough to start well, little enough that its own outcomes take over within a few cycles.
+CARRY = 8.0
+# A width is kept unless another promises 3% more tokens per second: the curve's
+# noise alone must not make the choice wander between equally good widths.
+STICK = 1.03
 # A kept acceptance count is refused above this when its statistics never forget
 # (decay 1): a request's checks of one position are far fewer.
 MAX_KEPT_COUNT = 1e9
@@ -58,7 +79,7 @@ class AcceptanceStats:
     its rates (`BlockSizer.choose`) tries the source again now and then.
     """
 
-    def __init__(self, n: int, decay: float = 0.98, half_life: float = 1024.0, clock: Optional[Clock] = None):
+    def __init__(self, n: int, decay: float = DECAY, half_life: float = HALF_LIFE, clock: Optional[Clock] = None):
         self.decay, self.half_life = decay, half_life
         self._tried = [0.0] * n  # times draft position k (index k, 1-based) was checked
         self._accepted = [0.0] * n
@@ -180,9 +201,10 @@ class BlockSizer:
     a cycle that drafts.
     """
 
-    def __init__(self, curve: CostCurve, max_width: int, prior: float = 0.8, lookup_prior: float = 0.5,
-                 weight: float = 4.0, decay: float = 0.98, half_life: float = 1024.0, carry: float = 8.0,
-                 stick: float = 1.03, explore: bool = True, branch_prior: float = 0.2):
+    def __init__(self, curve: CostCurve, max_width: int, prior: float = DRAFTER_PRIOR,
+                 lookup_prior: float = LOOKUP_PRIOR, weight: float = WEIGHT, decay: float = DECAY,
+                 half_life: float = HALF_LIFE, carry: float = CARRY, stick: float = STICK, explore: bool = True,
+                 branch_prior: float = BRANCH_PRIOR):
         self.curve = curve
         self.explore = explore  # False: choose on the posterior means (no exploring)
         self.rng = random.Random(0)
