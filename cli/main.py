@@ -631,14 +631,7 @@ def bench(
     ),
 ):
     """Benchmark DFlash against plain mlx-lm decoding on this machine."""
-    import json as _json
-
-    from rich.table import Table
-
-    import dflash_mlx
-    from dflash_mlx import bench as B
     from dflash_mlx import distributed
-    from dflash_mlx.cli.progress import progress as show_progress
 
     sizes, sharding = _block_sizes(block_size), _sharding(sharding)
     contexts = _contexts(context) if context else [0]
@@ -656,69 +649,91 @@ def bench(
     if not main_rank:  # only rank 0 reports; every rank runs the same benchmark
         err.file = open(os.devnull, "w")
     try:
-        texts = None if sizes == ["sweep"] else B.load_prompts(suite, prompts)  # before any model loads
-        if sharded:
-            pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
-            if "auto" in sizes:  # each rank would time its own curve and pick its own widths
-                fixed = pair.draft_source.block_size
-                sizes = list(dict.fromkeys(fixed if s == "auto" else s for s in sizes))
-                err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
-                          f"block size, {fixed}")
-        else:
-            pair = dflash_mlx.load(model, draft, draft_context=draft_context)
-        _note_draft_context(pair)
-        with show_progress(err, "benchmark") as update:
-
-            def progress(done, total, what="measuring"):
-                update(done, total, what)
-
-            if sizes == ["sweep"]:
-                result = B.sweep(pair, pair.draft_source.block_size, progress=progress)
-            else:
-                B.check_context(pair, contexts, max_tokens)
-                by_context = {}
-                for c in contexts:
-                    def step(done, total, what="measuring", c=c):
-                        progress(done, total, f"context {c}: {what}" if c else what)
-
-                    by_context[c] = B.run_bench(pair, texts, max_tokens, sizes, temp, repeats, oracle, step, c)
-                result = by_context[contexts[0]]
-                if context:
-                    result = dict(result, contexts={str(c): r for c, r in by_context.items()})
+        result = _run_bench(model, draft, suite, prompts, max_tokens, sizes, temp, repeats, oracle, contexts,
+                            draft_context, sharding, g)
     except DFlashError as e:
         if not main_rank:
             err.file = None  # back to the process's stderr
         fail(f"rank {g.rank()} of {g.size()}: {e}" if sharded else str(e))
     if not main_rank:
         return
+    _print_bench(result, temp)
+    _write_bench(result, out, plot)
+
+
+def _run_bench(model, draft, suite, prompts, max_tokens, sizes, temp, repeats, oracle, contexts, draft_context,
+               sharding, g) -> dict:
+    """Load the pair (sharded under mlx.launch) and run the benchmark at each context."""
+    import dflash_mlx
+    from dflash_mlx import bench as B
+    from dflash_mlx import distributed
+    from dflash_mlx.cli.progress import progress as show_progress
+
+    texts = None if sizes == ["sweep"] else B.load_prompts(suite, prompts)  # before any model loads
+    if g.size() > 1:
+        pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
+        if "auto" in sizes:  # each rank would time its own curve and pick its own widths
+            fixed = pair.draft_source.block_size
+            sizes = list(dict.fromkeys(fixed if s == "auto" else s for s in sizes))
+            err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
+                      f"block size, {fixed}")
+    else:
+        pair = dflash_mlx.load(model, draft, draft_context=draft_context)
+    _note_draft_context(pair)
+    with show_progress(err, "benchmark") as update:
+
+        def progress(done, total, what="measuring"):
+            update(done, total, what)
+
+        if sizes == ["sweep"]:
+            return B.sweep(pair, pair.draft_source.block_size, progress=progress)
+        B.check_context(pair, contexts, max_tokens)
+        by_context = {}
+        for c in contexts:
+            def step(done, total, what="measuring", c=c):
+                progress(done, total, f"context {c}: {what}" if c else what)
+
+            by_context[c] = B.run_bench(pair, texts, max_tokens, sizes, temp, repeats, oracle, step, c)
+    result = by_context[contexts[0]]
+    if contexts != [0]:
+        result = dict(result, contexts={str(c): r for c, r in by_context.items()})
+    return result
+
+
+def _print_bench(result: dict, temp: float) -> None:
+    """The machine line and the benchmark's tables."""
+    from rich.table import Table
+
+    from dflash_mlx import bench as B
+
     m = result["machine"]
     err.print(f"{m['chip']} ({m['cores']} cores, {m['memory_gb']} GB), MLX {m['mlx']} on {m['backend']}, "
               f"BLAS: {escape(m['blas'])}")
-    if sizes == ["sweep"]:
+    if "verify_relative" in result:  # a sweep
         table = Table("width", *[f"verify/1 @ctx {c}" for c in result["contexts"]], "draft/verify1")
         for w in range(len(result["verify_relative"][0])):
             table.add_row(str(w + 1), *[f"{row[w]:.2f}" for row in result["verify_relative"]],
                           f"{result['draft_relative'][0][w]:.2f}")
-    else:
-        table = Table("suite", "block", "baseline tok/s", "DFlash tok/s", "speedup", "acceptance", "identical",
-                      caption="speedup: ratio of medians (median of per-prompt ratios, ratio of geometric means)")
-        prompt_table = Table("suite", "block", "baseline prompt tok/s", "DFlash prompt tok/s", "ratio",
-                             "baseline TTFT ms", "DFlash TTFT ms",
-                             caption="prompt processing: medians of mlx-lm's and our own figures, same prompts")
-        groups = [(name, result["suites"][name]) for name in result["suites"]] + [("overall", result["overall"])]
-        for name, per_size in groups:
-            for key, s in per_size.items():
-                table.add_row(name, key, f"{s['baseline_tps']:.1f}", f"{s['dflash_tps']:.1f}",
-                              f"{s['speedup']:.2f}x ({s['speedup_median_per_prompt']:.2f}x, "
-                              f"{s['speedup_geomean']:.2f}x)", f"{s['mean_acceptance']:.2f}",
-                              f"{s['identical']}/{s['prompts']}" if temp == 0 else "n/a")
-                prompt_table.add_row(name, key, f"{s['baseline_prompt_tps']:.0f}", f"{s['dflash_prompt_tps']:.0f}",
-                                     f"{s['prompt_speedup']:.2f}x", f"{(s['baseline_ttft'] or 0) * 1000:.0f}",
-                                     f"{(s['dflash_ttft'] or 0) * 1000:.0f}")
+        err.print(table)
+        return
+    table = Table("suite", "block", "baseline tok/s", "DFlash tok/s", "speedup", "acceptance", "identical",
+                  caption="speedup: ratio of medians (median of per-prompt ratios, ratio of geometric means)")
+    prompt_table = Table("suite", "block", "baseline prompt tok/s", "DFlash prompt tok/s", "ratio",
+                         "baseline TTFT ms", "DFlash TTFT ms",
+                         caption="prompt processing: medians of mlx-lm's and our own figures, same prompts")
+    groups = [(name, result["suites"][name]) for name in result["suites"]] + [("overall", result["overall"])]
+    for name, per_size in groups:
+        for key, s in per_size.items():
+            table.add_row(name, key, f"{s['baseline_tps']:.1f}", f"{s['dflash_tps']:.1f}",
+                          f"{s['speedup']:.2f}x ({s['speedup_median_per_prompt']:.2f}x, "
+                          f"{s['speedup_geomean']:.2f}x)", f"{s['mean_acceptance']:.2f}",
+                          f"{s['identical']}/{s['prompts']}" if temp == 0 else "n/a")
+            prompt_table.add_row(name, key, f"{s['baseline_prompt_tps']:.0f}", f"{s['dflash_prompt_tps']:.0f}",
+                                 f"{s['prompt_speedup']:.2f}x", f"{(s['baseline_ttft'] or 0) * 1000:.0f}",
+                                 f"{(s['dflash_ttft'] or 0) * 1000:.0f}")
     err.print(table)
-    if sizes != ["sweep"]:
-        err.print(prompt_table)
-    if context:
+    err.print(prompt_table)
+    if "contexts" in result:
         ctx_table = Table("context", "prompt tokens", "block", "speedup", "acceptance", "DFlash TTFT ms",
                           "peak memory GB", caption="each suite prompt after a long document (this package's "
                                                     "source); peak memory is the process's so far")
@@ -729,7 +744,7 @@ def bench(
                                   f"{s['speedup']:.2f}x", f"{s['mean_acceptance']:.2f}",
                                   f"{(s['dflash_ttft'] or 0) * 1000:.0f}", f"{r['peak_memory_gb']:.2f}")
         err.print(ctx_table)
-    for key, s in result.get("overall", {}).items():
+    for key, s in result["overall"].items():
         if "overhead_seconds_per_cycle" in s:
             ms = {k: s[k] * 1000 for k in ("seconds_per_cycle", "verify_seconds_per_cycle", "overhead_seconds_per_cycle")}
             err.print(f"oracle, block {key}: {ms['seconds_per_cycle']:.2f} ms per cycle; the target's bare verify pass "
@@ -742,10 +757,21 @@ def bench(
         shares = ", ".join(f"{k}: {v:.0%}" for k, v in d["share"].items())
         err.print(f"{d['ranks']} ranks: {d['collectives_per_pass']} collectives per target pass ({per_pass} alone); "
                   f"their share of a step or cycle: {shares}")
+    mismatched = [p for s in result["overall"].values() for p in s.get("mismatched_prompts", [])]
+    if mismatched:
+        err.print(f"[bold red]warning:[/] {len(mismatched)} greedy output(s) differ from plain mlx-lm decoding")
+
+
+def _write_bench(result: dict, out: Optional[str], plot: Optional[str]) -> None:
+    """The results as JSON (a half-written file never replaces an earlier one) and the plot."""
+    import json
+
+    from dflash_mlx import bench as B
+
     if out:
         tmp = Path(out).with_name(Path(out).name + ".tmp")
-        tmp.write_text(_json.dumps(result, indent=2) + "\n")
-        tmp.replace(out)  # a half-written file never replaces an earlier result
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(out)
         err.print(f"wrote {out}")
     if plot:
         try:
@@ -753,9 +779,6 @@ def bench(
         except ImportError:
             fail("--plot needs matplotlib: pip install 'dflash-mlx[plot]'.")
         err.print(f"wrote {plot}")
-    mismatched = [p for s in result.get("overall", {}).values() for p in s.get("mismatched_prompts", [])]
-    if mismatched:
-        err.print(f"[bold red]warning:[/] {len(mismatched)} greedy output(s) differ from plain mlx-lm decoding")
 
 
 @app.command()

@@ -178,19 +178,7 @@ class DrafterConfig:
             value = cfg.get(name)
             return default if value is None else value
 
-        architectures = f.strings("architectures", cfg.get("architectures") or [])
-        other = [a for a in architectures if a not in ARCHITECTURES]
-        if other:
-            raise DFlashError(
-                f"{source} is a {other[0]} model, not a DFlash drafter (DFlashDraftModel or "
-                "DFlash2DraftModel); pass a z-lab DFlash drafter with --draft."
-            )
-        architecture = "DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"
-        if "dflash_config" not in cfg and not architectures:
-            raise DFlashError(
-                f"{source} is not a DFlash drafter config (no 'dflash_config' and no "
-                "DFlashDraftModel architecture); pass a z-lab DFlash drafter with --draft."
-            )
+        architecture = _architecture(f, cfg, source)
         required = (
             "hidden_size",
             "num_hidden_layers",
@@ -215,63 +203,13 @@ class DrafterConfig:
         if n_heads % n_kv:
             f.fail("num_key_value_heads", f"a divisor of num_attention_heads ({n_heads})", n_kv)
         head_dim = f.integer("head_dim", cfg.get("head_dim") or max(1, hidden // n_heads))
-        num_target_layers = lookup("num_target_layers")
-        if num_target_layers is not None:
-            num_target_layers = f.integer("num_target_layers", num_target_layers)
-        target_layer_ids = lookup("target_layer_ids")
-        if target_layer_ids is None:
-            if num_target_layers is None:
-                raise DFlashError(
-                    f"{source} has neither target_layer_ids nor num_target_layers; cannot tell which target layers to tap."
-                )
-            target_layer_ids = default_target_layer_ids(num_target_layers, n_layers)
-        target_layer_ids = f.integers("target_layer_ids", target_layer_ids, "target_layer_ids")
-
-        rope_theta = cfg.get("rope_theta")
-        rope_scaling = f.rope("rope_scaling", cfg.get("rope_scaling")) or None
-        params = f.rope("rope_parameters", cfg.get("rope_parameters"))
-        if params:
-            rope_theta = params.get("rope_theta", rope_theta)
-            if rope_scaling is None:
-                rope_scaling = dict(params)
-        rope_theta = f.number("rope_theta", 10000.0 if rope_theta is None else rope_theta, 0.0, above=True)
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if kind not in ROPE_TYPES:
-                raise DFlashError(
-                    f"{source}: rope type '{kind}' is not supported (supported: {', '.join(ROPE_TYPES)})."
-                )
-            rope_scaling.pop("rope_theta", None)
-            if kind == "default":
-                rope_scaling = None
-            else:
-                rope_scaling["rope_type"] = kind
-                if "factor" in rope_scaling:
-                    f.number("rope_scaling.factor", rope_scaling["factor"], 0.0, above=True)
-
-        layer_types = f.strings("layer_types", cfg.get("layer_types") or ["full_attention"] * n_layers)
-        if len(layer_types) != n_layers:
-            raise DFlashError(
-                f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers."
-            )
-        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise DFlashError(f"{source}: unknown layer type(s) {sorted(unknown)}.")
-        sliding_window = cfg.get("sliding_window")
-        if "sliding_attention" in layer_types and not sliding_window:
-            raise DFlashError(f"{source}: sliding_attention layers need a sliding_window size.")
-        if sliding_window is not None:
-            sliding_window = f.integer("sliding_window", sliding_window)
+        num_target_layers, target_layer_ids = _target_layers(f, lookup, n_layers, source)
+        rope_theta, rope_scaling = _rope(f, cfg, source)
+        layer_types, sliding_window = _layer_types(f, cfg, n_layers, source)
         is_causal = cfg.get("is_causal")
         if is_causal is not None and not isinstance(is_causal, bool):
             f.fail("is_causal", "true or false", is_causal)
-        quantization = cfg.get("quantization")
-        if quantization is not None:
-            q = f.mapping("quantization", quantization)
-            f.integer("quantization.bits", q.get("bits", 4), 2, 8)
-            if q.get("bits", 4) not in QUANT_BITS or q.get("group_size", 64) not in QUANT_GROUPS:
-                f.fail("quantization", f"bits in {QUANT_BITS} and group_size in {QUANT_GROUPS}", q)
+        quantization = _quantization(f, cfg)
 
         dflash2 = {}
         if architecture == "DFlash2DraftModel":
@@ -340,6 +278,95 @@ def read_json(path: Path, what_to_do: str) -> Any:
         raise DFlashError(f"{path} is nested too deeply to be a config; {what_to_do}.")
     except OSError as e:
         raise DFlashError(f"Cannot read {path} ({e.strerror or e}); {what_to_do}.")
+
+
+def _architecture(f: "Fields", cfg: Dict[str, Any], source: str) -> str:
+    """DFlashDraftModel or DFlash2DraftModel; another model's config is refused."""
+    architectures = f.strings("architectures", cfg.get("architectures") or [])
+    other = [a for a in architectures if a not in ARCHITECTURES]
+    if other:
+        raise DFlashError(
+            f"{source} is a {other[0]} model, not a DFlash drafter (DFlashDraftModel or "
+            "DFlash2DraftModel); pass a z-lab DFlash drafter with --draft."
+        )
+    architecture = "DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"
+    if "dflash_config" not in cfg and not architectures:
+        raise DFlashError(
+            f"{source} is not a DFlash drafter config (no 'dflash_config' and no "
+            "DFlashDraftModel architecture); pass a z-lab DFlash drafter with --draft."
+        )
+    return architecture
+
+
+def _target_layers(f: "Fields", lookup, n_layers: int, source: str):
+    """(num_target_layers or None, the target layers tapped)."""
+    num_target_layers = lookup("num_target_layers")
+    if num_target_layers is not None:
+        num_target_layers = f.integer("num_target_layers", num_target_layers)
+    target_layer_ids = lookup("target_layer_ids")
+    if target_layer_ids is None:
+        if num_target_layers is None:
+            raise DFlashError(
+                f"{source} has neither target_layer_ids nor num_target_layers; cannot tell which target layers to tap."
+            )
+        target_layer_ids = default_target_layer_ids(num_target_layers, n_layers)
+    target_layer_ids = f.integers("target_layer_ids", target_layer_ids, "target_layer_ids")
+    return num_target_layers, target_layer_ids
+
+
+def _rope(f: "Fields", cfg: Dict[str, Any], source: str):
+    """(rope_theta, rope_scaling or None) from either layout (`rope_scaling` or `rope_parameters`)."""
+    rope_theta = cfg.get("rope_theta")
+    rope_scaling = f.rope("rope_scaling", cfg.get("rope_scaling")) or None
+    params = f.rope("rope_parameters", cfg.get("rope_parameters"))
+    if params:
+        rope_theta = params.get("rope_theta", rope_theta)
+        if rope_scaling is None:
+            rope_scaling = dict(params)
+    rope_theta = f.number("rope_theta", 10000.0 if rope_theta is None else rope_theta, 0.0, above=True)
+    if rope_scaling is not None:
+        rope_scaling = dict(rope_scaling)
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise DFlashError(
+                f"{source}: rope type '{kind}' is not supported (supported: {', '.join(ROPE_TYPES)})."
+            )
+        rope_scaling.pop("rope_theta", None)
+        if kind == "default":
+            rope_scaling = None
+        else:
+            rope_scaling["rope_type"] = kind
+            if "factor" in rope_scaling:
+                f.number("rope_scaling.factor", rope_scaling["factor"], 0.0, above=True)
+    return rope_theta, rope_scaling
+
+
+def _layer_types(f: "Fields", cfg: Dict[str, Any], n_layers: int, source: str):
+    """(each layer's attention type, the sliding window or None)."""
+    layer_types = f.strings("layer_types", cfg.get("layer_types") or ["full_attention"] * n_layers)
+    if len(layer_types) != n_layers:
+        raise DFlashError(
+            f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers."
+        )
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise DFlashError(f"{source}: unknown layer type(s) {sorted(unknown)}.")
+    sliding_window = cfg.get("sliding_window")
+    if "sliding_attention" in layer_types and not sliding_window:
+        raise DFlashError(f"{source}: sliding_attention layers need a sliding_window size.")
+    if sliding_window is not None:
+        sliding_window = f.integer("sliding_window", sliding_window)
+    return layer_types, sliding_window
+
+
+def _quantization(f: "Fields", cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    quantization = cfg.get("quantization")
+    if quantization is not None:
+        q = f.mapping("quantization", quantization)
+        f.integer("quantization.bits", q.get("bits", 4), 2, 8)
+        if q.get("bits", 4) not in QUANT_BITS or q.get("group_size", 64) not in QUANT_GROUPS:
+            f.fail("quantization", f"bits in {QUANT_BITS} and group_size in {QUANT_GROUPS}", q)
+    return quantization
 
 
 def _dflash2_fields(lookup, hidden_size: int, vocab_size: int, source: str) -> Dict[str, int]:
