@@ -20,7 +20,7 @@ import mlx.nn as nn
 from .config import DrafterConfig
 from .draft_source import DFlashDraftSource
 from .drafter import DecoderLayer, DFlashDrafter
-from .proposal import rescale
+from .policy.proposal import rescale
 from .sampling import SamplingParams, log_probs
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")

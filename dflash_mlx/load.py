@@ -2,11 +2,10 @@
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,6 +14,7 @@ from safetensors import SafetensorError
 
 from .policy.costs import CONTEXTS, CostCurve, curve_key, load_or_measure, tree_shapes
 from .policy.sizer import BlockSizer
+from .policy.store import Learned
 from .adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import CONVERSION, DrafterConfig, check_pair
 from .drafter import DFlashDrafter
@@ -25,15 +25,12 @@ from . import tree as tree_lib
 from .decode.timing import cycle_parts
 from .draft_source import DraftSource
 from .lookup import WithLookup
-from .proposal import ProposalScales
+from .policy.proposal import ProposalScales
 from .sampling import SamplingParams
 from .hub import Resolved, cache_root, check_name, fetch, resolve
 
-RATES_VERSION = 2
-RATES_KIND = "dflash_mlx.rates"
 # Safetensors dtypes a converted drafter's tensors may have (quantized weights are packed into U32).
 FLOAT_DTYPES = ("F32", "F16", "BF16")
-RATES_EVERY = 10.0  # seconds between writes of the learnt rates (the first write is at once)
 
 
 @dataclass
@@ -46,11 +43,11 @@ class DFlashPair:
     draft_path: Path
     resolved: Optional[Resolved] = None
     group: Any = None  # the mx.distributed group the target is sharded over (None: one process)
-    _sizer: Optional[BlockSizer] = field(default=None, repr=False)  # greedy requests'
-    _sampled_sizers: Dict[tuple, BlockSizer] = field(default_factory=dict, repr=False)
-    _scales: Dict[tuple, ProposalScales] = field(default_factory=dict, repr=False)
-    _kept: Optional[dict] = field(default=None, repr=False)  # the learnt-rates file, per sampling settings
-    _kept_at: float = field(default=float("-inf"), repr=False)  # when this process last wrote it
+    learned: Optional[Learned] = field(default=None, init=False, repr=False)  # what `auto` learns (`policy.store`)
+
+    def __post_init__(self):
+        self.learned = Learned(lambda **kw: self.cost_curve(**kw), lambda: self.rates_path(),
+                               self.draft_source.block_size)
 
     @property
     def draft_context(self) -> Optional[int]:
@@ -79,75 +76,21 @@ class DFlashPair:
 
     def auto_sizer(self, params: Optional[SamplingParams] = None,
                    progress=lambda done, total: None) -> BlockSizer:
-        """The `--block-size auto` policy at these sampling settings (default: greedy).
-
-        Its acceptance statistics last across requests with the same settings:
-        a drafter's (and a lookup's) acceptance when sampling is not its greedy
-        one, so a server's sampled requests do not teach its greedy ones. All
-        share one cost curve.
-        """
-        if self._sizer is None:
-            self._sizer = self._learnt(BlockSizer(self.cost_curve(progress=progress), self.draft_source.block_size),
-                                       SamplingParams())
-        if params is None or params.greedy:
-            return self._sizer
-        if params.key not in self._sampled_sizers:
-            self._sampled_sizers[params.key] = self._learnt(self._sizer.fresh(), params)
-        return self._sampled_sizers[params.key]
-
-    def _rates_path(self) -> Path:
-        return cache_root() / "costs" / f"{curve_key(self)}-w{self.draft_source.block_size}-rates.json"
-
-    def _kept_rates(self) -> dict:
-        """What earlier processes learnt, per sampling settings (read once; unreadable: nothing)."""
-        if self._kept is None:
-            path, what = self._rates_path(), "learnt rates"
-            kept = kept_files.read(path, RATES_KIND, RATES_VERSION, what)
-            if kept is not None and not isinstance(kept, dict):
-                kept_files.set_aside(path, what, "not rates per sampling setting")
-            self._kept = kept if isinstance(kept, dict) else {}
-        return self._kept
-
-    def _learnt(self, sizer: BlockSizer, params: SamplingParams) -> BlockSizer:
-        """`sizer` with the shared rates an earlier process learnt at these settings, where they fit."""
-        kept = self._kept_rates().get(_settings_name(params))
-        if kept:
-            try:
-                sizer.load_shared(kept)
-            except (KeyError, TypeError, ValueError):
-                pass  # another drafter layout or a damaged file: learn anew
-        return sizer
-
-    def keep_rates(self, force: bool = False) -> None:
-        """Write what the auto sizers learnt (their shared rates, per sampling settings)
-        where the cost curve is kept, for later processes: at once the first time, then
-        at most every `RATES_EVERY` seconds (`force`: now). Settings this process did not
-        use keep what the file held. One rank writes; a failed write is skipped."""
-        now = time.monotonic()
-        if not force and now - self._kept_at < RATES_EVERY:
-            return
-        if self.group is not None and self.group.rank() != 0:
-            return
-        settings = dict(self._kept_rates())
-        if self._sizer is not None:
-            settings[_settings_name(SamplingParams())] = self._sizer.shared_state()
-        for key, sizer in self._sampled_sizers.items():
-            settings[_settings_name(SamplingParams(*key))] = sizer.shared_state()
-        self._kept, self._kept_at = settings, now
-        kept_files.write(self._rates_path(), RATES_KIND, RATES_VERSION, settings)
+        """The `--block-size auto` policy at these sampling settings (default: greedy); its
+        acceptance statistics last across requests (and processes) with the same settings."""
+        return self.learned.sizer(params, progress)
 
     def proposal_scales(self, params: SamplingParams) -> ProposalScales:
         """The drafter's learned proposal scales at these sampling settings; they last across requests."""
-        key = params.key
-        if key not in self._scales:
-            self._scales[key] = ProposalScales(self.draft_source.block_size - 1)
-        return self._scales[key]
+        return self.learned.proposal_scales(params)
 
+    def keep_rates(self, force: bool = False) -> None:
+        """Write what the auto sizers learnt, for later processes (`policy.store.Learned.keep`); one rank writes."""
+        if self.group is None or self.group.rank() == 0:
+            self.learned.keep(force)
 
-
-def _settings_name(params: SamplingParams) -> str:
-    """The rates file's name for the sampling settings acceptance depends on (`SamplingParams.key`)."""
-    return "greedy" if params.greedy else json.dumps(list(params.key))
+    def rates_path(self) -> Path:
+        return cache_root() / "costs" / f"{curve_key(self)}-w{self.draft_source.block_size}-rates.json"
 
 
 def converted_path(path: Path) -> Path:

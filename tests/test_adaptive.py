@@ -15,7 +15,7 @@ from dflash_mlx.policy.costs import CostCurve
 from dflash_mlx.policy.sizer import COST_STEP, BlockSizer
 from dflash_mlx.policy.plan import PLAIN, FixedWidth, Outcome, Plan
 from dflash_mlx import kept_files, machine
-from dflash_mlx.load import RATES_KIND, RATES_VERSION
+from dflash_mlx.policy.store import RATES_KIND, RATES_VERSION
 from dflash_mlx.lookup import Offer
 from dflash_mlx.sampling import SamplingParams
 
@@ -915,7 +915,7 @@ def test_fixed_width_policy():
 
 def install_curve(monkeypatch, pair, rows, contexts=(64,)):
     """Give the pair (for this test) an auto sizer over a synthetic cost curve: no timing."""
-    monkeypatch.setattr(pair, "_sizer", BlockSizer(cycle_curve(rows, contexts), pair.draft_source.block_size))
+    monkeypatch.setattr(pair.learned, "greedy", BlockSizer(cycle_curve(rows, contexts), pair.draft_source.block_size))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
@@ -947,7 +947,7 @@ def test_same_seed_same_text_whatever_came_before(pairs, monkeypatch):
     prompt = pair.tokenizer.encode("Once upon a time")
     first, _ = dflash_mlx.generate(pair, prompt, max_tokens=30, sampling=params, block_size="auto")
     for _ in range(300):
-        pair._sizer.record(Plan(pair.draft_source.block_size), 0, [0])  # earlier requests taught the sizer to stay narrow
+        pair.learned.greedy.record(Plan(pair.draft_source.block_size), 0, [0])  # earlier requests taught the sizer to stay narrow
     dflash_mlx.generate(pair, "an unrelated request", max_tokens=10, sampling=SamplingParams(temp=1.0),
                         block_size="auto")
     again, _ = dflash_mlx.generate(pair, prompt, max_tokens=30, sampling=params, block_size="auto")
@@ -960,7 +960,7 @@ def test_a_greedy_request_with_a_seed_follows_the_shared_statistics(pairs, monke
     pair = pairs["qwen3"]
     install_curve(monkeypatch, pair, [[1.0 + 0.6 * (k - 1) for k in range(1, pair.draft_source.block_size + 1)]])
     for _ in range(300):
-        pair._sizer.record(Plan(pair.draft_source.block_size), 0, [0])  # drafts here always miss
+        pair.learned.greedy.record(Plan(pair.draft_source.block_size), 0, [0])  # drafts here always miss
     prompt = pair.tokenizer.encode("Once upon a time")
     seeded = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=30, sampling=SamplingParams(seed=11),
                                              block_size="auto"))
@@ -977,7 +977,7 @@ def test_acceptance_is_learnt_per_sampling_settings(pairs, monkeypatch):
     teach a sizer of their own settings, which shares the greedy one's cost curve."""
     pair = pairs["qwen3"]
     install_curve(monkeypatch, pair, [FLAT[: pair.draft_source.block_size]])
-    monkeypatch.setattr(pair, "_sampled_sizers", {})
+    monkeypatch.setattr(pair.learned, "sampled", {})
     greedy = pair.auto_sizer()
     t1 = SamplingParams(temp=1.0)
     sampled = pair.auto_sizer(t1)
@@ -1005,27 +1005,28 @@ def test_what_the_sizers_learnt_outlives_the_process(pairs, monkeypatch, tmp_pat
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
     pair = pairs["qwen3"]
     install_curve(monkeypatch, pair, [FLAT[: pair.draft_source.block_size]])
-    curve = pair._sizer.curve
+    curve = pair.learned.greedy.curve
     monkeypatch.setattr(pair, "cost_curve", lambda **kw: curve)
-    for name, value in [("_sampled_sizers", {}), ("_kept", None), ("_kept_at", float("-inf"))]:
-        monkeypatch.setattr(pair, name, value)
+    for name, value in [("sampled", {}), ("kept", None), ("kept_at", float("-inf"))]:
+        monkeypatch.setattr(pair.learned, name, value)
     t1 = SamplingParams(temp=1.0)
     dflash_mlx.generate(pair, "def add(a, b):", max_tokens=24, block_size="auto")
-    assert pair._rates_path().exists()  # a request's end writes them (the first time at once)
+    assert pair.rates_path().exists()  # a request's end writes them (the first time at once)
     dflash_mlx.generate(pair, "def add(a, b):", max_tokens=24, sampling=t1, block_size="auto")
     pair.keep_rates(force=True)
-    greedy, sampled = pair._sizer.shared_state(), pair.auto_sizer(t1).shared_state()
+    greedy, sampled = pair.learned.greedy.shared_state(), pair.auto_sizer(t1).shared_state()
     assert sum(greedy["drafter"]["tried"]) > 0 and sum(sampled["drafter"]["tried"]) > 0
 
     def new_process():
-        pair._sizer, pair._sampled_sizers, pair._kept, pair._kept_at = None, {}, None, float("-inf")
+        learned = pair.learned
+        learned.greedy, learned.sampled, learned.kept, learned.kept_at = None, {}, None, float("-inf")
 
     new_process()
     assert pair.auto_sizer().shared_state() == greedy
     assert pair.auto_sizer(t1).shared_state() == sampled
     assert sum(pair.auto_sizer(t1).start(seeded=True).stats.tried) == 0
 
-    path = pair._rates_path()
+    path = pair.rates_path()
     new_process()
     pair.auto_sizer()  # a greedy-only process keeps what the file held for other settings
     pair.keep_rates()

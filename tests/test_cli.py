@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx.cli.main import app
 from dflash_mlx.hub import aliases, resolve
-from dflash_mlx.proposal import SCALES
+from dflash_mlx.policy.proposal import SCALES
 
 runner = CliRunner()
 

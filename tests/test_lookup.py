@@ -145,7 +145,7 @@ def test_auto_uses_the_lookup_on_repetitive_text_and_stays_lossless(monkeypatch)
     W = pair.draft_source.block_size
     steep = [float(w) for w in range(1, W + 1)]
     flat = [1.0 + 0.02 * (w - 1) for w in range(1, W + 1)]
-    monkeypatch.setattr(pair, "_sizer", BlockSizer(CostCurve([64], [flat], [[0.0] * W], [steep], [flat]), W))
+    monkeypatch.setattr(pair.learned, "greedy", BlockSizer(CostCurve([64], [flat], [[0.0] * W], [steep], [flat]), W))
     assert isinstance(pair.draft_source, WithLookup)
     asked = []  # the `taps` of each prefill and plain step: whether the drafter's context was computed
     real_step, real_prefill = cycle_mod.step, request_mod.prefill
@@ -164,7 +164,7 @@ def test_auto_uses_the_lookup_on_repetitive_text_and_stays_lossless(monkeypatch)
     plain = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=60, block_size="auto", lookup=False))
     assert [t for ev in plain for t in ev.tokens] == want and plain[-1].stats.draft_cycles == 0
     cheaper = [1.0] + [0.9 * w for w in range(2, W + 1)]  # where full acceptance would pay, the taps are kept
-    monkeypatch.setattr(pair, "_sizer", BlockSizer(CostCurve([64], [flat], [[0.0] * W], [cheaper], [flat]), W))
+    monkeypatch.setattr(pair.learned, "greedy", BlockSizer(CostCurve([64], [flat], [[0.0] * W], [cheaper], [flat]), W))
     asked.clear()
     again = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=60, block_size="auto"))
     assert [t for ev in again for t in ev.tokens] == want and asked[0] is True

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.proposal import (LEARN_ALWAYS, LEARN_EVERY, SCALES, FixedScale, ProposalScales,
+from dflash_mlx.policy.proposal import (LEARN_ALWAYS, LEARN_EVERY, SCALES, FixedScale, ProposalScales,
                                  acceptance_by_scale)
 
 

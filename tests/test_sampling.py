@@ -21,7 +21,7 @@ from conftest import ScriptedWidths
 from dflash_mlx.policy.plan import Plan
 from dflash_mlx.drafter import DFlashDrafter
 from dflash_mlx.draft_source import DFlashDraftSource, DraftSource
-from dflash_mlx.proposal import SCALES, ProposalScales, rescale
+from dflash_mlx.policy.proposal import SCALES, ProposalScales, rescale
 from dflash_mlx.sampling import SamplingParams, log_probs
 
 V, N_TOKENS, BLOCK, SAMPLES, ALPHA = conftest.SMALL_V, 4, 4, 2000, 1e-3

@@ -168,7 +168,7 @@ def test_auto_verifies_trees_where_they_pay(pairs, baselines, family, monkeypatc
               "costly": timed_trees(flat, lambda w, b: 10.0)}  # no tree commits enough to pay for that
     runs = {}
     for name, tree in (("untimed", 2), ("untimed", 0), ("untimed", None), ("cheap", None), ("costly", None)):
-        monkeypatch.setattr(pair, "_sizer", BlockSizer(curves[name], W))
+        monkeypatch.setattr(pair.learned, "greedy", BlockSizer(curves[name], W))
         source = ForkOracle(pair.target, prompt + ref, lambda c, w: min(2, w - 1))
         source.block_size = W
         out, stats = tokens_of(pair, prompt, n, block_size="auto", draft_source=source, tree=tree)

@@ -59,7 +59,7 @@ def stream_generate(
     windows), logits processors, a prompt cache that handed over other caches.
 
     When sampling, the drafter's drafts are drawn from its distribution made
-    flatter or sharper by `proposal_scale` (`proposal.py`; any proposal is
+    flatter or sharper by `proposal_scale` (`policy/proposal.py`; any proposal is
     exact): 'auto' learns the best scale per draft position from the
     acceptance each would have had; a number fixes it (1: the drafter's own q);
     a `ProposalScales` object learns into that object.

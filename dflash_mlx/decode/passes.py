@@ -10,7 +10,7 @@ import mlx.core as mx
 from .. import tree as trees
 from ..kernels import verify_accept
 from ..lookup import point_masses
-from ..proposal import rescale
+from ..policy.proposal import rescale
 from ..sampling import Processed, SamplingParams, greedy_log_probs, log_probs, pick
 
 
@@ -103,7 +103,7 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
     draft (a point mass); the drafter fills the rest, and is not run when
     nothing is left to fill. With logits processors (`proc`), each drafter
     position is processed after the drafts before it, so they go one by one.
-    When sampling, drafter position i is drawn at `scales[i]` (`proposal.py`).
+    When sampling, drafter position i is drawn at `scales[i]` (`policy/proposal.py`).
     """
     alts = None
     tokens, qs, n = [], [], len(copied)
@@ -148,7 +148,7 @@ class Verified(NamedTuple):
     logprobs: Optional[tuple]  # `token_logprobs` of the block's rows, when asked for
     alternatives: Optional[mx.array] = None  # the drafter's 2nd and 3rd choices, for the sizer
     logits: Optional[mx.array] = None  # the block's rows and what the drafts were drawn from, kept
-    q_lp: Optional[mx.array] = None  # when the proposal scales learn from this cycle (`proposal.py`)
+    q_lp: Optional[mx.array] = None  # when the proposal scales learn from this cycle (`policy/proposal.py`)
 
 
 class Stepped(NamedTuple):

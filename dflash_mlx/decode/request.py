@@ -15,7 +15,7 @@ from ..policy.plan import PLAIN, FixedWidth, Outcome, Plan, Policy
 from ..errors import DFlashError
 from ..machine import peak_memory_gb
 from ..prompt_cache import can_trim, snapshot
-from ..proposal import FixedScale, ProposalScales, reached_gains
+from ..policy.proposal import FixedScale, ProposalScales, reached_gains
 from ..sampling import Processed, SamplingParams, pick
 from .cycle import Decoding, LinearCycle, PlainStep, TreeCycle
 from .events import GenerationEvent, GenerationStats
@@ -114,7 +114,7 @@ def check_prompt(prompt: Sequence[int], target) -> None:
 
 
 def proposal_scaler(pair, source, params: SamplingParams, proposal_scale, seeded: bool):
-    """The request's proposal scales (`proposal.py`): an object's, a fixed number,
+    """The request's proposal scales (`policy/proposal.py`): an object's, a fixed number,
     or 'auto': the pair's learned ones for its own drafter, fresh ones otherwise."""
     if isinstance(proposal_scale, (int, float)):
         scaler = FixedScale(proposal_scale)

@@ -286,8 +286,8 @@ class BlockSizer:
         for n, kept in state["lookup"].items():
             lookup[int(n)] = self._fresh(shared=True)
             lookup[int(n)].load(kept)
-        for own, kept in zip([self.shared, *self.shared_alt], [drafter, *alt]):
-            own._tried, own._accepted, own._seen = kept._tried, kept._accepted, own.clock.tokens
+        for own, kept in zip([self.shared, *self.shared_alt], [state["drafter"], *state["alt"]]):
+            own.load(kept)  # checked above: it fits
         self.shared_lookup.clear()
         self.shared_lookup.update(lookup)
 

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .sampling import SamplingParams, log_probs
+from ..sampling import SamplingParams, log_probs
 
 SCALES = (0.7, 1.0, 1.4, 2.0, 2.8, 4.0)
 # Every drafted cycle teaches the scales until this many have, then one in LEARN_EVERY: the
