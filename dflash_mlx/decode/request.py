@@ -128,6 +128,11 @@ def proposal_scaler(pair, source, params: SamplingParams, proposal_scale, seeded
 
 
 class Request:
+    """One generation's state between cycles. Made, it has checked every
+    argument (before any model work) and started its policy run; the loop
+    then calls `prefill`, and per cycle `commit`, `plan`, `launch`, `event`,
+    `step_ahead` and `absorb`, and `finish` at the end."""
+
     def __init__(self, pair, prompt, max_tokens: int, params: SamplingParams, block_size, stop: Sequence[str],
                  source, lookup: bool, prompt_cache, logprobs: Optional[int], logits_processors: Sequence,
                  tree: Optional[int], proposal_scale):

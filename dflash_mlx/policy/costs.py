@@ -187,10 +187,6 @@ class CostCurve:
     def cost(self, width: int, context: int) -> float:
         return self.costs(context)[width - 1]
 
-    def relative(self, context: int = 64) -> List[float]:
-        base = self.cost(1, context)
-        return [self.cost(w, context) / base for w in range(1, self.max_width + 1)]
-
     @classmethod
     def from_samples(cls, samples: "CostSamples", min_rounds: int = 3) -> "CostCurve":
         """The curve over the first context and any other measured `min_rounds` times so far.
