@@ -18,6 +18,23 @@ def test_a_prompt_beyond_the_window_is_one_clear_error(pairs):
     assert stats.generation_tokens == 4
 
 
+@pytest.mark.parametrize("block_size", [1, 4, "auto"])
+def test_generation_stops_at_the_window_with_finish_reason_length(pairs, baselines, block_size):
+    """A prompt near the end of the window with a larger budget: the tokens fed to the
+    target stay in its window (the last generated token is never fed), as mlx-lm's own
+    greedy tokens, and the request ends with `length`."""
+    from conftest import plain_greedy
+
+    pair = pairs["qwen3"]
+    window = pair.target.args.max_position_embeddings
+    prompt = (pair.tokenizer.encode("def add(a, b):\n    return a + b\n") * window)[: window - 6]
+    events = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=40, block_size=block_size))
+    tokens = [t for ev in events for t in ev.tokens]
+    want = plain_greedy(baselines["qwen3"], prompt, 7)
+    assert len(want) == 7  # no EOS before the window's end on this prompt
+    assert tokens == want and events[-1].stats.finish_reason == "length"  # fed positions up to window - 1
+
+
 def restore_bound(drafter, bound):
     """Put back a drafter's context bound as `context_bound` gave it: the
     session's pairs are shared, and a prompt cache's disk key includes it."""

@@ -142,6 +142,9 @@ class Request:
         if isinstance(prompt, str):
             prompt = tokenizer.encode(prompt)
         check_prompt(prompt, target)
+        window = getattr(target.args, "max_position_embeddings", None)
+        if window:  # every token fed to the target stays in its window (the last one generated is not fed)
+            max_tokens = min(max_tokens, window - len(prompt) + 1)
         self.pair, self.prompt, self.max_tokens, self.params = pair, list(prompt), max_tokens, params
         self.source, self.prompt_cache, self.block_size = source, prompt_cache, block_size
         self.eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
