@@ -256,11 +256,9 @@ class Request:
         if plan.width == 1:
             return PlainStep(d, self.last)
         hidden = None
-        if plan.drafts and self.taps:
-            hidden = joined(caught_up(d.source, d.dstate, self.taps))
+        if plan.drafts:
+            hidden = joined(caught_up(d.source, d.dstate, self.taps)) if self.taps else None
             self.taps, self.unseen = [], 0
-        elif plan.drafts:
-            self.unseen = 0
         if plan.branches:
             return TreeCycle(d, self.last, draft_tree(d.source, d.dstate, self.last, hidden, plan.width,
                                                       plan.branches))
