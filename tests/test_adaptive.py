@@ -55,7 +55,7 @@ def brute_force_best(sizer, context):
 
 
 def test_expected_tokens_from_acceptance_rates():
-    s = BlockSizer(curve([1.0] * 16), 16, decay=0.995, half_life=0)
+    s = BlockSizer(curve([1.0] * 16), 16, decay=0.995, half_life=0).start()
     feed(s, 0.8, cycles=2000)
     assert all(abs(a - 0.8) < 0.08 for a in s.alphas()[:4])  # ~200 effective observations (decay)
     a = s.alphas()
@@ -70,7 +70,7 @@ def test_expected_tokens_from_acceptance_rates():
     (0.0, 0.05, 1, 1),     # nothing accepted: plain decoding
 ])
 def test_choice_maximises_tokens_per_second(accept, slope, lo, hi):
-    s = BlockSizer(curve([1.0 + slope * (w - 1) for w in range(1, 17)]), 16, explore=False)
+    s = BlockSizer(curve([1.0 + slope * (w - 1) for w in range(1, 17)]), 16, explore=False).start()
     feed(s, accept)
     b = s.choose(64).width
     assert b == brute_force_best(s, 64)
@@ -80,7 +80,7 @@ def test_choice_maximises_tokens_per_second(accept, slope, lo, hi):
 def test_choice_adapts_as_context_grows():
     flat = [1.0 + 0.01 * (w - 1) for w in range(1, 17)]
     steep = [3.0 + 0.6 * (w - 1) for w in range(1, 17)]
-    s = BlockSizer(curve([flat, steep], contexts=(64, 4096)), 16, explore=False)
+    s = BlockSizer(curve([flat, steep], contexts=(64, 4096)), 16, explore=False).start()
     feed(s, 0.7)
     short, long = s.choose(64).width, s.choose(4096).width
     assert short > long
@@ -89,7 +89,7 @@ def test_choice_adapts_as_context_grows():
 
 
 def test_untested_depths_borrow_the_last_estimate():
-    s = BlockSizer(curve([1.0] * 16), 16)
+    s = BlockSizer(curve([1.0] * 16), 16).start()
     feed(s, 1.0, cycles=50, width=4)  # only positions 1..3 ever checked
     a = s.alphas()
     assert a[2] > 0.9 and a[10] == pytest.approx(a[2], abs=0.05)
@@ -100,7 +100,8 @@ def test_a_request_starts_from_shared_statistics_and_then_follows_its_own():
     first = root.start()
     feed(first, 0.9)  # a drafter that copies well on this prompt
     wide = first.choose(64).width
-    assert wide >= 8 and root.alphas()[0] == pytest.approx(first.alphas()[0], abs=0.05)  # shared learnt it too
+    shared = root.shared.rates(root.prior, root.weight)
+    assert wide >= 8 and shared[0] == pytest.approx(first.alphas()[0], abs=0.05)  # shared learnt it too
     second = root.start()
     assert second.choose(64).width == wide  # the next request starts where the last one left off
     for _ in range(40):  # ... but this prompt's drafts all miss
@@ -115,7 +116,7 @@ def test_requests_record_into_the_shared_statistics_once():
     run = root.start()
     run.record(Plan(8), 3, [0] * 4)
     assert root.shared.tried[1:5] == [1.0] * 4 and root.shared.accepted[1:5] == [1.0, 1.0, 1.0, 0.0]
-    root.record(Plan(8), 3, [0] * 4)  # the root records into the shared statistics directly
+    root.start().record(Plan(8), 3, [0] * 4)  # and each request adds its own
     assert root.shared.tried[1] == 2.0
 
 
@@ -163,9 +164,10 @@ def test_committed_tokens_age_the_requests_and_the_shared_statistics():
     through the sizers' clocks): the request's own and the shared ones, drafter,
     lookups per order and alternatives alike; another request's own are untouched."""
     root = BlockSizer(curve([1.0] * 8), 8, decay=1.0, half_life=100)
-    root.record(Plan(8, 0), 3, [0] * 4, (4, 2))  # drafter and alternatives checked
-    root.choose(64, Offer([1, 2, 3], 4))
-    root.record(Plan(3, 2), 2, [1, 2, 9])  # the offer checked
+    first = root.start()
+    first.record(Plan(8, 0), 3, [0] * 4, (4, 2))  # drafter and alternatives checked
+    first.choose(64, Offer([1, 2, 3], 4))
+    first.record(Plan(3, 2), 2, [1, 2, 9])  # the offer checked
     a, b = root.start(branches=2), root.start(branches=2)
     everything = lambda r: [r.stats, *r.lookup.values(), *r.alt]  # noqa: E731
     shared = [root.shared, *root.shared_lookup.values(), *root.shared_alt]
@@ -184,7 +186,7 @@ def test_plain_decoding_keeps_learning_what_it_does_not_try():
     drafter's rates from what it knows, and what it knows ages: it tries the
     drafter again now and then (rarely, where it failed a lot) and takes it up
     when it has become good."""
-    s = BlockSizer(curve([1.0 + 0.15 * (w - 1) for w in range(1, 17)]), 16)
+    s = BlockSizer(curve([1.0 + 0.15 * (w - 1) for w in range(1, 17)]), 16).start()
     assert s.best(64)[0].width > 1  # at the prior, drafting pays on this curve
     plain_run(s, 200, accept_prob=0.0)
     assert s.best(64)[0] == PLAIN
@@ -206,8 +208,9 @@ def test_a_long_plain_run_asks_less_often_whatever_the_evidence():
     starts it again. On thin evidence too: where probes are rare, ageing keeps the
     evidence thin for good, and a hold kept short for it drew every other step."""
     s = BlockSizer(curve([1.0 + 0.6 * (w - 1) for w in range(1, 17)]), 16)  # pays only at high acceptance
+    first = s.start()
     for _ in range(20):
-        s.record(Plan(16), 0, [0])  # drafts here miss
+        first.record(Plan(16), 0, [0])  # drafts here miss
     for run in (s.start(), s.fresh().start()):  # the evidence in; none at all
         if run.stats.tried[1] == 0:
             for _ in range(2):
@@ -324,16 +327,16 @@ def test_an_unlucky_rejection_does_not_end_drafting():
 def test_the_drafter_can_pay_only_where_full_acceptance_beats_plain_steps():
     W = 16
     steep = [float(w) for w in range(1, W + 1)]  # w tokens for the cost of w steps: never better
-    assert not BlockSizer(cycle_curve([steep]), W).drafter_pays(10, 5000)
+    assert not BlockSizer(cycle_curve([steep]), W).start().drafter_pays(10, 5000)
     cheap = [1.0 + 0.3 * (w - 1) for w in range(1, W + 1)]
-    s = BlockSizer(cycle_curve([steep, cheap], contexts=(64, 1024)), W)
+    s = BlockSizer(cycle_curve([steep, cheap], contexts=(64, 1024)), W).start()
     assert not s.drafter_pays(10, 64)
     assert s.drafter_pays(10, 2000) and s.drafter_pays(1000, 1100)  # costs as the request's contexts grow
     assert FixedWidth(4).drafter_pays(0, 10) and not FixedWidth(1).drafter_pays(0, 10)
 
 
 def test_where_drafting_cannot_pay_it_never_probes():
-    s = BlockSizer(cycle_curve([STEEP]), 16)
+    s = BlockSizer(cycle_curve([STEEP]), 16).start()
     assert plain_run(s, 5000, accept_prob=1.0) == 0
 
 
@@ -395,7 +398,7 @@ def test_where_no_draw_can_choose_the_drafter_the_plain_hold_grows_at_once():
 def test_lookup_rates_are_learnt_from_offers_not_taken():
     """Offers are scored against the committed tokens whether or not a cycle used
     them: a plain run learns how good the lookup is."""
-    s = BlockSizer(cycle_curve([STEEP]), 16)  # no copy costs known: a lookup is no cheaper than the drafter
+    s = BlockSizer(cycle_curve([STEEP]), 16).start()  # no copy costs known: a lookup is no cheaper than the drafter
     rnd = random.Random(0)
     stream = [rnd.randrange(50) for _ in range(4000)]
     i = 0
@@ -414,7 +417,7 @@ def test_lookup_rates_are_kept_per_ngram_order():
     statistics, and each offer is judged by its own order's rates."""
     W = 16
     s = BlockSizer(lookup_curve([1.0 + 0.1 * (w - 1) for w in range(1, W + 1)],
-                                [1.0] + [1.0 + 0.05 * (w - 1) for w in range(2, W + 1)]), W)
+                                [1.0] + [1.0 + 0.05 * (w - 1) for w in range(2, W + 1)]), W).start()
     feed(s, 0.0, cycles=200)  # the drafter guesses nothing
     for i in range(300):  # order-6 matches are borne out, order-3 ones never
         right = i % 2 == 0
@@ -426,7 +429,7 @@ def test_lookup_rates_are_kept_per_ngram_order():
     assert s.choose(64, Offer([1, 2, 3], 6)) == Plan(4, 3)
     assert s.best(64, 3, order=3)[0].copied == 0  # a short match is not taken
     assert s.lookup_pays(64)  # some order pays
-    run = s.start()  # a request starts from the shared per-order rates
+    run = s.sizer.start()  # a request starts from the shared per-order rates
     assert run.lookup_alphas(6)[0] > 0.8 and run.lookup_alphas(3)[0] < 0.2
 
 
@@ -458,7 +461,7 @@ def test_the_plan_maximises_expected_tokens_per_second(seed):
     W = 16
     drafted = [1.0 + rnd.uniform(0.02, 0.4) * (w - 1) for w in range(1, W + 1)]
     copied = [drafted[0]] + [c * rnd.uniform(0.5, 0.95) for c in drafted[1:]]
-    s = BlockSizer(lookup_curve(drafted, copied), W, stick=1.0)
+    s = BlockSizer(lookup_curve(drafted, copied), W, stick=1.0).start()
     feed(s, rnd.uniform(0.2, 0.95), cycles=100)
     for _ in range(60):
         n = rnd.randrange(1, 8)
@@ -473,7 +476,7 @@ def test_the_plan_maximises_expected_tokens_per_second(seed):
 def test_good_lookups_are_taken_alone_or_ahead_of_the_drafter():
     W = 16
     s = BlockSizer(lookup_curve([1.0 + 0.1 * (w - 1) for w in range(1, W + 1)],
-                                [1.0] + [1.0 + 0.05 * (w - 1) for w in range(2, W + 1)]), W)
+                                [1.0] + [1.0 + 0.05 * (w - 1) for w in range(2, W + 1)]), W).start()
     feed(s, 0.0, cycles=200)  # the drafter guesses nothing
     for _ in range(100):  # the lookup is always right: each offer is borne out by the next three tokens
         s.choose(64, [7, 8, 9])
@@ -481,7 +484,7 @@ def test_good_lookups_are_taken_alone_or_ahead_of_the_drafter():
             s.record(PLAIN, 0, [t])
     assert s.choose(64, [1, 2, 3]) == Plan(4, 3)  # lookup alone: no drafter pass
     assert s.best(64)[0] == PLAIN
-    good = BlockSizer(s.curve, W)
+    good = BlockSizer(s.curve, W).start()
     feed(good, 0.95, cycles=200)  # a drafter that is nearly always right ...
     for i in range(300):
         good.choose(64, [7])
@@ -491,7 +494,7 @@ def test_good_lookups_are_taken_alone_or_ahead_of_the_drafter():
 
 
 def test_choice_sticks_unless_clearly_better():
-    s = BlockSizer(curve([1.0] * 16), 16, stick=1.5, explore=False)
+    s = BlockSizer(curve([1.0] * 16), 16, stick=1.5, explore=False).start()
     feed(s, 0.5, cycles=400)
     first = s.choose(64).width
     for _ in range(40):  # acceptance improves a little: not enough to move
@@ -554,7 +557,7 @@ def test_branch_gain_is_what_the_best_forks_add(width, branches):
     choice of forks, and no other choice of forks does better."""
     import itertools
 
-    s = BlockSizer(cycle_curve([[1.0] * 16]), 16)
+    s = BlockSizer(cycle_curve([[1.0] * 16]), 16).start()
     accept, hits = 0.7, {2: 0.5, 3: 0.2}
     alphas, alt = [accept] * 15, [[hits[2]] * 15, [hits[3]] * 15]
     want = s.expected_tokens(width, alphas) + s.branch_gain(width, branches, alphas, alt)
@@ -575,7 +578,7 @@ def test_trees_are_chosen_only_where_they_pay():
     feed_misses(flat, 16, 0.6, 0.6, 0.2, 400, rnd)
     plan = flat.best(64)[0]
     assert plan.branches > 0 and plan.width + plan.branches * min(4, plan.width - 1) <= 16
-    assert BlockSizer(cycle_curve([FLAT]), 16, explore=False).best(64)[0].branches == 0  # not allowed
+    assert BlockSizer(cycle_curve([FLAT]), 16, explore=False).start().best(64)[0].branches == 0  # not allowed
     rows_cost = BlockSizer(cycle_curve([[1.0 + 0.3 * (w - 1) for w in range(1, 17)]]), 16,
                            explore=False).start(branches=2)
     feed_misses(rows_cost, 16, 0.6, 0.6, 0.2, 400, rnd)
@@ -660,7 +663,7 @@ def test_allowing_trees_does_not_make_the_sizer_draft_more():
         root = BlockSizer(cycle_curve([DEMO_OPENBLAS]), 16)
         root.rng = random.Random(seed)
         rnd = random.Random(seed)
-        feed_misses(root, 8, 0.6, 0.3, 0.1, 200, rnd)  # what earlier requests taught
+        feed_misses(root.start(), 8, 0.6, 0.3, 0.1, 200, rnd)  # what earlier requests taught
         for _ in range(30):
             run = root.start(branches=branches)
             done = 0
@@ -901,8 +904,9 @@ def test_explain_says_why_auto_decodes_plainly():
 def test_seeded_requests_do_not_depend_on_earlier_ones():
     root = BlockSizer(cycle_curve([[1.0 + 0.15 * (w - 1) for w in range(1, 17)]]), 16)
     fresh = root.start(seeded=True).choose(64).width
+    earlier = root.start()
     for _ in range(200):
-        root.record(Plan(16), 0, [0])  # earlier requests' drafts all missed
+        earlier.record(Plan(16), 0, [0])  # earlier requests' drafts all missed
     assert root.start().choose(64).width < fresh  # an unseeded request follows them
     assert root.start(seeded=True).choose(64).width == fresh  # a seeded one starts from the prior alone
 
@@ -947,8 +951,9 @@ def test_same_seed_same_text_whatever_came_before(pairs, monkeypatch):
     params = SamplingParams(temp=1.0, seed=11)
     prompt = pair.tokenizer.encode("Once upon a time")
     first, _ = dflash_mlx.generate(pair, prompt, max_tokens=30, sampling=params, block_size="auto")
+    earlier = pair.learned.greedy.start()
     for _ in range(300):
-        pair.learned.greedy.record(Plan(pair.draft_source.block_size), 0, [0])  # earlier requests taught the sizer to stay narrow
+        earlier.record(Plan(pair.draft_source.block_size), 0, [0])  # earlier requests taught the sizer to stay narrow
     dflash_mlx.generate(pair, "an unrelated request", max_tokens=10, sampling=SamplingParams(temp=1.0),
                         block_size="auto")
     again, _ = dflash_mlx.generate(pair, prompt, max_tokens=30, sampling=params, block_size="auto")
@@ -960,8 +965,9 @@ def test_a_greedy_request_with_a_seed_follows_the_shared_statistics(pairs, monke
     temperature 0 too) must not make a greedy request relearn from the prior."""
     pair = pairs["qwen3"]
     install_curve(monkeypatch, pair, [[1.0 + 0.6 * (k - 1) for k in range(1, pair.draft_source.block_size + 1)]])
+    earlier = pair.learned.greedy.start()
     for _ in range(300):
-        pair.learned.greedy.record(Plan(pair.draft_source.block_size), 0, [0])  # drafts here always miss
+        earlier.record(Plan(pair.draft_source.block_size), 0, [0])  # drafts here always miss
     prompt = pair.tokenizer.encode("Once upon a time")
     seeded = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=30, sampling=SamplingParams(seed=11),
                                              block_size="auto"))

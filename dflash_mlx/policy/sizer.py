@@ -8,7 +8,6 @@ picks the plan that maximises gain / cost, with the alphas drawn from their
 posteriors (Thompson sampling), so that what is not tried is still learnt.
 """
 
-import copy
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -181,10 +180,11 @@ class BlockSizer:
     verifying it would have accepted), so they need no exploring: their
     means are used. Both age with committed tokens (`AcceptanceStats`).
 
-    Statistics are kept across requests (the drafter's usual form) and per
-    request: a request starts from the shared rates, worth `carry`
+    Statistics are kept across requests (the drafter's usual form), here,
+    and per request, in the `SizerRun` that `start` makes and that makes the
+    choices: a request starts from the shared rates, worth `carry`
     observations per position, so that its own outcomes take over within a
-    few cycles.
+    few cycles; what it learns goes into both.
 
     Where the request allows tree verification (`start(branches=n)`: greedy,
     a target with plain KV caches), a cycle may also verify the best path
@@ -207,60 +207,30 @@ class BlockSizer:
                  branch_prior: float = BRANCH_PRIOR):
         self.curve = curve
         self.explore = explore  # False: choose on the posterior means (no exploring)
-        self.rng = random.Random(0)
+        self.rng = random.Random(0)  # seeds each unseeded run's own generator
         self.max_width = min(max_width, curve.max_width)
         self.prior, self.lookup_prior, self.weight, self.carry, self.stick = prior, lookup_prior, weight, carry, stick
-        # Tokens committed: by every request (the shared statistics age by it), and by this request.
-        self.shared_clock = self.clock = Clock()
-        self.shared = AcceptanceStats(self.max_width, decay, half_life, self.shared_clock)
+        self.branch_prior, self.decay, self.half_life = branch_prior, decay, half_life
+        self.shared_clock = Clock()  # tokens committed by every request: the shared statistics age by it
+        self.shared = self.empty()
         # The lookup's, per n-gram order of the match (0: offers that name none): a long match is surer.
         self.shared_lookup: Dict[int, AcceptanceStats] = {}
-        self.stats, self.lookup = self.shared, self.shared_lookup  # a request's own, once start() made them
         # Per depth: how often the drafter's 2nd and 3rd choices are the target's token where its best is not.
-        self.branch_prior = branch_prior
-        self.shared_alt = [AcceptanceStats(self.max_width, decay, half_life, self.shared_clock) for _ in range(2)]
-        self.alt = self.shared_alt
-        self.branches = 0  # tree branches a cycle of this request may verify (0: linear only)
-        self.current = 0  # the drafter width chosen last
-        self.pending: List[int] = []  # a lookup offer not yet compared with what was committed
-        self.pending_order = 0
-        self.matched = 0  # how many of its tokens were committed so far
-        self._context, self._costs, self._copy, self._drafts, self._tree = None, [], [], True, {}
-        self.held = 0  # plain steps still to run without asking again (`PLAIN_HOLD`)
-        self.plain_streak = 0  # plain choices in a row (each doubles the hold)
-        self._lookup_pays: Optional[bool] = None
-        self._lookup_key: Optional[tuple] = None  # (cost context, statistics version) it was weighed at
-        self._version = 0  # bumped whenever this sizer's acceptance statistics take a check
+        self.shared_alt = [self.empty() for _ in range(2)]
 
     def fresh(self) -> "BlockSizer":
         """A sizer with this one's curve and settings and none of its statistics."""
-        return BlockSizer(self.curve, self.max_width, self.prior, self.lookup_prior, self.weight, self.shared.decay,
-                          self.shared.half_life, self.carry, self.stick, self.explore, self.branch_prior)
+        return BlockSizer(self.curve, self.max_width, self.prior, self.lookup_prior, self.weight, self.decay,
+                          self.half_life, self.carry, self.stick, self.explore, self.branch_prior)
 
-    def start(self, seeded: bool = False, branches: int = 0) -> "BlockSizer":
-        """A sizer for a new request: this curve, the shared statistics as its prior;
-        cycles may verify trees of up to `branches` branches (at most as many as the curve
-        timed, where it timed trees: `default_branches`).
+    def empty(self, clock: Optional[Clock] = None) -> AcceptanceStats:
+        """Statistics with nothing in them, ageing by `clock` (default: every request's tokens)."""
+        return AcceptanceStats(self.max_width, self.decay, self.half_life, clock or self.shared_clock)
 
-        A seeded request starts from the prior alone, and draws its rates from
-        a fixed seed (Python's generator, not MLX's), so that its widths, and with them
-        the order its random numbers are drawn in, are the same whatever
-        earlier requests taught the shared statistics.
-        """
-        run = copy.copy(self)  # shares the curve and the shared statistics
-        run.rng = random.Random(0 if seeded else self.rng.getrandbits(63))
-        run.branches = min(branches, self.curve.tree_branches) if self.curve.tree else branches
-        run._context = None  # its tree costs are those of its branches
-        run.clock = Clock()
-        if seeded:
-            run.stats, run.lookup, run.alt = run._fresh(), {}, [run._fresh(), run._fresh()]
-        else:
-            run.stats = self.shared.capped(self.carry, run.clock)
-            run.lookup = {n: st.capped(self.carry, run.clock) for n, st in self.shared_lookup.items()}
-            run.alt = [st.capped(self.carry, run.clock) for st in self.shared_alt]
-        run.current, run.pending, run.matched, run.pending_order = 0, [], 0, 0
-        run.held, run.plain_streak, run._lookup_pays, run._lookup_key, run._version = 0, 0, None, None, 0
-        return run
+    def start(self, seeded: bool = False, branches: int = 0) -> "SizerRun":
+        """A run for a new request (`SizerRun`), whose cycles may verify trees of up to
+        `branches` branches."""
+        return SizerRun(self, seeded, branches)
 
     @property
     def default_branches(self) -> int:
@@ -278,13 +248,13 @@ class BlockSizer:
     def load_shared(self, state: dict) -> None:
         """Shared statistics an earlier process kept (`shared_state`), loaded in place;
         ValueError (or KeyError, TypeError) if they do not fit, and then nothing changes."""
-        drafter, alt = self._fresh(shared=True), [self._fresh(shared=True) for _ in self.shared_alt]
+        drafter, alt = self.empty(), [self.empty() for _ in self.shared_alt]
         drafter.load(state["drafter"])
         for st, kept in zip(alt, state["alt"], strict=True):
             st.load(kept)
         lookup = {}
         for n, kept in state["lookup"].items():
-            lookup[int(n)] = self._fresh(shared=True)
+            lookup[int(n)] = self.empty()
             lookup[int(n)].load(kept)
         for own, kept in zip([self.shared, *self.shared_alt], [state["drafter"], *state["alt"]]):
             own.load(kept)  # checked above: it fits
@@ -303,10 +273,51 @@ class BlockSizer:
         lookup = ", drafting from the n-gram lookup where the text repeats" if run.lookup_pays(context) else ""
         return (
             f"the cost curve predicts the drafter does not pay here: a {w}-token verify cycle costs {ratio:.1f}x "
-            f"one token on this machine (BLAS: {blas_name()}), more than the {self.expected_tokens(w):.1f} tokens "
+            f"one token on this machine (BLAS: {blas_name()}), more than the {run.expected_tokens(w):.1f} tokens "
             f"a cycle is expected to commit; the default starts by decoding plainly{lookup}. "
             f"--block-size {w} shows the drafter."
         )
+
+
+class SizerRun:
+    """One request's side of a `BlockSizer` (`policy.plan.Run`): its own statistics,
+    which start from the shared ones and feed them, its random draws, the width it
+    keeps, the lookup offer it is scoring and the plain steps it holds.
+
+    A seeded request starts from the prior alone, and draws its rates from a fixed
+    seed (Python's generator, not MLX's), so that its widths, and with them the
+    order its random numbers are drawn in, are the same whatever earlier requests
+    taught the shared statistics.
+    """
+
+    def __init__(self, sizer: BlockSizer, seeded: bool = False, branches: int = 0):
+        self.curve, self.max_width, self.explore = sizer.curve, sizer.max_width, sizer.explore
+        self.prior, self.lookup_prior, self.branch_prior = sizer.prior, sizer.lookup_prior, sizer.branch_prior
+        self.weight, self.stick = sizer.weight, sizer.stick
+        self.sizer = sizer  # what every request learns goes to its statistics too
+        self.rng = random.Random(0 if seeded else sizer.rng.getrandbits(63))
+        self.branches = min(branches, self.curve.tree_branches) if self.curve.tree else branches
+        self.clock = Clock()  # tokens this request committed: its own statistics age by it
+        if seeded:
+            self.stats, self.lookup, self.alt = self._fresh(), {}, [self._fresh(), self._fresh()]
+        else:
+            self.stats = sizer.shared.capped(sizer.carry, self.clock)
+            self.lookup = {n: st.capped(sizer.carry, self.clock) for n, st in sizer.shared_lookup.items()}
+            self.alt = [st.capped(sizer.carry, self.clock) for st in sizer.shared_alt]
+        self.current = 0  # the drafter width chosen last
+        self.pending: List[int] = []  # a lookup offer not yet compared with what was committed
+        self.pending_order = 0
+        self.matched = 0  # how many of its tokens were committed so far
+        self._context, self._costs, self._copy, self._drafts, self._tree = None, [], [], True, {}
+        self.held = 0  # plain steps still to run without asking again (`PLAIN_HOLD`)
+        self.plain_streak = 0  # plain choices in a row (each doubles the hold)
+        self._lookup_pays: Optional[bool] = None
+        self._lookup_key: Optional[tuple] = None  # (cost context, statistics version) it was weighed at
+        self._version = 0  # bumped whenever this run's acceptance statistics take a check
+
+    def _fresh(self) -> AcceptanceStats:
+        """Empty statistics, ageing with this request's tokens."""
+        return self.sizer.empty(self.clock)
 
     def alphas(self) -> List[float]:
         """The drafter's alpha_k for k = 1..max_width-1 (posterior means)."""
@@ -316,17 +327,10 @@ class BlockSizer:
         """The drafter's alpha_k drawn from their posteriors."""
         return self.stats.sample(self.prior, self.weight, self.rng)
 
-    def _fresh(self, shared: bool = False) -> AcceptanceStats:
-        """Empty statistics, ageing with this request's tokens (or, `shared`, with every request's)."""
-        return AcceptanceStats(self.max_width, self.shared.decay, self.shared.half_life,
-                               self.shared_clock if shared else self.clock)
-
     def _lookup_stats(self, order: int) -> List[AcceptanceStats]:
         """The request's and the shared statistics of lookups matched at n-gram `order` (made on first use)."""
         own = self.lookup.setdefault(order, self._fresh())
-        if self.lookup is self.shared_lookup:
-            return [own]
-        return [own, self.shared_lookup.setdefault(order, self._fresh(shared=True))]
+        return [own, self.sizer.shared_lookup.setdefault(order, self.sizer.empty())]
 
     def lookup_alphas(self, order: int = 0) -> List[float]:
         st = self.lookup.get(order)
@@ -526,27 +530,21 @@ class BlockSizer:
         every best guess held. For a tree it also says how far the best path held.
         """
         self.clock.tokens += len(tokens)
-        if self.clock is not self.shared_clock:
-            self.shared_clock.tokens += len(tokens)
+        self.sizer.shared_clock.tokens += len(tokens)
         if plan.branches:  # the drafter's rates see the best path alone
             accepted = plan.width - 1 if missed is None else missed[0] - 1
         if plan.drafts and accepted >= plan.copied:  # the drafter's positions were reached
             checked = range(plan.copied + 1, min(accepted + 2, plan.width))
-            for st in self._both(self.stats, self.shared):
+            for st in (self.stats, self.sizer.shared):
                 st.add(checked, accepted)
             self._version += 1
         if missed is not None and missed[0] < self.max_width:
             d, choice = missed
-            for c, (own, shared) in enumerate(zip(self.alt, self.shared_alt), start=2):
-                for st in self._both(own, shared):
+            for c, (own, shared) in enumerate(zip(self.alt, self.sizer.shared_alt), start=2):
+                for st in (own, shared):
                     st.add(range(d, d + 1), d if choice == c else d - 1)
         if self.pending and tokens:
             self._compare(tokens)
-
-    @staticmethod
-    def _both(own: AcceptanceStats, shared: AcceptanceStats) -> List[AcceptanceStats]:
-        """A request's statistics and the shared ones, once each (the root sizer records into the shared directly)."""
-        return [own] if own is shared else [own, shared]
 
     def _compare(self, tokens: Sequence[int]) -> None:
         """Score the pending lookup offer against committed tokens (it may take several cycles to settle)."""
