@@ -147,17 +147,9 @@ def generate(
     out = sys.stdout if main_rank else open(os.devnull, "w")
     stats = None
     try:
-        if sharded:  # one seed for all ranks, so they draw the same numbers
-            if temp > 0:
-                params = replace(params, seed=distributed.shared_seed(seed, g))
-            pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
-            if block == "auto":  # each rank would time its own curve and pick its own widths
-                block = pair.draft_source.block_size
-                if main_rank:
-                    err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
-                              f"block size, {block}")
-        else:
-            pair = dflash_mlx.load(model, draft, draft_context=draft_context)
+        if sharded and temp > 0:  # one seed for all ranks, so they draw the same numbers
+            params = replace(params, seed=distributed.shared_seed(seed, g))
+        pair, block = _load_pair(model, draft, g, sharding, draft_context, block)
         if main_rank:
             _note_demo(pair)
             _note_draft_context(pair)
@@ -193,16 +185,39 @@ def generate(
         watchdog.stop()
     out.write("\n")
     out.flush()
-    if not main_rank:
-        return
+    if main_rank:
+        _print_summary(stats, verbose, block == "auto", predicted is not None, g.size())
+
+
+def _load_pair(model, draft, g, sharding, draft_context, block):
+    """The pair (sharded across `g`'s processes where there are several) and the block size
+    it runs: under mlx.launch 'auto' becomes the drafter's block size, since each rank would
+    time its own curve and pick its own widths."""
+    import dflash_mlx
+    from dflash_mlx import distributed
+
+    if g.size() == 1:
+        return dflash_mlx.load(model, draft, draft_context=draft_context), block
+    pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
+    if block == "auto":
+        block = pair.draft_source.block_size
+        if distributed.is_main(g):
+            err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
+                      f"block size, {block}")
+    return pair, block
+
+
+def _print_summary(stats, verbose: bool, auto: bool, predicted: bool, ranks: int) -> None:
+    """After a run: (verbose) the acceptance histogram and proposal scales, what the default
+    did (auto), and the stats line."""
     if verbose:
         hist = Counter(stats.acceptance_lengths)
         err.print("acceptance histogram: " + ", ".join(f"{k}:{hist[k]}" for k in sorted(hist)))
         if stats.proposal_scales:
             err.print(stats.proposal_scales)
-    if block == "auto" and stats.cycles:
-        err.print(_decision(stats, predicted is not None), highlight=False)
-    err.print(stats.line() if not sharded else f"[{g.size()} ranks] {stats.line()}")
+    if auto and stats.cycles:
+        err.print(_decision(stats, predicted), highlight=False)
+    err.print(stats.line() if ranks == 1 else f"[{ranks} ranks] {stats.line()}")
 
 
 @app.command()
@@ -378,22 +393,15 @@ def serve(
     block = _one_block_size(block_size)
     channel = None
     try:
+        pair, block = _load_pair(model, draft, g, sharding, draft_context, block)
         if sharded:
-            pair = distributed.load_sharded(model, draft, g, sharding, draft_context)
             channel = distributed.JobChannel(g)
-            if block == "auto":  # each rank would time its own curve and pick its own widths
-                block = pair.draft_source.block_size
-                if distributed.is_main(g):
-                    err.print(f"note: --block-size auto times one machine; {g.size()} ranks use the drafter's "
-                              f"block size, {block}")
             if not distributed.is_main(g):
                 cache = dflash_mlx.PromptCache(pair, max_bytes=cache_bytes) if cache_bytes else None
                 distributed.follow(pair, channel, block, cache)
                 return
-        else:
-            pair = dflash_mlx.load(model, draft, draft_context=draft_context)
-            if block == "auto":
-                _auto_sizer(pair, 0)
+        elif block == "auto":
+            _auto_sizer(pair, 0)
         if distributed.is_main(g):
             _note_draft_context(pair)
         server = make_server(pair, model, host, port, api_key, block,
@@ -407,7 +415,13 @@ def serve(
     except OSError as e:
         fail(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port.")
     err.print(f"serving {model} on http://{host}:{server.server_address[1]}/v1 (Ctrl-C to stop)")
-    if disk_bytes or sharded:  # a service manager's stop (SIGTERM) also spills the prompt cache / ends the ranks
+    _serve_until_stopped(server, spill=bool(disk_bytes), sharded=sharded)
+
+
+def _serve_until_stopped(server, spill: bool, sharded: bool) -> None:
+    """Serve until Ctrl-C (or, where the prompt cache spills to disk or ranks follow, SIGTERM),
+    then close the engine and leave the process."""
+    if spill or sharded:  # a service manager's stop (SIGTERM) also spills the prompt cache / ends the ranks
         import signal
 
         def stop(signum, frame):
@@ -420,9 +434,9 @@ def serve(
         pass
     finally:
         server.server_close()
-        if disk_bytes:
+        if spill:
             err.print("writing the prompt cache to disk ...")
-        if disk_bytes or sharded:  # the other ranks stop when the engine does
+        if spill or sharded:  # the other ranks stop when the engine does
             server.engine.close()
     # All is written and closed. Leave without the native libraries' exit-time
     # teardown: with torch loaded (transformers imports it where installed) it

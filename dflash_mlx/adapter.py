@@ -53,6 +53,24 @@ def cache_classes() -> Dict[str, type]:
     return {n: c for n, c in vars(cache_lib).items() if isinstance(c, type) and issubclass(c, cache_lib._BaseCache)}
 
 
+def nearest_prefix(trie: cache_lib.PromptTrie, model, tokens: List[int], trimmable) -> tuple:
+    """(tokens reused, tokens of the entry that serves them; 0, None for none) for `tokens`
+    in mlx-lm's `PromptTrie`, by the choice `LRUPromptCache.fetch_nearest_cache` makes
+    (`trimmable(entry)`: whether an entry may be trimmed to a shorter prefix).
+
+    That method copies and trims the entry it chooses and says neither which entry it
+    was nor what it evicts; a prompt cache with a disk tier must compare both tiers'
+    reach before copying anything, and hand evicted entries to disk, so the rule is
+    applied here, next to mlx-lm's other internals."""
+    r = trie.search(model, tokens)
+    if r.exact is not None:
+        return len(tokens), r.exact
+    short = len(r.shorter) if r.shorter is not None else 0
+    if r.longer is not None and r.common_prefix > short and trimmable(trie.get(model, r.longer)):
+        return min(len(tokens) - 1, r.common_prefix), r.longer
+    return (short, r.shorter) if short else (0, None)
+
+
 def load_target(path, tokenizer_config: Optional[dict] = None):
     """Load an mlx-lm model and tokenizer from a local directory."""
     from pathlib import Path

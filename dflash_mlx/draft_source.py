@@ -115,7 +115,6 @@ class DFlashDraftSource(DraftSource):
         self.vocab_size = target.vocab_size
         self.mask_token_id = drafter.args.mask_token_id
         self.scale = drafter.args.input_embedding_scale
-        self.fill_block = True  # draft the whole trained block, whatever the width (`draft_states`)
 
     def new_state(self):
         return self.drafter.make_cache()
@@ -153,18 +152,16 @@ class DFlashDraftSource(DraftSource):
     def restore(self, saved):
         return [r.cache for r in saved]
 
-    def draft_states(self, state, last, hidden, width: int) -> mx.array:
-        """The drafter's hidden states [1, width - 1, D] at the first draft positions.
+    def block_rows(self, width: int) -> int:
+        """Rows of the block drafted for a verify of `width`: the block the drafter was trained
+        on (`block_size`), however few positions are verified. A shorter block of masks is a
+        context it never saw, and its guesses there are worse (docs/adaptive-block-size.md)."""
+        return max(width, self.block_size)
 
-        The drafter always fills the block it was trained on (`block_size`),
-        however few positions are verified: a shorter block of masks is a
-        context it never saw, and its guesses there are worse (demo pair,
-        tokens per cycle at widths 4 / 5 / 8: 2.20 / 2.27 / 2.41 drafting only
-        the verified positions, 2.33 / 2.42 / 2.55 drafting the whole block).
-        The LM head runs on the verified positions only. With `fill_block`
-        off, the block is `width` long, as in z-lab's `dflash_generate`.
-        """
-        n = max(width, self.block_size) if self.fill_block else width
+    def draft_states(self, state, last, hidden, width: int) -> mx.array:
+        """The drafter's hidden states [1, width - 1, D] at the first draft positions
+        (a block of `block_rows(width)` rows; the LM head runs on the verified ones only)."""
+        n = self.block_rows(width)
         block = mx.concatenate([last, mx.full((n - 1,), self.mask_token_id, last.dtype)])
         emb = self.target.embed(block[None])
         if self.scale != 1.0:

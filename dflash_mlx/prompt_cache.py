@@ -4,7 +4,7 @@ A `PromptCache` belongs to one pair. After a request it keeps the target's
 caches and the drafter's committed context, keyed by the tokens they hold;
 the next request starts from the longest kept prefix of its prompt and
 prefills only the rest. The prefix search is mlx-lm's `PromptTrie`, with its
-`LRUPromptCache`'s choice of entry (`_reach`) and trimming; the bound (entries
+`LRUPromptCache`'s choice of entry (`adapter.nearest_prefix`) and trimming; the bound (entries
 and bytes, least recently stored or used first) is `_Lru`'s, which also hands
 what it evicts to the disk tier. An entry is the target's cache list followed
 by the draft source's saved context (`DraftSource.save`).
@@ -31,6 +31,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
+from .adapter import nearest_prefix
 from .errors import DFlashError
 from .hub import cache_root
 from .prompt_store import PromptStore, model_key
@@ -82,18 +83,6 @@ def snapshot(cache: List) -> List:
     return out
 
 
-def _reach(trie: PromptTrie, model, tokens: List[int], trimmable):
-    """(tokens reused, tokens of the entry used) for `tokens` by the choice
-    mlx-lm's `LRUPromptCache.fetch_nearest_cache` makes over `trie`."""
-    r = trie.search(model, tokens)
-    if r.exact is not None:
-        return len(tokens), r.exact
-    short = len(r.shorter) if r.shorter is not None else 0
-    if r.longer is not None and r.common_prefix > short and trimmable(trie.get(model, r.longer)):
-        return min(len(tokens) - 1, r.common_prefix), r.longer
-    return (short, r.shorter) if short else (0, None)
-
-
 class _Entry(NamedTuple):
     cache: list
     nbytes: int
@@ -142,7 +131,7 @@ class _Lru:
     def nearest(self, model, tokens: List[int]):
         """(a copy of the cache of the nearest entry, trimmed to the prefix it serves, the
         tokens left to run), or (None, tokens)."""
-        n, found = _reach(self.trie, model, tokens, lambda e: can_trim_prompt_cache(e.cache))
+        n, found = nearest_prefix(self.trie, model, tokens, lambda e: can_trim_prompt_cache(e.cache))
         if found is None:
             return None, tokens
         self.order.move_to_end((model, tuple(found)))
@@ -196,8 +185,8 @@ class PromptCache:
     def _nearest(self, key, query: List[int]):
         """`_Lru.nearest` over both tiers: a longer prefix on disk is read into memory first."""
         if self._on_disk(key):
-            ram, _ = _reach(self._lru.trie, key, query, lambda e: can_trim_prompt_cache(e.cache))
-            n, tokens = _reach(self.disk.trie, self.disk.key, query, lambda f: f.trimmable)
+            ram, _ = nearest_prefix(self._lru.trie, key, query, lambda e: can_trim_prompt_cache(e.cache))
+            n, tokens = nearest_prefix(self.disk.trie, self.disk.key, query, lambda f: f.trimmable)
             if n > ram:
                 loaded = self.disk.load(tokens)
                 if loaded is not None:

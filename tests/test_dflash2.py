@@ -583,7 +583,7 @@ def full_cycles_match_zlab(pair, ref, target, ids, block_size):
 def test_acceptance_lengths_match_zlab_dflash_generate(demo_target, demo_dflash2, block_size, monkeypatch):
     """Greedy whole loops on the demo target: tokens and per-cycle acceptance
     lengths equal `dflash.model.dflash_generate` with z-lab's DFlash2DraftModel
-    (which drafts a block of the verified width: so does ours with `fill_block` off)."""
+    (which drafts a block of the verified width: so does ours here)."""
     import time
 
     import dflash_mlx
@@ -591,7 +591,7 @@ def test_acceptance_lengths_match_zlab_dflash_generate(demo_target, demo_dflash2
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
     target, (path, ref) = demo_target, demo_dflash2
     pair = dflash_mlx.load("demo", str(path))
-    pair.draft_source.inner.fill_block = False
+    monkeypatch.setattr(pair.draft_source.inner, "block_rows", lambda width: width)
     pair.target.model.set_dtype(mx.float32)
     pair.drafter.set_dtype(mx.float32)
     assert isinstance(pair.drafter, DFlash2Drafter)

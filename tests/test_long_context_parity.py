@@ -99,7 +99,7 @@ def recorded(source_class):
 
 def ours(pair, ids):
     source = recorded(type(pair.draft_source.inner))(pair.drafter, pair.target)
-    source.fill_block = False  # draft the verified width, as both references do
+    source.block_rows = lambda width: width  # draft the verified width, as both references do
     source.drafts, source.outputs = [], []
     tokens, events = [], []
     for ev in dflash_mlx.stream_generate(pair, ids, max_tokens=MAX_NEW, block_size=BLOCK, lookup=False,

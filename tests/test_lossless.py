@@ -310,8 +310,8 @@ def test_block_size_one_decodes_as_mlx_lm_without_taps(pairs, baselines, family)
 def test_the_drafter_fills_its_trained_block_at_every_width(pairs):
     """However few positions a cycle verifies, the drafter drafts its whole
     trained block (its guesses at the first positions are those of a full
-    block); with `fill_block` off it drafts only the verified positions, as
-    z-lab's `dflash_generate` does, and its guesses differ."""
+    block); drafting only the verified positions, as z-lab's `dflash_generate`
+    does, its guesses differ."""
     pair = pairs["qwen3"]
     source = DFlashDraftSource(pair.drafter, pair.target)
     B = source.block_size
@@ -320,7 +320,9 @@ def test_the_drafter_fills_its_trained_block_at_every_width(pairs):
     last = mx.array(prompt[-1:])
 
     def proposal(width, fill=True):
-        source.fill_block = fill
+        vars(source).pop("block_rows", None)
+        if not fill:
+            source.block_rows = lambda w: w  # the verified positions only
         state = source.new_state()
         source.add_context(state, taps)
         return source.propose(state, last, None, width)

@@ -60,9 +60,9 @@ def test_acceptance_lengths_match_the_reference(reference_pair, demo_pair, block
     # The reference times itself with torch.cuda.synchronize; on CPU, a plain clock.
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
     # The reference drafts a block of the verified width (narrowed at the end of the budget, and
-    # below the trained block size): so do we, here (`fill_block` off).
+    # below the trained block size): so do we, here.
     source = demo_pair.draft_source
-    monkeypatch.setattr(getattr(source, "inner", source), "fill_block", False)
+    monkeypatch.setattr(getattr(source, "inner", source), "block_rows", lambda width: width)
     target, drafter = reference_pair
     prompts = [json.loads(l)["prompt"] for l in HELDOUT.read_text().splitlines()][first : first + 3]
     eos = sorted(demo_pair.tokenizer.eos_token_ids)

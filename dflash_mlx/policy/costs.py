@@ -392,45 +392,92 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
     the shapes they were begun with.
     """
     samples = samples or CostSamples(list(contexts), max_width, tree_shapes=[list(t) for t in trees])
-    shapes = [tuple(t) for t in samples.tree_shapes]
-    start = time.perf_counter()
-    spent = lambda: time.perf_counter() - start  # noqa: E731
-    runners = {}
+    m = _Measurement(make_cycle, samples, max_width, budget, progress, split_rounds)
     first_ever = not any(samples.cycle)
 
-    def expected(i: int) -> float:
+    def wanted(i: int) -> bool:
+        return not finished(samples.rounds(i), min_rounds, max_rounds, tolerance)
+
+    progress(0.0, budget)
+    for i in range(len(samples.contexts)):
+        while len(samples.cycle[i]) < min_rounds and ((first_ever and i == 0) or m.fits(i)):
+            m.one_round(i)
+    added = 0
+    while True:
+        unsettled = [i for i in range(len(samples.contexts)) if len(samples.cycle[i]) >= min_rounds and wanted(i)]
+        todo = [i for i in unsettled if m.fits(i)]
+        if not todo and added < at_least:  # a round a run while unsettled, a context short of rounds included
+            todo = (unsettled or [i for i in range(len(samples.contexts)) if len(samples.cycle[i]) < min_rounds])[:1]
+        if not todo:
+            break
+        for i in todo:
+            m.one_round(i)
+            added += 1
+    progress(budget, budget)
+    return samples
+
+
+class _Measurement:
+    """One `measure_cost_curve` run: the contexts set up so far, the clock against the
+    budget, and the timing of one round (every width, interleaved) at a context."""
+
+    def __init__(self, make_cycle: Callable[[int], CycleParts], samples: CostSamples, max_width: int,
+                 budget: float, progress: Callable[[float, float], None], split_rounds: int):
+        self.make_cycle, self.samples, self.budget, self.progress = make_cycle, samples, budget, progress
+        self.max_width = max_width
+        self.split_rounds = split_rounds
+        self.shapes = [tuple(t) for t in samples.tree_shapes]
+        self.start = time.perf_counter()
+        self.runners: Dict[int, CycleParts] = {}
+
+    def spent(self) -> float:
+        return time.perf_counter() - self.start
+
+    def expected(self, i: int) -> float:
         """Seconds the next round at context i should take, its set-up (a prefill) included if new."""
+        samples = self.samples
         own = [sum(r) for r in samples.rounds(i)]
         before = [sum(r) for j in range(i) for r in samples.rounds(j)]
         seconds = max(own) if own else NEW_CONTEXT_GROWTH * max(before, default=0.0)
-        seconds *= 1 + (len(samples.parts[i]) < split_rounds)
-        return seconds + (i not in runners) * samples.setup_per_token * samples.contexts[i]
+        seconds *= 1 + (len(samples.parts[i]) < self.split_rounds)
+        return seconds + (i not in self.runners) * samples.setup_per_token * samples.contexts[i]
 
-    def one_round(i: int) -> None:
-        if i not in runners:
-            tic = time.perf_counter()
-            parts = make_cycle(samples.contexts[i])
-            runners[i] = parts[:2]
-            if len(parts) > 2:
-                samples.catch_up[i] = parts[2]
-            # The longest timed context's: a short one's fixed work, spread over its few
-            # tokens, would price a long context's set-up far above what it costs.
-            if all(samples.contexts[i] >= c for c, r in zip(samples.contexts, samples.cycle) if r):
-                samples.setup_per_token = (time.perf_counter() - tic) / samples.contexts[i]
-            if not runners.keys() - {i} and not samples.cycle[i]:
-                one_round_timed(i, record=False)  # a fresh measurement warms up once
-            elif len(runners) == 1:  # a refining run: warm up on the widest cycle only (it sets the allocations)
-                run_draft, run_verify = runners[i]  # and on each tree once
-                run_verify(max_width, run_draft(max_width))
-                for w, b in shapes:
-                    run_verify(w, run_draft(w, b))
-        one_round_timed(i, record=True)
-        progress(min(spent(), budget), budget)
+    def fits(self, i: int) -> bool:
+        return self.spent() + self.expected(i) <= self.budget
 
-    def one_round_timed(i: int, record: bool) -> None:
-        run_draft, run_verify = runners[i]
+    def one_round(self, i: int) -> None:
+        if i not in self.runners:
+            self.set_up(i)
+        self.timed_round(i, record=True)
+        self.progress(min(self.spent(), self.budget), self.budget)
+
+    def set_up(self, i: int) -> None:
+        """Make context i's cycle, note its set-up cost per token, and warm it up."""
+        samples = self.samples
+        tic = time.perf_counter()
+        parts = self.make_cycle(samples.contexts[i])
+        self.runners[i] = parts[:2]
+        if len(parts) > 2:
+            samples.catch_up[i] = parts[2]
+        # The longest timed context's: a short one's fixed work, spread over its few
+        # tokens, would price a long context's set-up far above what it costs.
+        if all(samples.contexts[i] >= c for c, r in zip(samples.contexts, samples.cycle) if r):
+            samples.setup_per_token = (time.perf_counter() - tic) / samples.contexts[i]
+        if not self.runners.keys() - {i} and not samples.cycle[i]:
+            self.timed_round(i, record=False)  # a fresh measurement warms up once
+        elif len(self.runners) == 1:  # a refining run: warm up on the widest cycle only (it sets the allocations)
+            run_draft, run_verify = self.runners[i]  # and on each tree once
+            run_verify(self.max_width, run_draft(self.max_width))
+            for w, b in self.shapes:
+                run_verify(w, run_draft(w, b))
+
+    def timed_round(self, i: int, record: bool) -> None:
+        """Every width once at context i, in alternating order: the whole cycle, the bare verify
+        of copied tokens, the trees of that width and (the first `split_rounds`) the halves apart."""
+        samples, shapes, max_width = self.samples, self.shapes, self.max_width
+        run_draft, run_verify = self.runners[i]
         rounds, parts = samples.cycle[i], samples.parts[i]
-        split = record and len(parts) < split_rounds
+        split = record and len(parts) < self.split_rounds
         times = [[0.0] * max_width for _ in range(3)]
         copied = [0.0] * (max_width - 1)
         tree = [0.0] * len(shapes)
@@ -463,30 +510,6 @@ def measure_cost_curve(make_cycle: Callable[[int], CycleParts], max_width: int, 
                 samples.tree[i].append(tree)
             if split:
                 parts.append(times[:2])
-
-    def wanted(i: int) -> bool:
-        return not finished(samples.rounds(i), min_rounds, max_rounds, tolerance)
-
-    def fits(i: int) -> bool:
-        return spent() + expected(i) <= budget
-
-    progress(0.0, budget)
-    for i in range(len(samples.contexts)):
-        while len(samples.cycle[i]) < min_rounds and ((first_ever and i == 0) or fits(i)):
-            one_round(i)
-    added = 0
-    while True:
-        unsettled = [i for i in range(len(samples.contexts)) if len(samples.cycle[i]) >= min_rounds and wanted(i)]
-        todo = [i for i in unsettled if fits(i)]
-        if not todo and added < at_least:  # a round a run while unsettled, a context short of rounds included
-            todo = (unsettled or [i for i in range(len(samples.contexts)) if len(samples.cycle[i]) < min_rounds])[:1]
-        if not todo:
-            break
-        for i in todo:
-            one_round(i)
-            added += 1
-    progress(budget, budget)
-    return samples
 
 
 def curve_key(pair) -> str:
