@@ -13,6 +13,8 @@ where its cycle counts come from):
 - zlab:    z-lab `dflash==0.1.0` (`dflash.model_mlx`), its default (the drafter's block) and 8
 - bstnxbt: bstnxbt `dflash-mlx==0.1.8`, its default (adaptive verify) and fixed block 8
 - dspark:  `mlx-dspark==0.20.3` in DFlash mode, its default (measured cap) and 8 verified
+- before:  with `--before CHECKOUT`, another checkout of this repository (a git worktree of an
+           earlier commit) through its own `ours` runner: a before/after run of a change
 
 Each peer is installed once into its own virtual environment under
 ~/.cache/dflash-mlx/peers/<name>/venv (bstnxbt's import name is `dflash_mlx`, like ours),
@@ -42,7 +44,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-RUNNERS = HERE / "runners"
 CACHE = Path(os.environ.get("DFLASH_PEERS_CACHE", Path.home() / ".cache" / "dflash-mlx" / "peers"))
 SCHEMA_VERSION = 1
 
@@ -115,20 +116,23 @@ def freeze(py: Path) -> list:
 class Runner:
     """One runtime's runner process: started once, asked one JSON line at a time."""
 
-    def __init__(self, name: str, python: Path, pair_dir: Path, logdir: Path, blas: str):
+    def __init__(self, name: str, python: Path, pair_dir: Path, logdir: Path, blas: str, repo: Path = REPO):
+        """`repo`: the checkout whose `dflash_mlx` and runners run ("before": another one)."""
         self.name = name
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         if name in PEERS:
             env.pop("PYTHONPATH", None)  # a peer must never see this repository's dflash_mlx
         else:
-            env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+            env["PYTHONPATH"] = os.pathsep.join([str(repo)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        runners = repo / "benchmarks" / "peers" / "runners"
+        script = runners / ("ours.py" if name == "before" else f"{name}.py")
         self.log_path = logdir / f"{name}.log"
         self.log_file = open(self.log_path, "w")
-        cmd = [str(python), str(RUNNERS / f"{name}.py"), "--target", str(pair_dir / "target"),
+        cmd = [str(python), str(script), "--target", str(pair_dir / "target"),
                "--drafter", str(pair_dir / "drafter"), "--drafter-zlab", str(pair_dir / "drafter-zlab"),
                "--cache", str(CACHE / name / f"calibration-{pair_dir.name}-{blas.split()[0]}")]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file,
-                                     text=True, bufsize=1, cwd=str(RUNNERS), env=env)
+                                     text=True, bufsize=1, cwd=str(runners), env=env)
         hello = self._read()
         if not hello.get("ready"):
             self.close()
@@ -266,9 +270,9 @@ def load_prompt_ids(n: int, target_dir: Path):
     return texts, [build_prompt(tok, t) for t in texts], sorted(set(tok.eos_token_ids))
 
 
-def git_state():
+def git_state(repo: Path = REPO):
     def git(*a):
-        r = subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True)
+        r = subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else None
 
     dirty = git("status", "--porcelain", "--", "dflash_mlx")
@@ -287,6 +291,9 @@ def main(argv=None):
                          "default: every setting of every runtime")
     ap.add_argument("--seed", type=int, default=0, help="seed of the run order")
     ap.add_argument("--out", default=None, help="JSON result file (default: print only)")
+    ap.add_argument("--before", default=None, metavar="CHECKOUT",
+                    help="another checkout of this repository (say a git worktree of an earlier commit): its "
+                         "runtime runs beside ours, through its own runner, as 'before'")
     ap.add_argument("--setup-only", action="store_true", help="install the venvs and build the pair, then stop")
     args = ap.parse_args(argv)
     try:
@@ -310,6 +317,12 @@ def run(args):
         raise PeersError(f"unknown runtime(s) {bad}; choose from {', '.join(RUNTIMES)}")
     if "mlxlm" not in names:
         names.insert(0, "mlxlm")  # the baseline every ratio needs
+    before = Path(args.before).resolve() if args.before else None
+    if before is not None:
+        if not (before / "benchmarks" / "peers" / "runners" / "ours.py").is_file():
+            raise PeersError(f"--before {args.before} is not a checkout of this repository")
+        names.append("before")
+        LABELS["before"] = f"dflash-mlx at {git_state(before)['commit'][:10]}"
     if not 1 <= args.prompts <= 12 or args.repeats < 1 or args.max_tokens < 2:
         raise PeersError("--prompts must be 1-12, --repeats >= 1 and --max-tokens >= 2")
     if mx.__version__ != MLX:
@@ -318,7 +331,8 @@ def run(args):
     if blas != "openblas":
         log(f"note: BLAS is {blas}; the committed results use OpenBLAS (LD_PRELOAD, see benchmarks/README.md)")
 
-    pythons, problems = {"mlxlm": Path(sys.executable), "ours": Path(sys.executable)}, {}
+    pythons = {"mlxlm": Path(sys.executable), "ours": Path(sys.executable), "before": Path(sys.executable)}
+    problems = {}
     for n in names:
         if n in PEERS:
             try:
@@ -358,7 +372,7 @@ def run(args):
             continue
         log(f"starting {n}")
         try:
-            runners[n] = Runner(n, pythons[n], pair_dir, logdir, blas)
+            runners[n] = Runner(n, pythons[n], pair_dir, logdir, blas, before if n == "before" else REPO)
         except PeersError as e:
             problems[n] = str(e)
             log(f"skipping {n}: {e}")
@@ -428,6 +442,7 @@ def run(args):
         "dtype": "float32",
         "pair": {"name": args.pair, **build, "check_against_demo": check},
         "repository": git_state(),
+        **({"before": git_state(before)} if before is not None else {}),
         "settings": {"max_tokens": args.max_tokens, "repeats": args.repeats, "suite": "code",
                      "prompts": len(prompts), "greedy": True, "order": "every repeat, every prompt: all runtimes "
                      "and settings in a fresh random order (seeded)", "seed": args.seed,

@@ -45,7 +45,7 @@ DEMO_DRAFTER = REPO / "dflash_mlx" / "demo" / "drafter"
 DEFAULT_ROOT = Path.home() / ".cache" / "dflash-mlx" / "peers" / "pairs"
 
 # Bump when what `prepare` writes changes, so cached folders are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 PAIRS = {
     "demo": {"intermediate_size": None, "extra_layers": 0},
     "widened": {"intermediate_size": 8192, "extra_layers": 12},
@@ -148,6 +148,8 @@ def count_parameters(weights: dict) -> int:
 
 def prepare(name: str, root: Path = DEFAULT_ROOT, log=lambda msg: None) -> Path:
     """Build (or reuse) the pair folder `root/name`; returns it."""
+    from dflash_mlx.convert.convert import FORMAT, file_digest
+
     spec = _spec(name)
     out = Path(root) / name
     manifest = out / "build.json"
@@ -176,6 +178,8 @@ def prepare(name: str, root: Path = DEFAULT_ROOT, log=lambda msg: None) -> Path:
     ours, zl = _drafter_configs(remap, new_cfg["num_hidden_layers"])
     for d, cfg in (("drafter", ours), ("drafter-zlab", zl)):
         mx.save_safetensors(str(tmp / d / "model.safetensors"), dw, metadata={"format": "mlx"})
+        if FORMAT in cfg:  # the float32 copy is other bytes than the demo file the config's checksum names
+            cfg[FORMAT] = {**cfg[FORMAT], "sha256": file_digest(tmp / d / "model.safetensors")}
         (tmp / d / "config.json").write_text(json.dumps(cfg, indent=2))
     info = {"spec": spec, "target_parameters": count_parameters(new_w), "drafter_parameters": count_parameters(dw),
             "target_layers": new_cfg["num_hidden_layers"], "intermediate_size": new_cfg["intermediate_size"],
