@@ -1,0 +1,1 @@
+"""Several requests decoded together: one target pass verifies every sequence's block."""

@@ -1,0 +1,160 @@
+"""K/V caches of several sequences of different lengths, for one target pass over all of them.
+
+mlx-lm's `BatchKVCache` keeps its sequences right-aligned: every sequence writes
+its new rows at one shared column, and a shorter one is padded on the left. A
+speculative cycle leaves each sequence with its own number of accepted rows, so
+after a crop their ends differ again; realigning them (mlx-lm's `finalize` roll)
+copies every cached row of every sequence, every cycle.
+
+`RaggedKVCache` keeps sequence b in columns [0, ends[b]) instead and writes each
+sequence's new rows at its own end (one scatter per layer). Cropping a sequence
+moves its end back and copies nothing; the attention mask hides each sequence's
+columns past its own end. The positions RoPE sees (`offset`) are the ends.
+"""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+STEP = 256  # columns the buffer grows by, as mlx-lm's KVCache: few reallocations, little waste
+
+
+class RaggedKVCache:
+    """One layer's keys and values for B sequences, sequence b in columns [0, ends[b])."""
+
+    def __init__(self, ends: Sequence[int] = (), keys: Optional[mx.array] = None, values: Optional[mx.array] = None):
+        self.keys, self.values = keys, values
+        self.ends: List[int] = list(ends)
+        self._offset: Optional[mx.array] = None  # `ends` on the device, made once per change
+
+    @classmethod
+    def merge(cls, caches: Sequence[KVCache]) -> "RaggedKVCache":
+        """The batch of single-sequence caches (one layer's), in order."""
+        out = cls()
+        out.extend(caches)
+        return out
+
+    @property
+    def offset(self) -> mx.array:
+        if self._offset is None:
+            self._offset = mx.array(self.ends)
+        return self._offset
+
+    def _moved(self) -> None:
+        self._offset = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _reserve(self, columns: int, like: mx.array, like_values: mx.array) -> None:
+        if columns <= self.capacity:
+            return
+        B, H, _, D = like.shape
+        grown = -(-columns // STEP) * STEP
+        k = mx.zeros((B, H, grown - self.capacity, D), like.dtype)
+        v = mx.zeros((B, H, grown - self.capacity, like_values.shape[3]), like_values.dtype)
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = mx.concatenate([self.keys, k], axis=2)
+            self.values = mx.concatenate([self.values, v], axis=2)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
+        """[B, 1, N, top] bool: new row j of sequence b sees its columns up to ends[b] + j."""
+        if window_size is not None:
+            raise ValueError("RaggedKVCache does not hold sliding-window layers")
+        top = max(self.ends) + N
+        limit = self.offset[:, None, None, None] + mx.arange(N)[None, None, :, None]
+        return mx.arange(top)[None, None, None, :] <= limit
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        B, _, N, _ = keys.shape
+        top = max(self.ends) + N
+        self._reserve(top, keys, values)
+        if min(self.ends) == max(self.ends):  # aligned: one slice for all
+            e = self.ends[0]
+            self.keys[..., e : e + N, :] = keys
+            self.values[..., e : e + N, :] = values
+        else:
+            rows = (self.offset[:, None] + mx.arange(N)[None])[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, rows, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, rows, values, axis=2)
+        self.ends = [e + N for e in self.ends]
+        self._moved()
+        return self.keys[..., :top, :], self.values[..., :top, :]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last n rows of every sequence."""
+        n = min(n, min(self.ends, default=0))
+        self.ends = [e - n for e in self.ends]
+        self._moved()
+        return n
+
+    def crop(self, drops: Sequence[int]) -> None:
+        """Drop the last drops[b] rows of sequence b (no copy: the ends move back)."""
+        self.ends = [e - min(d, e) for e, d in zip(self.ends, drops, strict=True)]
+        self._moved()
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keep sequences `keep` (indices, in that order); the buffer shrinks to what they use."""
+        self.ends = [self.ends[i] for i in keep]
+        self._moved()
+        if self.keys is None:
+            return
+        if not keep:
+            self.keys = self.values = None
+            return
+        columns = -(-max(max(self.ends), 1) // STEP) * STEP
+        idx = mx.array(list(keep))
+        self.keys = self.keys[idx, :, : min(columns, self.capacity)]
+        self.values = self.values[idx, :, : min(columns, self.capacity)]
+
+    def extend(self, caches: Sequence[KVCache]) -> None:
+        """Append single-sequence caches (one layer's) as new sequences; their rows are copied once."""
+        filled = [c for c in caches if c.keys is not None]
+        if not filled:
+            self.ends += [0] * len(caches)
+            self._moved()
+            return
+        ref = filled[0]
+        lengths = [c.offset if c.keys is not None else 0 for c in caches]
+        columns = max(self.capacity, -(-max(lengths) // STEP) * STEP)
+        B, H, D, M = len(caches), ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
+        k = mx.zeros((B, H, columns, D), ref.keys.dtype)
+        v = mx.zeros((B, H, columns, M), ref.values.dtype)
+        for i, (c, n) in enumerate(zip(caches, lengths)):
+            if n:
+                k[i : i + 1, :, :n] = c.keys[..., :n, :]
+                v[i : i + 1, :, :n] = c.values[..., :n, :]
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            if columns > self.capacity:
+                self._reserve(columns, self.keys, self.values)
+            self.keys = mx.concatenate([self.keys, k], axis=0)
+            self.values = mx.concatenate([self.values, v], axis=0)
+        self.ends += lengths
+        self._moved()
+
+    def extract(self, b: int) -> KVCache:
+        """Sequence b's rows as a single-sequence cache (a copy)."""
+        c = KVCache()
+        n = self.ends[b]
+        if n and self.keys is not None:
+            c.keys = mx.contiguous(self.keys[b : b + 1, :, :n])
+            c.values = mx.contiguous(self.values[b : b + 1, :, :n])
+            c.offset = n
+        return c
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

@@ -1,0 +1,174 @@
+"""Greedy speculative decoding of several sequences at once.
+
+Each cycle drafts every active sequence's block (the drafter, per sequence) and
+verifies all of them in one target pass over a [B, width] block; each sequence
+keeps its own longest agreeing prefix plus the target's token, and its caches
+are cropped on their own (`RaggedKVCache.crop`: no copy). One host
+synchronisation per cycle reads every sequence's acceptance. A sequence joins
+after its own prefill (its caches are merged into the batch's) and leaves when
+it finishes (its rows are dropped). Output is each sequence's greedy decoding:
+the same tokens as decoding it alone.
+"""
+
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from ..errors import DFlashError
+from ..sampling import SamplingParams
+from ..decode.passes import PREFILL_STEP, caught_up, draft, joined, prefill
+from .cache import RaggedKVCache
+
+GREEDY = SamplingParams()
+
+
+@dataclass
+class Running:
+    """One sequence of the batch: what its next cycle starts from."""
+
+    uid: int
+    max_tokens: int
+    source: Any  # its draft source (`draft_source.DraftSource`): the pair's unless it brought one
+    dstate: Any  # the source's state for this sequence (the drafter's context)
+    last: mx.array  # [1] its last committed token (the next block's first)
+    taps: list = field(default_factory=list)  # target taps the drafter has not read yet (lazy)
+    generated: int = 0
+
+
+@dataclass
+class Committed:
+    """What a cycle committed for one sequence, and why it ended, if it did."""
+
+    uid: int
+    tokens: List[int]
+    finish: Optional[str] = None  # "stop" (EOS) or "length"
+
+
+class BatchDecoder:
+    """Sequences decoded together at a fixed block `width` (1: plain batched decoding)."""
+
+    def __init__(self, pair, width: int):
+        self.pair, self.target, self.source = pair, pair.target, pair.draft_source
+        if not all(type(c) is KVCache for c in self.target.make_cache()):
+            raise DFlashError(f"Batched decoding needs a target whose caches are all KV caches; "
+                              f"'{self.target.model_type}' has others (sliding windows or recurrent states).")
+        if width < 1:
+            raise DFlashError(f"The batch's block width must be >= 1 (got {width}).")
+        self.width = min(width, self.source.block_size)
+        self.eos = set(pair.tokenizer.eos_token_ids)
+        self.window = getattr(self.target.args, "max_position_embeddings", None)
+        self.cache: List[RaggedKVCache] = []
+        self.seqs: List[Running] = []
+        self._uids = count()
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, prompt: Sequence[int], max_tokens: int, source=None) -> Committed:
+        """Prefill `prompt` alone, then join the batch; its first token (and whether it already ended).
+        `source`: the sequence's own draft source (default: the pair's drafter)."""
+        if not prompt:
+            raise DFlashError("The prompt is empty.")
+        if self.window and len(prompt) > self.window:
+            raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {self.window}.")
+        if self.window:
+            max_tokens = min(max_tokens, self.window - len(prompt) + 1)
+        source = source or self.source
+        tcache, dstate = self.target.make_cache(), source.new_state()
+        logits, taps = prefill(self.target, source, dstate, mx.array(prompt), tcache, PREFILL_STEP,
+                               taps=self.width > 1)
+        last = mx.argmax(logits[None], axis=-1).astype(mx.uint32)
+        mx.eval(last, [c.state for c in tcache])
+        seq = Running(next(self._uids), max_tokens, source, dstate, last, taps)
+        out = Committed(seq.uid, [last.item()])
+        out.finish = self._finish(seq, out)
+        source.commit(dstate, list(prompt) + out.tokens)
+        if out.finish is None:
+            if self.cache:
+                for batch, c in zip(self.cache, tcache):
+                    batch.extend([c])
+            else:
+                self.cache = [RaggedKVCache.merge([c]) for c in tcache]
+            self.seqs.append(seq)
+        return out
+
+    def step(self) -> List[Committed]:
+        """One cycle for every sequence in the batch; finished sequences leave it."""
+        if not self.seqs:
+            return []
+        w = self.width
+        lasts = mx.concatenate([s.last for s in self.seqs])
+        if w > 1:
+            drafts = mx.stack([self._draft(s, w) for s in self.seqs])
+            block = mx.concatenate([lasts[:, None], drafts], axis=1)
+        else:
+            block = lasts[:, None]
+        logits, hidden = self.target(block, self.cache, taps=w > 1)
+        picks = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        if w > 1:
+            accepted = mx.cumprod(drafts == picks[:, :-1], axis=1).sum(axis=1)
+        else:
+            accepted = mx.zeros((len(self.seqs),), mx.uint32)
+        mx.eval(accepted, picks, block)  # the cycle's one host synchronisation
+        acc, pk, blk = accepted.tolist(), picks.tolist(), block.tolist()
+        out, keep, drops = [], [], []
+        for b, seq in enumerate(self.seqs):
+            a = acc[b]
+            tokens = blk[b][1 : 1 + a] + [pk[b][a]]
+            c = Committed(seq.uid, tokens)
+            c.finish = self._finish(seq, c)
+            out.append(c)
+            drops.append(w - 1 - a)
+            if c.finish is None:
+                keep.append(b)
+                seq.last = mx.array([tokens[-1]], mx.uint32)
+                if w > 1:
+                    seq.taps.append(hidden[b : b + 1, : a + 1])
+                seq.source.commit(seq.dstate, tokens)
+        for c in self.cache:
+            c.crop(drops)
+        if len(keep) < len(self.seqs):
+            for c in self.cache:
+                c.filter(keep)
+            self.seqs = [self.seqs[b] for b in keep]
+        return out
+
+    def _draft(self, seq: Running, width: int) -> mx.array:
+        hidden = joined(caught_up(seq.source, seq.dstate, seq.taps)) if seq.taps else None
+        seq.taps = []
+        return draft(seq.source, seq.dstate, seq.last, hidden, width, GREEDY).tokens
+
+    def _finish(self, seq: "Running", c: Committed) -> Optional[str]:
+        """Cut `c`'s tokens at the budget and at EOS; the finish reason, if this ends the sequence."""
+        c.tokens = c.tokens[: seq.max_tokens - seq.generated]
+        seq.generated += len(c.tokens)
+        for i, t in enumerate(c.tokens):
+            if t in self.eos:
+                c.tokens = c.tokens[:i]
+                return "stop"
+        return "length" if seq.generated >= seq.max_tokens else None
+
+
+def generate_batch(pair, prompts: Sequence[Sequence[int]], max_tokens: int, width: int,
+                   join_at: Optional[Dict[int, int]] = None, sources: Optional[Sequence] = None) -> List[List[int]]:
+    """Each prompt's greedy tokens, decoded in one batch (`join_at[i]`: the cycle at which
+    prompt i joins; the others join before the first; `sources[i]`: its own draft source)."""
+    join_at = join_at or {}
+    dec = BatchDecoder(pair, width)
+    out: Dict[int, List[int]] = {}
+    uid_of: Dict[int, int] = {}
+    cycle = 0
+    waiting = sorted(range(len(prompts)), key=lambda i: join_at.get(i, 0))
+    while waiting or len(dec):
+        while waiting and join_at.get(waiting[0], 0) <= cycle:
+            i = waiting.pop(0)
+            first = dec.add(prompts[i], max_tokens, sources[i] if sources else None)
+            uid_of[first.uid] = i
+            out[i] = list(first.tokens)
+        for c in dec.step():
+            out[uid_of[c.uid]] += c.tokens
+        cycle += 1
+    return [out[i] for i in range(len(prompts))]

@@ -1,0 +1,118 @@
+"""Several sequences in one target pass: the ragged batch cache, and batched speculative decoding."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from dflash_mlx.batch.cache import RaggedKVCache
+
+PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [8, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 40, 41]]
+
+
+def single(model, prompt):
+    cache = make_prompt_cache(model)
+    model(mx.array([prompt]), cache=cache)
+    return cache
+
+
+def batched(model, caches):
+    return [RaggedKVCache.merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+
+
+def same(a, b):
+    return mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_ragged_batch_pass_equals_each_sequence_alone(baselines, family):
+    """Each sequence's rows of a batched pass are its own pass's, whatever the other sequences'
+    lengths, after crops of different depths, after one leaves and another joins."""
+    model = baselines[family]
+    alone = [single(model, p) for p in PROMPTS]
+    batch = batched(model, [single(model, p) for p in PROMPTS])
+
+    def both(blocks):
+        out = model(mx.array(blocks), cache=batch)
+        for b, block in enumerate(blocks):
+            own = model(mx.array([block]), cache=alone[b])
+            assert same(out[b], own[0]), (family, b)
+
+    both([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    drops = [0, 2, 1]
+    for c in batch:
+        c.crop(drops)
+    for b, d in enumerate(drops):
+        for c in alone[b]:
+            c.trim(d)
+    assert batch[0].ends == [len(p) + 3 - d for p, d in zip(PROMPTS, drops)]
+    both([[10, 11], [12, 13], [14, 15]])
+    both([[16], [17], [18]])  # plain steps of ragged sequences
+
+    for c in batch:  # the second sequence leaves; a new one joins
+        c.filter([0, 2])
+    alone = [alone[0], alone[2]]
+    joining = [3, 1, 4, 1, 5, 9, 2, 6]
+    alone.append(single(model, joining))
+    for layer, c in enumerate(batch):
+        c.extend([single(model, joining)[layer]])
+    both([[20, 21, 22, 23], [24, 25, 26, 27], [28, 29, 30, 31]])
+    for b in range(3):
+        kept = batch[0].extract(b)
+        assert kept.offset == alone[b][0].offset and same(kept.keys, alone[b][0].keys[..., : kept.offset, :])
+
+
+TEXTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n\ndef main():",
+         "class Stack:\n    def __init__(self):", "Once upon a time"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("width", [1, 3, 8])
+def test_batched_greedy_equals_each_prompt_alone(pairs, baselines, family, width):
+    """Every sequence of the batch decodes exactly what mlx-lm's greedy decoding gives for it
+    alone, whatever the others accept; two join while the rest decode, and sequences leave
+    at different times (different budgets reached through EOS-free text)."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.batch.engine import generate_batch
+
+    pair = pairs[family]
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    got = generate_batch(pair, prompts, max_tokens=24, width=width, join_at={3: 2, 4: 5})
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    for p, out in zip(prompts, got):
+        assert out == plain_greedy(baselines[family], p, 24, eos=eos)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("width", [4, 8])
+def test_each_sequence_is_cropped_at_its_own_rejection(pairs, baselines, family, width):
+    """Drafts of the target's own continuation, each sequence corrupted on its own schedule
+    (`OracleSource`), so in one verify pass the sequences accept 0 .. width - 1 drafts each
+    and are cropped apart: every cycle accepts exactly up to its corrupted draft, and every
+    output is plain greedy decoding."""
+    from conftest import ROLLBACK_SCHEDULES, OracleSource, greedy_ref
+
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair, base = pairs[family], baselines[family]
+    n = width * (width + 1) // 2 + 4  # the cycling schedule reaches every position
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS[: len(ROLLBACK_SCHEDULES)]]
+    feature_dim = len(pair.target.tap_ids) * pair.target.hidden_size
+    refs = [greedy_ref(base, p, n) for p in prompts]
+    sources = [OracleSource(p + r, pair.target.vocab_size, feature_dim, corrupt)
+               for p, r, corrupt in zip(prompts, refs, ROLLBACK_SCHEDULES.values())]
+    dec = BatchDecoder(pair, width)
+    assert dec.width == width
+    out, accepted = {}, {}
+    for p, s in zip(prompts, sources):
+        first = dec.add(p, n, s)
+        out[first.uid], accepted[first.uid] = list(first.tokens), []
+    while len(dec):
+        for c in dec.step():
+            out[c.uid] += c.tokens
+            if c.finish is None:
+                accepted[c.uid].append(len(c.tokens) - 1)
+    for uid, (ref, source) in enumerate(zip(refs, sources)):
+        assert out[uid] == ref[: len(out[uid])] and len(out[uid]) == n
+        assert accepted[uid] == source.expected[: len(accepted[uid])]
+    assert {a for acc in accepted.values() for a in acc} == set(range(width))
