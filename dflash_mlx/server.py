@@ -1,10 +1,12 @@
 """An OpenAI-compatible HTTP server over DFlash.
 
 Handler threads parse and validate requests; one worker thread owns the
-model and runs jobs one at a time from a FIFO queue, so no two requests ever
-share a cache, and all MLX work stays on one thread. A client that
-disconnects, streaming or not, cancels its job; the worker stops at the next
-cycle.
+model and takes jobs in arrival order, so all MLX work stays on one thread. A
+job that finds nothing else waiting runs alone; jobs that queue up behind
+others are decoded together where they can be (greedy, no logits processors
+or log probabilities: `batch.BatchStreams`), each with its own caches. A
+client that disconnects, streaming or not, cancels its job; the worker stops
+it at the next cycle.
 
 The tokenizer is shared by the handler threads (chat templating, encoding)
 and the worker (detokenising inside `stream_generate`). Hugging Face fast
@@ -24,12 +26,15 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
+from .batch.engine import batch_width
+from .batch.streams import BatchStreams
 from .decode import stream_generate
 from .prompt_cache import PromptCache
 from .errors import DFlashError
@@ -42,6 +47,9 @@ MAX_BODY = 4 * 1024 * 1024
 POLL_S = 0.05  # how often a waiting handler checks that its client is still there
 MAX_STOP = 4  # stop strings per request: OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and completions' logprobs)
+# Requests decoded together at most: mlx-lm's BatchGenerator's default completion batch is 32;
+# beyond a few dozen rows per target pass a CPU's or GPU's pass costs in proportion.
+MAX_BATCH = 32
 # Fields the speculative path cannot honour yet: refused (400) when set to
 # anything but their neutral value, never silently ignored. mlx-lm's server
 # accepts the penalties, logit_bias and XTC; it treats repetition_penalty 0 as
@@ -122,7 +130,7 @@ class Job:
 
 
 class Engine:
-    """Owns the pair; runs queued jobs one at a time on its own thread."""
+    """Owns the pair; runs the queued jobs on its own thread, alone or batched (`_run`)."""
 
     def __init__(self, pair, model_id: str, block_size: Optional[int] = None,
                  enable_thinking: Optional[bool] = None, max_prompt_tokens: int = 32768,
@@ -151,9 +159,12 @@ class Engine:
             self.pair = copy.copy(pair)  # the worker's pair: the same models, the locked tokenizer
             object.__setattr__(self.pair, "tokenizer", self.tokenizer)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self.waiting: "deque[Optional[Job]]" = deque()  # taken off `jobs` by the worker, not started yet
+        self.batch_width = batch_width(pair, block_size)  # None: requests run one at a time
         self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "active": 0, "generated_tokens": 0}
         # Totals over finished requests, for /metrics.
-        self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "cycles": 0, "draft_cycles": 0, "committed": 0}
+        self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "cycles": 0, "draft_cycles": 0, "committed": 0,
+                       "batch_cycles": 0, "batch_rows": 0, "batch_committed": 0}
         self.thread = threading.Thread(target=self._run, daemon=True, name="dflash-engine")
         self.thread.start()
 
@@ -162,8 +173,15 @@ class Engine:
         return job
 
     def _run(self):
+        """Jobs in arrival order. A job that finds the engine idle and nothing queued runs
+        alone (`stream_generate`: the prompt cache and the adaptive block size); jobs that
+        queue up behind others are decoded together (`_run_batch`) where they can be."""
+        waiting = self.waiting
         while True:
-            job = self.jobs.get()
+            if not waiting:
+                waiting.append(self.jobs.get())
+            self._drain(waiting)
+            job = waiting[0]
             if job is None:
                 if self.prompt_cache is not None:  # a restarted server starts from what this one kept
                     self.prompt_cache.spill()
@@ -171,39 +189,129 @@ class Engine:
                     self.channel.send(None)
                 return
             if job.cancelled.is_set():
+                waiting.popleft()
                 self.stats["cancelled"] += 1
                 job.events.put(None)
-                continue
-            self.stats["active"] = 1
-            try:
-                if self.channel is not None:
-                    self._mirror(job)
-                for event in stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
-                                             sampling=job.params, block_size=self.block_size, stop=job.stop,
-                                             prompt_cache=self.prompt_cache, logprobs=job.logprobs,
-                                             logits_processors=make_processors(job.processor_args)):
-                    self.stats["generated_tokens"] += len(event.tokens)
-                    if event.finish_reason is not None:
-                        self._count(event.stats)
-                    job.events.put(event)
-                    stop = job.cancelled.is_set()
-                    if self.channel is not None:
-                        stop = not self.channel.keep_going(stop)
-                    if stop:
-                        break
+            elif len(waiting) > 1 and self._batchable(job):
+                self._run_batch(waiting)
+            else:
+                self._run_alone(waiting.popleft())
+
+    def queued(self) -> int:
+        """Requests not started yet: in the queue, or taken off it by the worker."""
+        return self.jobs.qsize() + sum(j is not None for j in list(self.waiting))
+
+    def _drain(self, waiting) -> None:
+        """Move every queued job into `waiting`, without blocking."""
+        try:
+            while True:
+                waiting.append(self.jobs.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _batchable(self, job: Job) -> bool:
+        """Whether a job can join a batch: greedy, no logits processors or log probabilities,
+        on one machine (a batch's events are not mirrored to other ranks)."""
+        return (self.channel is None and job.params.greedy and job.logprobs is None and not job.processor_args
+                and self.batch_width is not None)
+
+    def _run_batch(self, waiting) -> None:
+        """Decode the batchable jobs at the head of `waiting` together, letting in those that
+        queue up while it runs, until the batch is empty; a job that cannot join waits
+        for it (arrival order is kept)."""
+        batch, jobs = BatchStreams(self.pair, self.batch_width), {}
+        while True:
+            self._drain(waiting)
+            while waiting and waiting[0] is not None and len(batch) < MAX_BATCH:
+                job = waiting[0]
                 if job.cancelled.is_set():
+                    waiting.popleft()
                     self.stats["cancelled"] += 1
-                else:
-                    self.stats["completed"] += 1
-            except DFlashError as e:
-                self.stats["failed"] += 1
-                job.events.put(APIError(400, str(e)))
-            except Exception as e:  # keep serving whatever one request did
-                self.stats["failed"] += 1
-                job.events.put(APIError(500, f"generation failed: {e}", "server_error"))
-            finally:
-                self.stats["active"] = 0
-                job.events.put(None)
+                    job.events.put(None)
+                    continue
+                if not self._batchable(job):
+                    break
+                waiting.popleft()
+                self._join(batch, jobs, job)
+            for uid, job in list(jobs.items()):
+                if job.cancelled.is_set():
+                    batch.remove(uid)
+                    self._ended(jobs.pop(uid), cancelled=True)
+            if not jobs:
+                return
+            self.stats["active"] = len(jobs)
+            try:
+                events = batch.step()
+            except Exception as e:  # keep serving: the batch's requests fail, not the server
+                for job in jobs.values():
+                    self._failed(job, APIError(500, f"generation failed: {e}", "server_error"))
+                return
+            t = self.totals
+            t["batch_cycles"] += 1
+            t["batch_rows"] += len(events)
+            t["batch_committed"] += sum(event.accepted + 1 for _, event in events)
+            for uid, event in events:
+                self._deliver(jobs, uid, event)
+
+    def _join(self, batch: "BatchStreams", jobs: dict, job: Job) -> None:
+        try:
+            uid, event = batch.add(job.prompt, job.max_tokens, job.stop)
+        except DFlashError as e:
+            return self._failed(job, APIError(400, str(e)))
+        except Exception as e:
+            return self._failed(job, APIError(500, f"generation failed: {e}", "server_error"))
+        jobs[uid] = job
+        self._deliver(jobs, uid, event)
+
+    def _deliver(self, jobs: dict, uid: int, event) -> None:
+        job = jobs[uid]
+        self.stats["generated_tokens"] += len(event.tokens)
+        job.events.put(event)
+        if event.finish_reason is not None:
+            self._count(event.stats)
+            self._ended(jobs.pop(uid))
+
+    def _ended(self, job: Job, cancelled: bool = False) -> None:
+        self.stats["cancelled" if cancelled else "completed"] += 1
+        self.stats["active"] = max(self.stats["active"] - 1, 0)
+        job.events.put(None)
+
+    def _failed(self, job: Job, error: APIError) -> None:
+        self.stats["failed"] += 1
+        job.events.put(error)
+        job.events.put(None)
+
+    def _run_alone(self, job: Job) -> None:
+        self.stats["active"] = 1
+        try:
+            if self.channel is not None:
+                self._mirror(job)
+            for event in stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
+                                         sampling=job.params, block_size=self.block_size, stop=job.stop,
+                                         prompt_cache=self.prompt_cache, logprobs=job.logprobs,
+                                         logits_processors=make_processors(job.processor_args)):
+                self.stats["generated_tokens"] += len(event.tokens)
+                if event.finish_reason is not None:
+                    self._count(event.stats)
+                job.events.put(event)
+                stop = job.cancelled.is_set()
+                if self.channel is not None:
+                    stop = not self.channel.keep_going(stop)
+                if stop:
+                    break
+            if job.cancelled.is_set():
+                self.stats["cancelled"] += 1
+            else:
+                self.stats["completed"] += 1
+        except DFlashError as e:
+            self.stats["failed"] += 1
+            job.events.put(APIError(400, str(e)))
+        except Exception as e:  # keep serving whatever one request did
+            self.stats["failed"] += 1
+            job.events.put(APIError(500, f"generation failed: {e}", "server_error"))
+        finally:
+            self.stats["active"] = 0
+            job.events.put(None)
 
     def _mirror(self, job: Job) -> None:
         """Send the request to the other ranks. An unseeded sampled one gets a seed for
@@ -242,8 +350,17 @@ class Engine:
              [({}, t["committed"])]),
             ("tokens_per_cycle", "gauge", "Committed tokens per cycle, over all finished requests.",
              [({}, t["committed"] / t["cycles"] if t["cycles"] else 0.0)]),
-            ("queue_length", "gauge", "Requests waiting for the engine.", [({}, self.jobs.qsize())]),
+            ("queue_length", "gauge", "Requests waiting for the engine.",
+             [({}, self.queued())]),
             ("active_requests", "gauge", "Requests being generated.", [({}, s["active"])]),
+            ("batch_cycles_total", "counter", "Cycles that decoded several requests in one target pass.",
+             [({}, t["batch_cycles"])]),
+            ("batch_sequences_total", "counter", "Requests in those cycles, summed over the cycles.",
+             [({}, t["batch_rows"])]),
+            ("batch_size", "gauge", "Requests per batched cycle, over all batched cycles.",
+             [({}, t["batch_rows"] / t["batch_cycles"] if t["batch_cycles"] else 0.0)]),
+            ("batch_tokens_per_cycle", "gauge", "Tokens a batched cycle committed per request.",
+             [({}, t["batch_committed"] / t["batch_rows"] if t["batch_rows"] else 0.0)]),
         ]
         if pc is not None:
             rows += [
@@ -499,7 +616,7 @@ class Handler(BaseHTTPRequestHandler):
             if pc is not None and pc.disk is not None:
                 cache["prompt_cache"]["disk"] = {"entries": len(pc.disk), "bytes": pc.disk.nbytes,
                                                  "hits": pc.disk.hits, "folder": str(pc.disk.folder)}
-            return self._send_json(200, {"status": "ok", **self.engine.stats, "queued": self.engine.jobs.qsize(),
+            return self._send_json(200, {"status": "ok", **self.engine.stats, "queued": self.engine.queued(),
                                          **cache})
         if self.path == "/metrics":
             body = self.engine.metrics().encode()

@@ -110,6 +110,46 @@ def test_32_concurrent_clients(client, served):
     assert all(text == want[p] for p, text in results.values())
 
 
+def metric(url, name):
+    conn = http.client.HTTPConnection(url[7:])
+    conn.request("GET", "/metrics")
+    lines = conn.getresponse().read().decode().splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith(f"dflash_{name} ")))
+
+
+def test_requests_that_queue_up_are_decoded_together(client, served):
+    """Greedy requests that arrive while another runs are batched: one target pass per
+    cycle for all of them, each answer what it is alone (streamed or not, stop strings too)."""
+    pair, url = served
+    prompts = ["class Stack:", "def fib(n):", "import os", "while True:", "x = [1, 2, 3]", "print('hi')"]
+    want = {p: dflash_mlx.generate(pair, p, max_tokens=20)[0] for p in prompts}
+    stop = want[prompts[1]][5:8]
+    cut = want[prompts[1]][: want[prompts[1]].index(stop)]
+    before = metric(url, "batch_cycles_total"), metric(url, "batch_sequences_total")
+    results, errors = {}, []
+
+    def ask(i):
+        p = prompts[i]
+        try:
+            kw = dict(stop=[stop]) if i == 1 else {}
+            r = client.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0, stream=i % 2 == 0,
+                                          **kw)
+            results[i] = "".join(c.choices[0].text for c in r) if i % 2 == 0 else r.choices[0].text
+        except Exception as e:  # collected and reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors
+    assert results == {i: cut if i == 1 else want[p] for i, p in enumerate(prompts)}
+    cycles = metric(url, "batch_cycles_total") - before[0]
+    rows = metric(url, "batch_sequences_total") - before[1]
+    assert cycles > 0 and rows / cycles > 1.5  # several requests per target pass
+
+
 def health(url):
     conn = http.client.HTTPConnection(url[7:])
     conn.request("GET", "/health")

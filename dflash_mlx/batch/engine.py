@@ -23,6 +23,23 @@ from ..decode.passes import PREFILL_STEP, caught_up, draft, joined, prefill
 from .cache import RaggedKVCache
 
 GREEDY = SamplingParams()
+# The width a batch drafts at where the server's block size is 'auto' (the adaptive sizer
+# picks widths for one sequence; a batch's policy is not adaptive yet).
+BATCH_WIDTH = 4
+
+
+def can_batch(target) -> bool:
+    """Whether the target's caches can be batched here: all plain KV caches."""
+    return all(type(c) is KVCache for c in target.make_cache())
+
+
+def batch_width(pair, block_size) -> Optional[int]:
+    """The width a batch of this pair decodes at (`block_size`, or `BATCH_WIDTH` for 'auto'),
+    None where the target cannot be batched."""
+    if not can_batch(pair.target):
+        return None
+    width = block_size if isinstance(block_size, int) else BATCH_WIDTH
+    return max(1, min(width, pair.draft_source.block_size))
 
 
 @dataclass
@@ -45,6 +62,7 @@ class Committed:
     uid: int
     tokens: List[int]
     finish: Optional[str] = None  # "stop" (EOS) or "length"
+    accepted: int = 0  # draft tokens the target accepted
 
 
 class BatchDecoder:
@@ -52,7 +70,7 @@ class BatchDecoder:
 
     def __init__(self, pair, width: int):
         self.pair, self.target, self.source = pair, pair.target, pair.draft_source
-        if not all(type(c) is KVCache for c in self.target.make_cache()):
+        if not can_batch(self.target):
             raise DFlashError(f"Batched decoding needs a target whose caches are all KV caches; "
                               f"'{self.target.model_type}' has others (sliding windows or recurrent states).")
         if width < 1:
@@ -118,7 +136,7 @@ class BatchDecoder:
         for b, seq in enumerate(self.seqs):
             a = acc[b]
             tokens = blk[b][1 : 1 + a] + [pk[b][a]]
-            c = Committed(seq.uid, tokens)
+            c = Committed(seq.uid, tokens, accepted=a)
             c.finish = self._finish(seq, c)
             out.append(c)
             drops.append(w - 1 - a)
@@ -135,6 +153,14 @@ class BatchDecoder:
                 c.filter(keep)
             self.seqs = [self.seqs[b] for b in keep]
         return out
+
+    def remove(self, uid: int) -> None:
+        """Drop a sequence before it finished (nothing if it is not in the batch)."""
+        keep = [b for b, s in enumerate(self.seqs) if s.uid != uid]
+        if len(keep) < len(self.seqs):
+            for c in self.cache:
+                c.filter(keep)
+            self.seqs = [self.seqs[b] for b in keep]
 
     def _draft(self, seq: Running, width: int) -> mx.array:
         hidden = joined(caught_up(seq.source, seq.dstate, seq.taps)) if seq.taps else None

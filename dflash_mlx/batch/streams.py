@@ -1,0 +1,74 @@
+"""A `BatchDecoder`'s sequences as requests: each with its text stream, stop strings and
+stats, handed back as the same `GenerationEvent`s `stream_generate` gives."""
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+from ..decode.events import GenerationEvent, GenerationStats
+from ..decode.request import TextStream, check_prompt
+from ..machine import peak_memory_gb
+from .engine import BatchDecoder, Committed
+
+
+@dataclass
+class _Stream:
+    text: TextStream
+    stats: GenerationStats
+    tic: float  # when its first token was committed
+
+
+class BatchStreams:
+    """Requests decoded together (`BatchDecoder`), each event tagged with its request's uid."""
+
+    def __init__(self, pair, width: int):
+        self.pair = pair
+        self.decoder = BatchDecoder(pair, width)
+        self.streams: Dict[int, _Stream] = {}
+
+    def __len__(self) -> int:
+        return len(self.decoder)
+
+    def add(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[str] = ()) -> Tuple[int, GenerationEvent]:
+        """Prefill and join; the request's uid and its first event (which may be its last)."""
+        check_prompt(prompt, self.pair.target)
+        tic = time.perf_counter()
+        first = self.decoder.add(prompt, max_tokens)
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
+        self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, stop), stats, time.perf_counter())
+        return first.uid, self._event(first, 0, first=True)
+
+    def step(self) -> List[Tuple[int, GenerationEvent]]:
+        """One cycle for every request; those it ends (EOS, budget, a stop string) have left."""
+        out = []
+        for c in self.decoder.step():
+            stats = self.streams[c.uid].stats
+            stats.cycles += 1
+            stats.draft_cycles += self.decoder.width > 1
+            stats.acceptance_lengths.append(c.accepted + 1)
+            out.append((c.uid, self._event(c, c.accepted)))
+        return out
+
+    def remove(self, uid: int) -> None:
+        """End a request early (its client left)."""
+        self.decoder.remove(uid)
+        self.streams.pop(uid, None)
+
+    def _event(self, c: Committed, accepted: int, first: bool = False) -> GenerationEvent:
+        s = self.streams[c.uid]
+        tokens, finish = c.tokens, c.finish
+        segment, kept, stopped = s.text.add(tokens, final=finish is not None)
+        if stopped:
+            tokens, finish = tokens[:kept], "stop"
+            s.stats.stop_sequence = s.text.matched
+            self.decoder.remove(c.uid)
+        stats = s.stats
+        stats.generation_tokens += len(tokens)
+        elapsed = time.perf_counter() - s.tic
+        stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 and not first else 0.0
+        stats.peak_memory_gb = peak_memory_gb()
+        stats.finish_reason = finish
+        if finish is not None:
+            self.streams.pop(c.uid)
+        return GenerationEvent(segment, tokens, accepted, stats, finish)
