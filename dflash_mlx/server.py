@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from .batch.engine import batch_width
 from .batch.streams import BatchStreams
+from .policy.batch import BatchWidths, FixedBatchWidth
 from .decode import stream_generate
 from .prompt_cache import PromptCache
 from .errors import DFlashError
@@ -160,7 +161,12 @@ class Engine:
             object.__setattr__(self.pair, "tokenizer", self.tokenizer)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.waiting: "deque[Optional[Job]]" = deque()  # taken off `jobs` by the worker, not started yet
-        self.batch_width = batch_width(pair, block_size)  # None: requests run one at a time
+        # None: requests run one at a time (the target cannot be batched, or other ranks mirror each request)
+        self.batch_width = None if channel is not None else batch_width(pair, block_size)
+        # What the batches learn of each width's speed outlives each batch.
+        self.batch_policy = FixedBatchWidth(block_size) if isinstance(block_size, int) else None
+        if self.batch_width is not None and self.batch_policy is None:
+            self.batch_policy = BatchWidths(self.batch_width)
         self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "active": 0, "generated_tokens": 0}
         # Totals over finished requests, for /metrics.
         self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "cycles": 0, "draft_cycles": 0, "committed": 0,
@@ -192,7 +198,7 @@ class Engine:
                 waiting.popleft()
                 self.stats["cancelled"] += 1
                 job.events.put(None)
-            elif len(waiting) > 1 and self._batchable(job):
+            elif len(waiting) > 1 and self._batchable(job) and self._batchable(waiting[1]):
                 self._run_batch(waiting)
             else:
                 self._run_alone(waiting.popleft())
@@ -211,15 +217,15 @@ class Engine:
 
     def _batchable(self, job: Job) -> bool:
         """Whether a job can join a batch: greedy, no logits processors or log probabilities,
-        on one machine (a batch's events are not mirrored to other ranks)."""
-        return (self.channel is None and job.params.greedy and job.logprobs is None and not job.processor_args
-                and self.batch_width is not None)
+        where the engine batches at all (`batch_width`)."""
+        return (self.batch_width is not None and job.params.greedy and job.logprobs is None
+                and not job.processor_args)
 
     def _run_batch(self, waiting) -> None:
         """Decode the batchable jobs at the head of `waiting` together, letting in those that
         queue up while it runs, until the batch is empty; a job that cannot join waits
         for it (arrival order is kept)."""
-        batch, jobs = BatchStreams(self.pair, self.batch_width), {}
+        batch, jobs = BatchStreams(self.pair, self.batch_width, self.batch_policy), {}
         while True:
             self._drain(waiting)
             while waiting and waiting[0] is not None and len(batch) < MAX_BATCH:

@@ -116,3 +116,56 @@ def test_each_sequence_is_cropped_at_its_own_rejection(pairs, baselines, family,
         assert out[uid] == ref[: len(out[uid])] and len(out[uid]) == n
         assert accepted[uid] == source.expected[: len(accepted[uid])]
     assert {a for acc in accepted.values() for a in acc} == set(range(width))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_width_may_change_every_cycle(pairs, baselines, family):
+    """Plain batched steps and drafted cycles of any width alternate; the drafter still reads
+    every committed token's taps (plain steps' included) and the output is plain greedy."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair = pairs[family]
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    dec = BatchDecoder(pair, 8)
+    out = {}
+    for p in prompts:
+        first = dec.add(p, 30)
+        out[first.uid] = list(first.tokens)
+    widths = [1, 3, 8, 1, 1, 2, 5]
+    cycle = 0
+    while len(dec):
+        for c in dec.step(widths[cycle % len(widths)]):
+            out[c.uid] += c.tokens
+        cycle += 1
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    for uid, p in enumerate(prompts):
+        assert out[uid] == plain_greedy(baselines[family], p, 30, eos=eos)
+
+
+def test_the_batch_width_is_the_fastest_measured_at_each_batch_size():
+    """Each candidate is tried, then the best per batch size runs, and the others are retried
+    now and then: where speed changes, the choice follows."""
+    from dflash_mlx.policy.batch import RETRY, TRIES, BatchWidths
+
+    speed = {1: {1: 10.0, 2: 14.0, 4: 18.0, 8: 16.0}, 8: {1: 60.0, 2: 55.0, 4: 50.0, 8: 30.0}}
+    p = BatchWidths(16)
+    assert p.widths == [1, 2, 4, 8]
+
+    def run(batch, cycles):
+        chosen = []
+        for _ in range(cycles):
+            w = p.choose(batch)
+            chosen.append(w)
+            p.update(batch, w, 1.0, speed[batch][w])
+        return chosen
+
+    first = run(1, 4 * TRIES)
+    assert sorted(first) == sorted([1, 2, 4, 8] * TRIES)  # every candidate, TRIES times
+    later = run(1, 4 * RETRY)
+    assert later.count(4) > 0.9 * len(later) and {1, 2, 8} <= set(later)  # the best, the rest retried
+    run(8, 4 * TRIES)
+    assert run(8, 10) == [1] * 10  # per batch size
+    speed[1] = {1: 10.0, 2: 30.0, 4: 12.0, 8: 12.0}  # the text changes: width 2 now pays most
+    assert run(1, 8 * RETRY)[-20:].count(2) >= 18

@@ -18,27 +18,24 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..errors import DFlashError
+from ..policy.batch import WIDTHS
 from ..sampling import SamplingParams
 from ..decode.passes import PREFILL_STEP, caught_up, draft, joined, prefill
+from ..decode.request import HELD_TAPS
 from .cache import RaggedKVCache
 
 GREEDY = SamplingParams()
-# The width a batch drafts at where the server's block size is 'auto' (the adaptive sizer
-# picks widths for one sequence; a batch's policy is not adaptive yet).
-BATCH_WIDTH = 4
-
-
 def can_batch(target) -> bool:
     """Whether the target's caches can be batched here: all plain KV caches."""
     return all(type(c) is KVCache for c in target.make_cache())
 
 
 def batch_width(pair, block_size) -> Optional[int]:
-    """The width a batch of this pair decodes at (`block_size`, or `BATCH_WIDTH` for 'auto'),
-    None where the target cannot be batched."""
+    """The widest cycle a batch of this pair runs (`block_size`, or for 'auto' the widest
+    candidate of `policy.batch.WIDTHS`), None where the target cannot be batched."""
     if not can_batch(pair.target):
         return None
-    width = block_size if isinstance(block_size, int) else BATCH_WIDTH
+    width = block_size if isinstance(block_size, int) else max(WIDTHS)
     return max(1, min(width, pair.draft_source.block_size))
 
 
@@ -66,7 +63,9 @@ class Committed:
 
 
 class BatchDecoder:
-    """Sequences decoded together at a fixed block `width` (1: plain batched decoding)."""
+    """Sequences decoded together, each cycle at a width of at most `width` (1: plain batched
+    decoding). Above 1 the target's taps of every committed token reach each sequence's
+    drafter, so any cycle may draft."""
 
     def __init__(self, pair, width: int):
         self.pair, self.target, self.source = pair, pair.target, pair.draft_source
@@ -113,18 +112,19 @@ class BatchDecoder:
             self.seqs.append(seq)
         return out
 
-    def step(self) -> List[Committed]:
-        """One cycle for every sequence in the batch; finished sequences leave it."""
+    def step(self, width: Optional[int] = None) -> List[Committed]:
+        """One cycle for every sequence in the batch at `width` (default: the largest);
+        finished sequences leave it."""
         if not self.seqs:
             return []
-        w = self.width
+        w = self.width if width is None else max(1, min(width, self.width))
         lasts = mx.concatenate([s.last for s in self.seqs])
         if w > 1:
             drafts = mx.stack([self._draft(s, w) for s in self.seqs])
             block = mx.concatenate([lasts[:, None], drafts], axis=1)
         else:
             block = lasts[:, None]
-        logits, hidden = self.target(block, self.cache, taps=w > 1)
+        logits, hidden = self.target(block, self.cache, taps=self.width > 1)
         picks = mx.argmax(logits, axis=-1).astype(mx.uint32)
         if w > 1:
             accepted = mx.cumprod(drafts == picks[:, :-1], axis=1).sum(axis=1)
@@ -143,8 +143,11 @@ class BatchDecoder:
             if c.finish is None:
                 keep.append(b)
                 seq.last = mx.array([tokens[-1]], mx.uint32)
-                if w > 1:
+                if self.width > 1:
                     seq.taps.append(hidden[b : b + 1, : a + 1])
+                    if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
+                        seq.source.add_context(seq.dstate, joined(seq.taps))
+                        seq.taps = []
                 seq.source.commit(seq.dstate, tokens)
         for c in self.cache:
             c.crop(drops)

@@ -8,6 +8,7 @@ from typing import Dict, List, Sequence, Tuple
 from ..decode.events import GenerationEvent, GenerationStats
 from ..decode.request import TextStream, check_prompt
 from ..machine import peak_memory_gb
+from ..policy.batch import BatchWidths
 from .engine import BatchDecoder, Committed
 
 
@@ -21,9 +22,11 @@ class _Stream:
 class BatchStreams:
     """Requests decoded together (`BatchDecoder`), each event tagged with its request's uid."""
 
-    def __init__(self, pair, width: int):
+    def __init__(self, pair, width: int, policy=None):
+        """`width`: the widest cycle; `policy` (`policy.batch.BatchWidths`, default) picks each cycle's."""
         self.pair = pair
         self.decoder = BatchDecoder(pair, width)
+        self.policy = policy or BatchWidths(self.decoder.width)
         self.streams: Dict[int, _Stream] = {}
 
     def __len__(self) -> int:
@@ -41,11 +44,15 @@ class BatchStreams:
 
     def step(self) -> List[Tuple[int, GenerationEvent]]:
         """One cycle for every request; those it ends (EOS, budget, a stop string) have left."""
-        out = []
-        for c in self.decoder.step():
+        out, B = [], len(self.decoder)
+        width = self.policy.choose(B)
+        tic = time.perf_counter()
+        committed = self.decoder.step(width)
+        self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed))
+        for c in committed:
             stats = self.streams[c.uid].stats
             stats.cycles += 1
-            stats.draft_cycles += self.decoder.width > 1
+            stats.draft_cycles += width > 1
             stats.acceptance_lengths.append(c.accepted + 1)
             out.append((c.uid, self._event(c, c.accepted)))
         return out

@@ -1,0 +1,156 @@
+"""Servers under load: N clients at once, each streaming its own greedy completion.
+
+    LD_PRELOAD=... python benchmarks/serve_load.py --pair ~/.cache/dflash-mlx/peers/pairs/widened \
+        --concurrency 1,2,4,8 --max-tokens 128 --out benchmarks/results/serve-load-widened-linux-cpu-openblas.json
+
+Starts `dflash-mlx serve` on the pair and mlx-lm's own server (`mlx_lm.server`, batched
+plain decoding) on its target, one after the other, and drives each through the
+official openai client: at each concurrency N, N threads send N distinct prompts of the
+`code` suite at once (chat completions, streamed, temperature 0, `--max-tokens` each,
+EOS ignored by neither). Reported per server and N: aggregate tokens/s (all tokens over
+the wall time from the first request sent to the last token received), time to first
+token per request (median, max), and whether every answer equals that server's answer
+to the same prompt sent alone. Each N runs `--repeats` times; figures are medians.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc, seconds: float = 600) -> None:
+    import urllib.request
+
+    end = time.time() + seconds
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode})")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("the server did not come up")
+
+
+def start(kind: str, pair: Path, log):
+    port = free_port()
+    if kind == "dflash-mlx":
+        cmd = [str(Path(sys.executable).parent / "dflash-mlx"), "serve", "--model", str(pair / "target"),
+               "--draft", str(pair / "drafter"), "--port", str(port)]
+    else:
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(pair / "target"), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc)
+    return proc, url
+
+
+def ask(client, prompt: str, max_tokens: int):
+    """(text, tokens, seconds to the first token, seconds to the last)."""
+    tic = time.perf_counter()
+    first, parts, n = None, [], 0
+    stream = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=max_tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter() - tic
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+    return "".join(parts), n, first or 0.0, time.perf_counter() - tic
+
+
+def load(client, prompts, max_tokens):
+    """Every prompt at once: (answers, aggregate tok/s, times to first token)."""
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = ask(client, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    tic = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    tokens = sum(r[1] or len(r[0]) for r in results)
+    return [r[0] for r in results], tokens / wall, [r[2] for r in results]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", required=True, help="a folder with target/ and drafter/ (peers/widen.py builds them)")
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--servers", default="dflash-mlx,mlx-lm")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    import openai
+
+    from dflash_mlx.bench import load_prompts, machine_info
+    from dflash_mlx.machine import blas_name
+
+    pair = Path(args.pair).expanduser()
+    levels = [int(n) for n in args.concurrency.split(",")]
+    prompts = load_prompts("code")["code"]
+    if max(levels) > len(prompts):
+        prompts = [f"{p}\n# variant {i}" for i in range(-(-max(levels) // len(prompts))) for p in prompts]
+    rows = []
+    for kind in args.servers.split(","):
+        with open(f"/tmp/serve-load-{kind}.log", "w") as log:
+            proc, url = start(kind, pair, log)
+            try:
+                client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+                alone = {}
+                for p in prompts[: max(levels)]:
+                    ask(client, p, 8)  # warm-up (and, for ours, the cost curve)
+                    alone[p] = ask(client, p, args.max_tokens)[0]
+                for n in levels:
+                    runs = [load(client, prompts[:n], args.max_tokens) for _ in range(args.repeats)]
+                    ttft = [t for r in runs for t in r[2]]
+                    row = {"server": kind, "clients": n, "tps": statistics.median(r[1] for r in runs),
+                           "ttft_median": statistics.median(ttft), "ttft_max": max(ttft),
+                           "identical": all(a == alone[p] for r in runs for a, p in zip(r[0], prompts[:n]))}
+                    rows.append(row)
+                    print(f"{kind} x{n}: {row['tps']:.1f} tok/s, ttft {row['ttft_median']:.2f} / "
+                          f"{row['ttft_max']:.2f} s, identical {row['identical']}", file=sys.stderr, flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    base = {r["clients"]: r["tps"] for r in rows if r["server"] == "mlx-lm"}
+    ours1 = next((r["tps"] for r in rows if r["server"] == "dflash-mlx" and r["clients"] == 1), None)
+    print("| server | clients | aggregate tok/s | vs mlx-lm | vs 1 client | TTFT median / max | answers = alone |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        vs = f"{r['tps'] / base[r['clients']]:.2f}x" if r["clients"] in base else "-"
+        own1 = ours1 if r["server"] == "dflash-mlx" else base.get(1)
+        print(f"| {r['server']} | {r['clients']} | {r['tps']:.1f} | {vs} | {r['tps'] / own1:.2f}x | "
+              f"{r['ttft_median']:.2f} / {r['ttft_max']:.2f} s | {r['identical']} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": machine_info(), "blas": blas_name(), "pair": str(pair),
+                                              "settings": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

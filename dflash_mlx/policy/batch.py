@@ -1,0 +1,67 @@
+"""The width of a batched cycle: measured, per batch size.
+
+How many rows a target pass can verify for the price of one grows with the
+hardware's spare compute, and a batch of B sequences already fills B rows, so
+the width that commits the most tokens per second falls as the batch grows (on
+a 2-core CPU: width 4 pays up to 4 sequences and loses at 8, where plain
+batched decoding is best). `BatchWidths` learns it online: per batch size it
+keeps each candidate width's committed tokens per second over the batch's own
+cycles, tries every candidate a few times, then runs the best, retrying the
+others now and then as the text and the contexts change. Greedy output does
+not depend on the widths, so trying costs speed only.
+"""
+
+from typing import Dict, List, Sequence, Tuple
+
+WIDTHS = (1, 2, 4, 8)  # the candidates: a few, so that each is measured often enough
+TRIES = 3  # cycles each candidate runs at a batch size before the best is chosen on the figures
+# Each new cycle's rate counts this much against what came before: a few dozen cycles of memory,
+# so the choice follows a batch whose texts or contexts change.
+DECAY = 0.9
+RETRY = 32  # cycles between tries of the candidate measured least recently
+
+
+class BatchWidths:
+    """Per batch size: each candidate width's committed tokens per second, and the choice."""
+
+    def __init__(self, max_width: int, widths: Sequence[int] = WIDTHS):
+        self.widths: List[int] = sorted({min(w, max_width) for w in widths if w >= 1})
+        self.rates: Dict[Tuple[int, int], float] = {}  # (batch size, width) -> tokens per second
+        self.runs: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> cycles measured
+        self.last: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> the cycle it last ran
+        self.cycle = 0
+
+    def choose(self, batch: int) -> int:
+        """The width of the next cycle of `batch` sequences."""
+        self.cycle += 1
+        untried = [w for w in self.widths if self.runs.get((batch, w), 0) < TRIES]
+        if untried:
+            return untried[0]
+        stale = min(self.widths, key=lambda w: self.last.get((batch, w), 0))
+        if self.cycle - self.last.get((batch, stale), 0) >= RETRY:
+            return stale
+        return max(self.widths, key=lambda w: self.rates[(batch, w)])
+
+    def update(self, batch: int, width: int, seconds: float, tokens: int) -> None:
+        """A cycle of `batch` sequences at `width` took `seconds` and committed `tokens` in all."""
+        if seconds <= 0:
+            return
+        key, rate = (batch, width), tokens / seconds
+        n = self.runs.get(key, 0)
+        keep = n / (n + 1) if n < TRIES else DECAY  # the first tries count alike, then recent cycles more
+        self.rates[key] = keep * self.rates.get(key, 0.0) + (1 - keep) * rate
+        self.runs[key] = n + 1
+        self.last[key] = self.cycle
+
+
+class FixedBatchWidth:
+    """A fixed `--block-size`: every batched cycle at that width."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def choose(self, batch: int) -> int:
+        return self.width
+
+    def update(self, batch: int, width: int, seconds: float, tokens: int) -> None:
+        pass
