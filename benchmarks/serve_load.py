@@ -61,11 +61,11 @@ def start(kind: str, pair: Path, log):
     return proc, url
 
 
-def ask(client, prompt: str, max_tokens: int):
+def ask(client, prompt: str, max_tokens: int, model: str):
     """(text, tokens, seconds to the first token, seconds to the last)."""
     tic = time.perf_counter()
     first, parts, n = None, [], 0
-    stream = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": prompt}],
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     for chunk in stream:
@@ -78,12 +78,12 @@ def ask(client, prompt: str, max_tokens: int):
     return "".join(parts), n, first or 0.0, time.perf_counter() - tic
 
 
-def load(client, prompts, max_tokens):
+def load(client, prompts, max_tokens, model):
     """Every prompt at once: (answers, aggregate tok/s, times to first token)."""
     results = [None] * len(prompts)
 
     def run(i):
-        results[i] = ask(client, prompts[i], max_tokens)
+        results[i] = ask(client, prompts[i], max_tokens, model)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     tic = time.perf_counter()
@@ -122,12 +122,13 @@ def main(argv=None):
             proc, url = start(kind, pair, log)
             try:
                 client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+                model = client.models.list().data[0].id if kind == "dflash-mlx" else "default_model"
                 alone = {}
                 for p in prompts[: max(levels)]:
-                    ask(client, p, 8)  # warm-up (and, for ours, the cost curve)
-                    alone[p] = ask(client, p, args.max_tokens)[0]
+                    ask(client, p, 8, model)  # warm-up (and, for ours, the cost curve)
+                    alone[p] = ask(client, p, args.max_tokens, model)[0]
                 for n in levels:
-                    runs = [load(client, prompts[:n], args.max_tokens) for _ in range(args.repeats)]
+                    runs = [load(client, prompts[:n], args.max_tokens, model) for _ in range(args.repeats)]
                     ttft = [t for r in runs for t in r[2]]
                     row = {"server": kind, "clients": n, "tps": statistics.median(r[1] for r in runs),
                            "ttft_median": statistics.median(ttft), "ttft_max": max(ttft),

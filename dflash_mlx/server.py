@@ -221,11 +221,13 @@ class Engine:
         return (self.batch_width is not None and job.params.greedy and job.logprobs is None
                 and not job.processor_args)
 
-    def _run_batch(self, waiting) -> None:
-        """Decode the batchable jobs at the head of `waiting` together, letting in those that
-        queue up while it runs, until the batch is empty; a job that cannot join waits
-        for it (arrival order is kept)."""
+    def _run_batch(self, waiting, adopted=None) -> None:
+        """Decode the batchable jobs at the head of `waiting` together (and `adopted`, a job
+        `stream_generate` handed over), letting in those that queue up while it runs, until
+        the batch is empty; a job that cannot join waits for it (arrival order is kept)."""
         batch, jobs = BatchStreams(self.pair, self.batch_width, self.batch_policy), {}
+        if adopted is not None:
+            jobs[batch.adopt(adopted[1])] = adopted[0]
         while True:
             self._drain(waiting)
             while waiting and waiting[0] is not None and len(batch) < MAX_BATCH:
@@ -288,14 +290,29 @@ class Engine:
         job.events.put(None)
 
     def _run_alone(self, job: Job) -> None:
+        """One job through `stream_generate`; if a job that can join it arrives meanwhile (and
+        this one can be batched), it goes on in a batch with the newcomers (`_run_batch`)."""
         self.stats["active"] = 1
+        handed = None
+
+        def others_wait() -> bool:
+            self._drain(self.waiting)
+            return bool(self.waiting) and self.waiting[0] is not None and self._batchable(self.waiting[0])
+
         try:
             if self.channel is not None:
                 self._mirror(job)
-            for event in stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
-                                         sampling=job.params, block_size=self.block_size, stop=job.stop,
-                                         prompt_cache=self.prompt_cache, logprobs=job.logprobs,
-                                         logits_processors=make_processors(job.processor_args)):
+            events = stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
+                                     sampling=job.params, block_size=self.block_size, stop=job.stop,
+                                     prompt_cache=self.prompt_cache, logprobs=job.logprobs,
+                                     logits_processors=make_processors(job.processor_args),
+                                     hand_over=others_wait if self._batchable(job) else None)
+            while True:
+                try:
+                    event = next(events)
+                except StopIteration as done:
+                    handed = done.value
+                    break
                 self.stats["generated_tokens"] += len(event.tokens)
                 if event.finish_reason is not None:
                     self._count(event.stats)
@@ -305,10 +322,8 @@ class Engine:
                     stop = not self.channel.keep_going(stop)
                 if stop:
                     break
-            if job.cancelled.is_set():
-                self.stats["cancelled"] += 1
-            else:
-                self.stats["completed"] += 1
+            if handed is None:
+                self.stats["cancelled" if job.cancelled.is_set() else "completed"] += 1
         except DFlashError as e:
             self.stats["failed"] += 1
             job.events.put(APIError(400, str(e)))
@@ -316,8 +331,11 @@ class Engine:
             self.stats["failed"] += 1
             job.events.put(APIError(500, f"generation failed: {e}", "server_error"))
         finally:
-            self.stats["active"] = 0
-            job.events.put(None)
+            if handed is None:
+                self.stats["active"] = 0
+                job.events.put(None)
+        if handed is not None:
+            self._run_batch(self.waiting, (job, handed))
 
     def _mirror(self, job: Job) -> None:
         """Send the request to the other ranks. An unseeded sampled one gets a seed for

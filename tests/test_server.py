@@ -150,6 +150,40 @@ def test_requests_that_queue_up_are_decoded_together(client, served):
     assert cycles > 0 and rows / cycles > 1.5  # several requests per target pass
 
 
+def test_a_running_request_is_joined_by_one_that_arrives(client, served):
+    """A request running alone goes on in a batch when another arrives: the newcomer's first
+    token comes while the first request still runs, and both answers are what they are alone."""
+    pair, url = served
+    long_text, short_text = "def main():", "import sys"
+    want_long = dflash_mlx.generate(pair, long_text, max_tokens=160)[0]
+    want_short = dflash_mlx.generate(pair, short_text, max_tokens=30)[0]
+    before = metric(url, "batch_cycles_total")
+    got, times = {}, {}
+    started = threading.Event()
+
+    def run_long():
+        parts = []
+        for chunk in client.completions.create(model=MODEL, prompt=long_text, max_tokens=160, temperature=0,
+                                               stream=True):
+            parts.append(chunk.choices[0].text)
+            started.set()
+        times["long_done"] = time.monotonic()
+        got["long"] = "".join(parts)
+
+    t = threading.Thread(target=run_long)
+    t.start()
+    assert started.wait(60)
+    stream = client.completions.create(model=MODEL, prompt=short_text, max_tokens=30, temperature=0, stream=True)
+    parts = []
+    for chunk in stream:
+        times.setdefault("short_first", time.monotonic())
+        parts.append(chunk.choices[0].text)
+    t.join(120)
+    assert "".join(parts) == want_short and got["long"] == want_long
+    assert times["short_first"] < times["long_done"]
+    assert metric(url, "batch_cycles_total") > before
+
+
 def health(url):
     conn = http.client.HTTPConnection(url[7:])
     conn.request("GET", "/health")

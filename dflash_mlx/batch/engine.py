@@ -104,13 +104,25 @@ class BatchDecoder:
         out.finish = self._finish(seq, out)
         source.commit(dstate, list(prompt) + out.tokens)
         if out.finish is None:
-            if self.cache:
-                for batch, c in zip(self.cache, tcache):
-                    batch.extend([c])
-            else:
-                self.cache = [RaggedKVCache.merge([c]) for c in tcache]
-            self.seqs.append(seq)
+            self._join(seq, tcache)
         return out
+
+    def adopt(self, tcache: list, source, dstate, last: mx.array, taps: list, max_tokens: int,
+              generated: int) -> int:
+        """Take in a sequence another loop decoded so far (its caches hold every committed
+        token but `last`; `generated` of its `max_tokens` are committed); its uid."""
+        seq = Running(next(self._uids), max_tokens, source, dstate, last, list(taps), generated)
+        self._join(seq, tcache)
+        return seq.uid
+
+    def _join(self, seq: "Running", tcache: list) -> None:
+        """Its caches' rows are copied into the batch's."""
+        if self.cache:
+            for batch, c in zip(self.cache, tcache):
+                batch.extend([c])
+        else:
+            self.cache = [RaggedKVCache.merge([c]) for c in tcache]
+        self.seqs.append(seq)
 
     def step(self, width: Optional[int] = None) -> List[Committed]:
         """One cycle for every sequence in the batch at `width` (default: the largest);

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 from ..decode.events import GenerationEvent, GenerationStats
-from ..decode.request import TextStream, check_prompt
+from ..decode.request import HandOver, TextStream, check_prompt
 from ..machine import peak_memory_gb
 from ..policy.batch import BatchWidths
 from .engine import BatchDecoder, Committed
@@ -41,6 +41,12 @@ class BatchStreams:
         stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
         self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, stop), stats, time.perf_counter())
         return first.uid, self._event(first, 0, first=True)
+
+    def adopt(self, h: HandOver) -> int:
+        """Go on with a request another loop started (`stream_generate(hand_over=...)`); its uid."""
+        uid = self.decoder.adopt(h.tcache, h.source, h.dstate, h.last, h.taps, h.max_tokens, h.generated)
+        self.streams[uid] = _Stream(h.text, h.stats, h.tic)
+        return uid
 
     def step(self) -> List[Tuple[int, GenerationEvent]]:
         """One cycle for every request; those it ends (EOS, budget, a stop string) have left."""

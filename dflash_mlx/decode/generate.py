@@ -9,7 +9,7 @@ the cycles (`cycle.py`) run the model passes (`passes.py`); the policy
 (`policy`) picks each cycle's plan.
 """
 
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Generator, Optional, Sequence, Union
 
 from ..policy.plan import PLAIN
 from ..draft_source import DraftSource
@@ -17,7 +17,7 @@ from ..prompt_cache import PromptCache
 from ..sampling import SamplingParams
 from .events import GenerationEvent
 from .passes import PREFILL_STEP
-from .request import Request
+from .request import HandOver, Request
 
 
 def stream_generate(
@@ -35,7 +35,8 @@ def stream_generate(
     logits_processors: Sequence = (),
     tree: Optional[int] = None,
     proposal_scale: Union[str, float, object] = "auto",
-) -> Iterator[GenerationEvent]:
+    hand_over: Optional[Callable[[], bool]] = None,
+) -> Generator[GenerationEvent, None, Optional[HandOver]]:
     """Generate with DFlash, yielding one event per verify cycle.
 
     With `lookup`, the policy may draft from the source's free offers (an
@@ -63,6 +64,11 @@ def stream_generate(
     exact): 'auto' learns the best scale per draft position from the
     acceptance each would have had; a number fixes it (1: the drafter's own q);
     a `ProposalScales` object learns into that object.
+
+    `hand_over()`, asked after each event, stops the loop early when it says
+    so: the cycle in flight is settled and its event yielded, and the
+    generator returns the request's state (`HandOver`, in `StopIteration.value`)
+    for another loop to go on with, a batch's (`batch.BatchStreams.adopt`).
     """
     req = Request(pair, prompt, max_tokens, sampling or SamplingParams(), block_size, stop,
                   draft_source or pair.draft_source, lookup, prompt_cache, logprobs, logits_processors, tree,
@@ -88,6 +94,15 @@ def stream_generate(
             return
         if deferred:
             cycle = req.launch(plan)
+        if hand_over is not None and hand_over():
+            out = cycle.settle(also=req.learning())
+            req.absorb(cycle, plan, out)
+            event = req.event(out, req.commit(out))
+            yield event
+            if event.finish_reason is not None:
+                req.finish(None)
+                return None
+            return req.hand_over()
 
         ahead = req.step_ahead(cycle)
         out = cycle.settle(also=req.learning())

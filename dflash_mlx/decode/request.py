@@ -5,7 +5,8 @@ committed tokens), its text stream and stop strings, and its stats. The loop
 and hands it each `Outcome`."""
 
 import time
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -125,6 +126,23 @@ def proposal_scaler(pair, source, params: SamplingParams, proposal_scale, seeded
     else:
         scaler = ProposalScales(source.block_size - 1)
     return scaler.start(seeded=seeded)
+
+
+@dataclass
+class HandOver:
+    """A request stopped at a cycle boundary, for another loop to go on with
+    (`batch.BatchStreams.adopt`): its caches hold every committed token but `last`."""
+
+    tcache: list  # the target's caches
+    source: Any  # the draft source and its state (the drafter's context)
+    dstate: Any
+    last: mx.array  # [1] the last committed token
+    taps: list  # target taps the drafter has not read yet (lazy)
+    max_tokens: int
+    generated: int  # tokens committed so far
+    text: "TextStream"
+    stats: GenerationStats
+    tic: float  # when its first token was committed
 
 
 class Request:
@@ -340,6 +358,16 @@ class Request:
             self.keep_caches(inflight)
         if self.block_size == "auto" and self.source is self.pair.draft_source:
             self.pair.keep_rates()  # what the pair's sizers learnt outlives the process, as its cost curve does
+
+    def hand_over(self) -> HandOver:
+        """Its state for another loop, with nothing in flight; what it computed so far goes to
+        the prompt cache first (the caches are not copied: the next loop copies their rows)."""
+        if self.prompt_cache is not None:
+            self.keep_caches(None)
+            self.taps = []  # the drafter has read them
+        d = self.d
+        return HandOver(d.tcache, d.source, d.dstate, self.last, self.taps, self.max_tokens,
+                        self.stats.generation_tokens, self.text, self.stats, self.tic)
 
     def keep_caches(self, inflight) -> None:
         """Hand the caches to the prompt cache. A cycle still in flight has fed the

@@ -21,8 +21,14 @@ DECAY = 0.9
 RETRY = 32  # cycles between tries of the candidate measured least recently
 
 
+def bucket(batch: int) -> int:
+    """Batch sizes measured together (1, 2, 3-4, 5-8, ...): neighbours cost alike, and each
+    bucket's candidates are tried before it chooses, so fewer buckets explore less."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
 class BatchWidths:
-    """Per batch size: each candidate width's committed tokens per second, and the choice."""
+    """Per batch size (`bucket`): each candidate width's committed tokens per second, and the choice."""
 
     def __init__(self, max_width: int, widths: Sequence[int] = WIDTHS):
         self.widths: List[int] = sorted({min(w, max_width) for w in widths if w >= 1})
@@ -34,6 +40,7 @@ class BatchWidths:
     def choose(self, batch: int) -> int:
         """The width of the next cycle of `batch` sequences."""
         self.cycle += 1
+        batch = bucket(batch)
         untried = [w for w in self.widths if self.runs.get((batch, w), 0) < TRIES]
         if untried:
             return untried[0]
@@ -46,7 +53,7 @@ class BatchWidths:
         """A cycle of `batch` sequences at `width` took `seconds` and committed `tokens` in all."""
         if seconds <= 0:
             return
-        key, rate = (batch, width), tokens / seconds
+        key, rate = (bucket(batch), width), tokens / seconds
         n = self.runs.get(key, 0)
         keep = n / (n + 1) if n < TRIES else DECAY  # the first tries count alike, then recent cycles more
         self.rates[key] = keep * self.rates.get(key, 0.0) + (1 - keep) * rate
