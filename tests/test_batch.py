@@ -145,8 +145,9 @@ def test_the_width_may_change_every_cycle(pairs, baselines, family):
 
 
 def test_the_batch_width_is_the_fastest_measured_at_each_batch_size():
-    """Each candidate is tried, then the best per batch size runs, and the others are retried
-    now and then: where speed changes, the choice follows."""
+    """The candidates are tried from the narrowest while each is faster than the one before, then
+    the best per batch size runs and its neighbours are retried now and then: where speed
+    changes, the choice follows."""
     from dflash_mlx.policy.batch import RETRY, TRIES, BatchWidths
 
     speed = {1: {1: 10.0, 2: 14.0, 4: 18.0, 8: 16.0}, 8: {1: 60.0, 2: 55.0, 4: 50.0, 8: 30.0}}
@@ -162,10 +163,10 @@ def test_the_batch_width_is_the_fastest_measured_at_each_batch_size():
         return chosen
 
     first = run(1, 4 * TRIES)
-    assert sorted(first) == sorted([1, 2, 4, 8] * TRIES)  # every candidate, TRIES times
+    assert first == [w for w in (1, 2, 4, 8) for _ in range(TRIES)]  # climbing while each beats the last
     later = run(1, 4 * RETRY)
-    assert later.count(4) > 0.9 * len(later) and {1, 2, 8} <= set(later)  # the best, the rest retried
-    run(8, 4 * TRIES)
+    assert later.count(4) > 0.9 * len(later) and set(later) == {2, 4, 8}  # the best, its neighbours retried
+    assert run(8, 4 * TRIES) == [1] * TRIES + [2] * TRIES + [1] * (2 * TRIES)  # width 2 is slower: no 4 or 8
     assert run(8, 10) == [1] * 10  # per batch size
     speed[1] = {1: 10.0, 2: 30.0, 4: 12.0, 8: 12.0}  # the text changes: width 2 now pays most
     assert run(1, 8 * RETRY)[-20:].count(2) >= 18

@@ -6,8 +6,9 @@ the width that commits the most tokens per second falls as the batch grows (on
 a 2-core CPU: width 4 pays up to 4 sequences and loses at 8, where plain
 batched decoding is best). `BatchWidths` learns it online: per batch size it
 keeps each candidate width's committed tokens per second over the batch's own
-cycles, tries every candidate a few times, then runs the best, retrying the
-others now and then as the text and the contexts change. Greedy output does
+cycles, tries the candidates from the narrowest up while each beats the one
+below it, then runs the best, retrying its neighbours now and then as the
+text and the contexts change. Greedy output does
 not depend on the widths, so trying costs speed only.
 """
 
@@ -38,16 +39,20 @@ class BatchWidths:
         self.cycle = 0
 
     def choose(self, batch: int) -> int:
-        """The width of the next cycle of `batch` sequences."""
+        """The width of the next cycle of `batch` sequences: climbing the candidates from the
+        narrowest while each beats the one below it, then the best, with its neighbours
+        retried every `RETRY` cycles (tokens per second rise with the width, then fall)."""
         self.cycle += 1
-        batch = bucket(batch)
-        untried = [w for w in self.widths if self.runs.get((batch, w), 0) < TRIES]
-        if untried:
-            return untried[0]
-        stale = min(self.widths, key=lambda w: self.last.get((batch, w), 0))
-        if self.cycle - self.last.get((batch, stale), 0) >= RETRY:
-            return stale
-        return max(self.widths, key=lambda w: self.rates[(batch, w)])
+        b, ws = bucket(batch), self.widths
+        rate = lambda w: self.rates[(b, w)]  # noqa: E731
+        known = [w for w in ws if self.runs.get((b, w), 0) >= TRIES]
+        k = len(known)
+        if k < len(ws) and known == ws[:k] and (k < 2 or rate(ws[k - 1]) > rate(ws[k - 2])):
+            return ws[k]  # still climbing
+        best = max(known, key=rate)
+        i = ws.index(best)
+        stale = min(ws[max(i - 1, 0) : i + 2], key=lambda w: self.last.get((b, w), 0))
+        return stale if self.cycle - self.last.get((b, stale), 0) >= RETRY else best
 
     def update(self, batch: int, width: int, seconds: float, tokens: int) -> None:
         """A cycle of `batch` sequences at `width` took `seconds` and committed `tokens` in all."""
