@@ -148,6 +148,7 @@ class _Taps:
         self.tape: Dict[int, tuple] = {}
         self.tree_mask = None  # during a tree pass: [N, offset + N] bool, True = attend
         self.tree_runs = None  # during a tree pass: (start, end, depth of start) per RoPE run
+        self.rows = None  # [B]: the one row per sequence whose logits a pass wants (a ragged batch's last)
 
 
 class _Wrapper(nn.Module):
@@ -251,6 +252,8 @@ class _HeadHook(_Wrapper):
         self._taps.head_calls += 1
         if self._taps.last_only:
             x = x[:, -1:]
+        elif self._taps.rows is not None:  # one row per sequence
+            x = mx.take_along_axis(x, self._taps.rows[:, None, None], axis=1)
         return self._adapter.model_head(x)
 
     def __call__(self, x):
@@ -505,7 +508,7 @@ class TargetAdapter:
         return self.embed_tokens(tokens)
 
     def __call__(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False,
-                 tree: Optional[tuple] = None, taps: Union[bool, str] = True):
+                 tree: Optional[tuple] = None, taps: Union[bool, str] = True, rows: Optional[mx.array] = None):
         """Logits (all positions, or the last only) and the concatenated taps
         (None with `taps=False`: a plain step that no drafter will read; with
         `taps="layers"`, the tapped outputs as a tuple, for the caller to join
@@ -516,10 +519,11 @@ class TargetAdapter:
         `tree` = (mask [N, N] bool, runs) makes it a tree pass over the N
         tokens (`supports_tree` targets only): token i attends to the cached
         prefix and the tokens j with mask[i, j], and each run (start, end,
-        depth) of tokens is at positions offset + depth onwards."""
+        depth) of tokens is at positions offset + depth onwards. `rows` [B]: only row
+        rows[b] of sequence b reaches the LM head (logits [B, 1, V])."""
         wanted, taps = taps, self._taps
         taps.values.clear()
-        taps.recording, taps.last_only, taps.head_calls = record, last_only, 0
+        taps.recording, taps.last_only, taps.head_calls, taps.rows = record, last_only, 0, rows
         if tree is not None:
             if not self.supports_tree:
                 raise DFlashError(f"Target family '{self.model_type}' cannot verify a tree.")
@@ -537,7 +541,7 @@ class TargetAdapter:
             logits = self.model(tokens, cache=cache)
         finally:
             taps.recording = taps.last_only = False
-            taps.tree_mask = taps.tree_runs = None
+            taps.tree_mask = taps.tree_runs = taps.rows = None
         feats = [self._tap(i, tokens) for i in self.tap_ids]
         taps.values.clear()
         if not self._checked:

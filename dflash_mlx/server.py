@@ -230,7 +230,8 @@ class Engine:
             jobs[batch.adopt(adopted[1])] = adopted[0]
         while True:
             self._drain(waiting)
-            while waiting and waiting[0] is not None and len(batch) < MAX_BATCH:
+            joining = []
+            while waiting and waiting[0] is not None and len(batch) + len(joining) < MAX_BATCH:
                 job = waiting[0]
                 if job.cancelled.is_set():
                     waiting.popleft()
@@ -239,8 +240,9 @@ class Engine:
                     continue
                 if not self._batchable(job):
                     break
-                waiting.popleft()
-                self._join(batch, jobs, job)
+                joining.append(waiting.popleft())
+            if joining:
+                self._join(batch, jobs, joining)
             for uid, job in list(jobs.items()):
                 if job.cancelled.is_set():
                     batch.remove(uid)
@@ -261,15 +263,23 @@ class Engine:
             for uid, event in events:
                 self._deliver(jobs, uid, event)
 
-    def _join(self, batch: "BatchStreams", jobs: dict, job: Job) -> None:
+    def _join(self, batch: "BatchStreams", jobs: dict, joining: List[Job]) -> None:
+        """Prefill the joining jobs (together where their prompts are short) and let them in."""
         try:
-            uid, event = batch.add(job.prompt, job.max_tokens, job.stop)
+            firsts = batch.add_many([(job.prompt, job.max_tokens, job.stop) for job in joining])
         except DFlashError as e:
-            return self._failed(job, APIError(400, str(e)))
+            if len(joining) > 1:  # find the one at fault: the others go in
+                for job in joining:
+                    self._join(batch, jobs, [job])
+                return
+            return self._failed(joining[0], APIError(400, str(e)))
         except Exception as e:
-            return self._failed(job, APIError(500, f"generation failed: {e}", "server_error"))
-        jobs[uid] = job
-        self._deliver(jobs, uid, event)
+            for job in joining:
+                self._failed(job, APIError(500, f"generation failed: {e}", "server_error"))
+            return
+        for job, (uid, event) in zip(joining, firsts):
+            jobs[uid] = job
+            self._deliver(jobs, uid, event)
 
     def _deliver(self, jobs: dict, uid: int, event) -> None:
         job = jobs[uid]

@@ -77,7 +77,7 @@ def test_batched_greedy_equals_each_prompt_alone(pairs, baselines, family, width
 
     pair = pairs[family]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
-    got = generate_batch(pair, prompts, max_tokens=24, width=width, join_at={3: 2, 4: 5})
+    got = generate_batch(pair, prompts, max_tokens=24, width=width, join_at={2: 1, 3: 3, 4: 3})
     eos = tuple(pair.tokenizer.eos_token_ids)
     for p, out in zip(prompts, got):
         assert out == plain_greedy(baselines[family], p, 24, eos=eos)

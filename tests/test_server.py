@@ -374,7 +374,8 @@ def test_disconnect_before_a_complete_answer_stops_generation(served, client):
     long = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 20000}
     running = send_raw_request(url, long)
     wait_for(url, lambda h: h["active"] == 1 and h["generated_tokens"] > before["generated_tokens"])
-    queued = send_raw_request(url, {**long, "prompt": "import math"})
+    # Sampled: it cannot join the running (greedy) request's batch, so it waits in the queue.
+    queued = send_raw_request(url, {**long, "prompt": "import math", "temperature": 0.7})
     wait_for(url, lambda h: h["queued"] == 1)
     queued.close()
     time.sleep(0.5)  # the handler notices while the job still waits in the queue
@@ -386,6 +387,23 @@ def test_disconnect_before_a_complete_answer_stops_generation(served, client):
     tic = time.time()
     r = client.completions.create(model=MODEL, prompt="import math", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4 and time.time() - tic < 30
+
+
+def test_disconnect_from_a_batch_stops_only_that_request(served, client):
+    """Of two batched requests, the one whose client hangs up leaves the batch; the other goes on."""
+    url = served[1]
+    before = wait_for(url, lambda h: h["active"] == 0 and h["queued"] == 0)
+    long = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 20000}
+    first = send_raw_request(url, long)
+    wait_for(url, lambda h: h["active"] == 1 and h["generated_tokens"] > before["generated_tokens"])
+    second = send_raw_request(url, {**long, "prompt": "import math"})
+    assert wait_for(url, lambda h: h["active"] == 2)["active"] == 2  # batched together
+    first.close()
+    h = wait_for(url, lambda h: h["cancelled"] == before["cancelled"] + 1 and h["active"] == 1)
+    assert h["cancelled"] == before["cancelled"] + 1 and h["active"] == 1
+    second.close()
+    h = wait_for(url, lambda h: h["cancelled"] == before["cancelled"] + 2 and h["active"] == 0)
+    assert h["completed"] == before["completed"]
 
 
 def test_seeded_sampling_is_reproducible(client):

@@ -141,6 +141,19 @@ class RaggedKVCache:
         self.ends += lengths
         self._moved()
 
+    def join(self, other: "RaggedKVCache") -> None:
+        """Append `other`'s sequences (every sequence holds rows: a prompt's at least)."""
+        if self.keys is None:
+            self.keys, self.values = other.keys, other.values
+        else:
+            columns = max(self.capacity, other.capacity)
+            self._reserve(columns, self.keys, self.values)
+            other._reserve(columns, other.keys, other.values)
+            self.keys = mx.concatenate([self.keys, other.keys], axis=0)
+            self.values = mx.concatenate([self.values, other.values], axis=0)
+        self.ends = self.ends + other.ends
+        self._moved()
+
     def extract(self, b: int) -> KVCache:
         """Sequence b's rows as a single-sequence cache (a copy)."""
         c = KVCache()

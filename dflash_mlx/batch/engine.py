@@ -25,6 +25,11 @@ from ..decode.request import HELD_TAPS
 from .cache import RaggedKVCache
 
 GREEDY = SamplingParams()
+# Prompts joining together are prefilled in one padded pass up to this many tokens in all;
+# beyond, each is prefilled alone in mlx-lm's chunks, so a long prompt holds memory as it does alone.
+BATCH_PREFILL = 2048
+
+
 def can_batch(target) -> bool:
     """Whether the target's caches can be batched here: all plain KV caches."""
     return all(type(c) is KVCache for c in target.make_cache())
@@ -105,6 +110,51 @@ class BatchDecoder:
         source.commit(dstate, list(prompt) + out.tokens)
         if out.finish is None:
             self._join(seq, tcache)
+        return out
+
+    def add_many(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                 sources: Optional[Sequence] = None) -> List[Committed]:
+        """`add` for several prompts, prefilled in one target pass where they are short
+        (`BATCH_PREFILL` tokens in all): right-padded to the longest, each sequence's
+        padding cropped after. Long prompts go one at a time, in chunks."""
+        sources = list(sources or [None] * len(prompts))
+        lens = [len(p) for p in prompts]
+        if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0:
+            return [self.add(p, m, s) for p, m, s in zip(prompts, max_tokens, sources)]
+        if self.window and max(lens) > self.window:
+            raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
+        n, L = len(prompts), max(lens)
+        block = mx.array([list(p) + [0] * (L - len(p)) for p in prompts])
+        cache = [RaggedKVCache([0] * n) for _ in self.target.make_cache()]
+        logits, hidden = self.target(block, cache, taps=self.width > 1, rows=mx.array(lens) - 1)
+        for c in cache:
+            c.crop([L - k for k in lens])
+        lasts = mx.argmax(logits[:, 0], axis=-1).astype(mx.uint32)
+        mx.eval(lasts, [c.state for c in cache])
+        out, keep, joined_seqs = [], [], []
+        for b, (p, m, source) in enumerate(zip(prompts, max_tokens, sources)):
+            source = source or self.source
+            if self.window:
+                m = min(m, self.window - len(p) + 1)
+            dstate = source.new_state()
+            taps = [hidden[b : b + 1, : lens[b]]] if self.width > 1 else []
+            seq = Running(next(self._uids), m, source, dstate, lasts[b : b + 1], taps)
+            c = Committed(seq.uid, [int(lasts[b].item())])
+            c.finish = self._finish(seq, c)
+            source.commit(dstate, list(p) + c.tokens)
+            out.append(c)
+            if c.finish is None:
+                keep.append(b)
+                joined_seqs.append(seq)
+        if keep:
+            for c in cache:
+                c.filter(keep)
+            if self.cache:
+                for batch, c in zip(self.cache, cache):
+                    batch.join(c)
+            else:
+                self.cache = cache
+            self.seqs += joined_seqs
         return out
 
     def adopt(self, tcache: list, source, dstate, last: mx.array, taps: list, max_tokens: int,
@@ -204,9 +254,11 @@ def generate_batch(pair, prompts: Sequence[Sequence[int]], max_tokens: int, widt
     cycle = 0
     waiting = sorted(range(len(prompts)), key=lambda i: join_at.get(i, 0))
     while waiting or len(dec):
-        while waiting and join_at.get(waiting[0], 0) <= cycle:
-            i = waiting.pop(0)
-            first = dec.add(prompts[i], max_tokens, sources[i] if sources else None)
+        now = [i for i in waiting if join_at.get(i, 0) <= cycle]
+        waiting = [i for i in waiting if i not in now]
+        firsts = dec.add_many([prompts[i] for i in now], [max_tokens] * len(now),
+                              [sources[i] for i in now] if sources else None)
+        for i, first in zip(now, firsts):
             uid_of[first.uid] = i
             out[i] = list(first.tokens)
         for c in dec.step():

@@ -42,6 +42,22 @@ class BatchStreams:
         self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, stop), stats, time.perf_counter())
         return first.uid, self._event(first, 0, first=True)
 
+    def add_many(self, requests: Sequence[Tuple[Sequence[int], int, Sequence[str]]]
+                 ) -> List[Tuple[int, GenerationEvent]]:
+        """`add` for several (prompt, max_tokens, stop) requests, prefilled together where short."""
+        for prompt, _, _ in requests:
+            check_prompt(prompt, self.pair.target)
+        tic = time.perf_counter()
+        firsts = self.decoder.add_many([r[0] for r in requests], [r[1] for r in requests])
+        seconds = time.perf_counter() - tic
+        out = []
+        for (prompt, _, stop), first in zip(requests, firsts):
+            stats = GenerationStats(prompt_tokens=len(prompt))
+            stats.prompt_tps = sum(len(r[0]) for r in requests) / seconds
+            self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, stop), stats, time.perf_counter())
+            out.append((first.uid, self._event(first, 0, first=True)))
+        return out
+
     def adopt(self, h: HandOver) -> int:
         """Go on with a request another loop started (`stream_generate(hand_over=...)`); its uid."""
         uid = self.decoder.adopt(h.tcache, h.source, h.dstate, h.last, h.taps, h.max_tokens, h.generated)
