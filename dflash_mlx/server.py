@@ -45,6 +45,10 @@ from . import messages_api
 from .tools import ToolError, check_tools, splitter, template_messages, tool_choice
 
 MAX_BODY = 4 * 1024 * 1024
+# Seconds a connection may stay silent while the server reads from it (a request line, headers,
+# a body shorter than its Content-Length, an idle keep-alive): a stalled client must not hold a
+# handler thread for good. Generation never waits on the client's reads.
+READ_TIMEOUT_S = 30
 POLL_S = 0.05  # how often a waiting handler checks that its client is still there
 MAX_STOP = 4  # stop strings per request: OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and completions' logprobs)
@@ -128,6 +132,7 @@ class Job:
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # the handler has seen the engine's last event (None)
+    usage_chunk: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
 
 
 class Engine:
@@ -576,7 +581,16 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         raise APIError(400, f"The prompt has {len(prompt)} tokens; this server accepts at most "
                             f"{engine.max_prompt_tokens}.", param="messages" if chat else "prompt",
                        code="context_length_exceeded")
-    return Job(prompt, max_tokens, params, stop, logprobs, processors, tools), stream
+    window = getattr(engine.pair.target.args, "max_position_embeddings", None)
+    if window and len(prompt) > window:  # refused before any byte of a response, streamed or not
+        raise APIError(400, f"The prompt has {len(prompt)} tokens but the model reads at most {window}; "
+                            "shorten the prompt.", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
+    job = Job(prompt, max_tokens, params, stop, logprobs, processors, tools)
+    options = _get(body, "stream_options", dict, None, None, "an object") if stream else None
+    if options is not None:
+        job.usage_chunk = _get(options, "include_usage", bool, False, None, "a boolean")
+    return job, stream
 
 
 def _processor_args(body, engine: Engine) -> dict:
@@ -615,6 +629,7 @@ def _processor_args(body, engine: Engine) -> dict:
 
 
 class Handler(BaseHTTPRequestHandler):
+    timeout = READ_TIMEOUT_S  # on every read of the connection (socketserver's StreamRequestHandler)
     engine: Engine = None
     api_key: Optional[str] = None
     protocol_version = "HTTP/1.1"
@@ -667,6 +682,41 @@ class Handler(BaseHTTPRequestHandler):
                 {"id": self.engine.model_id, "object": "model", "created": 0, "owned_by": "dflash-mlx"}]})
         self._send_json(404, APIError(404, f"No route {self.path}.", code="not_found").body())
 
+    def _body(self):
+        """The request's JSON body; APIError if it is not JSON or does not arrive in time."""
+        length = self._body_length()
+        try:
+            data = self.rfile.read(length)
+        except TimeoutError:
+            raise APIError(408, f"The request body did not arrive within {READ_TIMEOUT_S} s "
+                                f"(Content-Length {length}); send all of it.")
+        if len(data) < length:
+            raise APIError(400, f"The request body ended after {len(data)} of its {length} bytes.")
+        try:
+            return json.loads(data or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"The request body is not valid JSON: {e}.")
+
+    def _count_tokens(self):
+        """Anthropic's token count: the prompt a Messages request would run, in tokens."""
+        try:
+            body = self._body()
+            if isinstance(body, dict):
+                body = {**body, "max_tokens": 1}  # not part of a count request
+            try:
+                chat = messages_api.to_chat(body)
+            except messages_api.BadRequest as e:
+                raise APIError(400, str(e), param=e.param)
+            tools = check_tools(chat["tools"]) if chat.get("tools") else None
+            prompt = _tokenize(self.engine, chat, True, tools)
+        except APIError as e:
+            self.close_connection = True
+            return self._send_error(e, True)
+        except (ToolError, DFlashError) as e:
+            self.close_connection = True
+            return self._send_error(APIError(400, str(e)), True)
+        self._send_json(200, {"input_tokens": len(prompt)})
+
     def _body_length(self) -> int:
         raw = self.headers.get("Content-Length")
         if raw is None:
@@ -684,16 +734,14 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         if not self._authorised():
             return
+        if self.path == "/v1/messages/count_tokens":
+            return self._count_tokens()
         messages = self.path == "/v1/messages"  # Anthropic's Messages API
         chat = self.path == "/v1/chat/completions" or messages
         if not chat and self.path != "/v1/completions":
             return self._send_json(404, APIError(404, f"No route {self.path}.", code="not_found").body())
         try:
-            length = self._body_length()
-            try:
-                body = json.loads(self.rfile.read(length) or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise APIError(400, f"The request body is not valid JSON: {e}.")
+            body = self._body()
             if messages:
                 try:
                     body = messages_api.to_chat(body)
@@ -762,6 +810,8 @@ class Handler(BaseHTTPRequestHandler):
                     raise ClientGone()
             if event is not _TICK:
                 yield event
+                if getattr(event, "finish_reason", None) is not None:
+                    return  # the answer is whole: the engine may still be keeping its caches
 
     def _complete(self, job: Job, chat: bool):
         text, stats, finish, tokens, lps = [], None, None, [], []
@@ -837,8 +887,14 @@ class Handler(BaseHTTPRequestHandler):
                     finish = "tool_calls"
             if text or calls or finish:
                 logprobs = None if job.logprobs is None or not tokens else self._logprobs(tokens, lps, chat)
-                chunk(text, finish, usage=_usage(event.stats) if finish else None, logprobs=logprobs, calls=calls)
+                usage = _usage(event.stats) if finish and not job.usage_chunk else None
+                chunk(text, finish, usage=usage, logprobs=logprobs, calls=calls)
                 tokens, lps = [], []
+            if finish and job.usage_chunk:  # OpenAI's form: one more chunk, its choices empty
+                obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                       "created": created, "model": self.engine.model_id, "choices": [],
+                       "usage": _usage(event.stats)}
+                self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 

@@ -16,6 +16,7 @@ from dflash_mlx.server import make_server
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny-qwen3"
+ENGINES = {}  # the module's served engine, for tests that reach into it
 
 
 def start(pair, **kw):
@@ -28,6 +29,7 @@ def start(pair, **kw):
 def served(targets, drafters):
     pair = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))
     server, url = start(pair, max_prompt_tokens=200, max_tokens_limit=20000)
+    ENGINES["served"], ENGINES["server"] = server.engine, server
     yield pair, url
     server.shutdown()
     server.engine.close()
@@ -654,3 +656,62 @@ def test_penalties_and_logit_bias_are_mlx_lm_processors(client, served):
                                   logit_bias={str(token): 100})
     assert pair.tokenizer.encode(r.choices[0].text) == [token] * 6 or r.choices[0].text == \
         pair.tokenizer.decode([token] * 6)
+
+
+def test_stream_usage_chunk_and_prompts_over_the_window(served, client, monkeypatch):
+    """`stream_options.include_usage` gets OpenAI's last chunk (usage, no choices); a streamed
+    prompt longer than the model's window is refused with a 400 before the stream starts; the
+    stream ends as soon as the answer is whole, before the engine keeps its caches."""
+    pair, url = served
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-2].choices[0].finish_reason == "length"
+
+    engine = ENGINES["served"]
+    window = pair.target.args.max_position_embeddings
+    monkeypatch.setattr(engine, "max_prompt_tokens", window + 100)
+    got, err = raw_post(url, "/v1/completions", {"model": MODEL, "prompt": "a " * (window + 1), "max_tokens": 4,
+                                                 "stream": True})
+    assert got == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert f"reads at most {window}" in err["error"]["message"]
+
+    store = engine.prompt_cache.store
+
+    def slow(*args, **kwargs):
+        time.sleep(2.0)
+        return store(*args, **kwargs)
+
+    monkeypatch.setattr(engine.prompt_cache, "store", slow)
+    tic = time.monotonic()
+    parts = list(client.completions.create(model=MODEL, prompt="import os", max_tokens=6, temperature=0,
+                                           stream=True))
+    assert parts[-1].choices[0].finish_reason == "length" and time.monotonic() - tic < 1.5
+
+
+def test_a_body_shorter_than_its_length_times_out(served, monkeypatch):
+    """A client that sends less than its Content-Length gets a 408 once the read times out,
+    and the handler thread is free again."""
+    url = served[1]
+    monkeypatch.setattr(ENGINES["server"].RequestHandlerClass, "timeout", 1)
+    host, port = url[7:].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: 100\r\n\r\n{{\"prompt\": ".encode())
+    tic = time.monotonic()
+    answer = sock.recv(65536).decode()
+    sock.close()
+    assert answer.startswith("HTTP/1.1 408") and "did not arrive" in answer and time.monotonic() - tic < 10
+
+
+def test_anthropic_count_tokens(served):
+    """/v1/messages/count_tokens counts what /v1/messages would run."""
+    url = served[1]
+    msg = {"model": MODEL, "messages": [{"role": "user", "content": "Count these words"}], "system": "Be brief."}
+    got, counted = raw_post(url, "/v1/messages/count_tokens", msg)
+    assert got == 200
+    got, answer = raw_post(url, "/v1/messages", {**msg, "max_tokens": 2})
+    assert got == 200 and counted == {"input_tokens": answer["usage"]["input_tokens"]}
+    got, err = raw_post(url, "/v1/messages/count_tokens", {"model": MODEL, "messages": []})
+    assert got == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
