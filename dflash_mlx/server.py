@@ -230,7 +230,8 @@ class Engine:
         """Decode the batchable jobs at the head of `waiting` together (and `adopted`, a job
         `stream_generate` handed over), letting in those that queue up while it runs, until
         the batch is empty; a job that cannot join waits for it (arrival order is kept)."""
-        batch, jobs = BatchStreams(self.pair, self.batch_width, self.batch_policy), {}
+        batch = BatchStreams(self.pair, self.batch_width, self.batch_policy, self.prompt_cache)
+        jobs = {}
         if adopted is not None:
             jobs[batch.adopt(adopted[1])] = adopted[0]
         while True:
@@ -267,6 +268,7 @@ class Engine:
             t["batch_committed"] += sum(event.accepted + 1 for _, event in events)
             for uid, event in events:
                 self._deliver(jobs, uid, event)
+            batch.keep()  # after the answers are out
 
     def _join(self, batch: "BatchStreams", jobs: dict, joining: List[Job]) -> None:
         """Prefill the joining jobs (together where their prompts are short) and let them in."""

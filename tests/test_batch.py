@@ -170,3 +170,36 @@ def test_the_batch_width_is_the_fastest_measured_at_each_batch_size():
     assert run(8, 10) == [1] * 10  # per batch size
     speed[1] = {1: 10.0, 2: 30.0, 4: 12.0, 8: 12.0}  # the text changes: width 2 now pays most
     assert run(1, 8 * RETRY)[-20:].count(2) >= 18
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines, family):
+    """A batch keeps each finished sequence in the prompt cache, and a later batch's requests
+    that extend those conversations start from it: fewer tokens prefilled, the same output."""
+    from conftest import plain_greedy
+
+    import dflash_mlx
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair, base = pairs[family], baselines[family]
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    cache = dflash_mlx.PromptCache(pair)
+
+    def run(prompts, n):
+        dec = BatchDecoder(pair, 4, prompt_cache=cache)
+        out = {}
+        for f in dec.add_many(prompts, [n] * len(prompts)):
+            out[f.uid] = list(f.tokens)
+        while len(dec):
+            for c in dec.step():
+                out[c.uid] += c.tokens
+            dec.keep()
+        return [out[i] for i in range(len(prompts))]
+
+    first = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
+    answers = run(first, 20)
+    assert answers == [plain_greedy(base, p, 20, eos=eos) for p in first]
+    assert len(cache) == 3 and cache.hits == 0
+    second = [p + a + pair.tokenizer.encode(" and then") for p, a in zip(first, answers)]
+    assert run(second, 12) == [plain_greedy(base, p, 12, eos=eos) for p in second]
+    assert cache.hits == 3 and cache.cached_tokens >= sum(len(p) + len(a) - 1 for p, a in zip(first, answers))

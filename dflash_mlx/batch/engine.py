@@ -55,6 +55,7 @@ class Running:
     last: mx.array  # [1] its last committed token (the next block's first)
     taps: list = field(default_factory=list)  # target taps the drafter has not read yet (lazy)
     generated: int = 0
+    history: List[int] = field(default_factory=list)  # prompt and committed tokens (for the prompt cache)
 
 
 @dataclass
@@ -72,8 +73,12 @@ class BatchDecoder:
     decoding). Above 1 the target's taps of every committed token reach each sequence's
     drafter, so any cycle may draft."""
 
-    def __init__(self, pair, width: int):
+    def __init__(self, pair, width: int, prompt_cache=None):
+        """With a `prompt_cache`, each sequence starts from the longest prefix it holds and
+        what a finished sequence computed is kept there (`keep`)."""
         self.pair, self.target, self.source = pair, pair.target, pair.draft_source
+        self.prompt_cache = prompt_cache
+        self.finished: list = []  # (sequence, its caches) of finished sequences, for `keep`
         if not can_batch(self.target):
             raise DFlashError(f"Batched decoding needs a target whose caches are all KV caches; "
                               f"'{self.target.model_type}' has others (sliding windows or recurrent states).")
@@ -99,15 +104,18 @@ class BatchDecoder:
         if self.window:
             max_tokens = min(max_tokens, self.window - len(prompt) + 1)
         source = source or self.source
-        tcache, dstate = self.target.make_cache(), source.new_state()
-        logits, taps = prefill(self.target, source, dstate, mx.array(prompt), tcache, PREFILL_STEP,
-                               taps=self.width > 1)
+        tcache, dstate, reused = self.target.make_cache(), source.new_state(), 0
+        if self.prompt_cache is not None:
+            tcache, dstate, reused = self.prompt_cache.fetch(self.target, source, prompt)
+        logits, taps = prefill(self.target, source, dstate, mx.array(prompt[reused:]), tcache, PREFILL_STEP,
+                               taps=self.width > 1, skip=True, before=reused)
         last = mx.argmax(logits[None], axis=-1).astype(mx.uint32)
         mx.eval(last, [c.state for c in tcache])
         seq = Running(next(self._uids), max_tokens, source, dstate, last, taps)
         out = Committed(seq.uid, [last.item()])
         out.finish = self._finish(seq, out)
-        source.commit(dstate, list(prompt) + out.tokens)
+        seq.history = list(prompt) + out.tokens
+        source.commit(dstate, seq.history)
         if out.finish is None:
             self._join(seq, tcache)
         return out
@@ -119,7 +127,8 @@ class BatchDecoder:
         padding cropped after. Long prompts go one at a time, in chunks."""
         sources = list(sources or [None] * len(prompts))
         lens = [len(p) for p in prompts]
-        if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0:
+        # With a prompt cache each starts from its own cached prefix instead.
+        if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0 or self.prompt_cache is not None:
             return [self.add(p, m, s) for p, m, s in zip(prompts, max_tokens, sources)]
         if self.window and max(lens) > self.window:
             raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
@@ -141,7 +150,8 @@ class BatchDecoder:
             seq = Running(next(self._uids), m, source, dstate, lasts[b : b + 1], taps)
             c = Committed(seq.uid, [int(lasts[b].item())])
             c.finish = self._finish(seq, c)
-            source.commit(dstate, list(p) + c.tokens)
+            seq.history = list(p) + c.tokens
+            source.commit(dstate, seq.history)
             out.append(c)
             if c.finish is None:
                 keep.append(b)
@@ -158,10 +168,11 @@ class BatchDecoder:
         return out
 
     def adopt(self, tcache: list, source, dstate, last: mx.array, taps: list, max_tokens: int,
-              generated: int) -> int:
+              generated: int, history: Sequence[int] = ()) -> int:
         """Take in a sequence another loop decoded so far (its caches hold every committed
-        token but `last`; `generated` of its `max_tokens` are committed); its uid."""
-        seq = Running(next(self._uids), max_tokens, source, dstate, last, list(taps), generated)
+        token but `last`; `generated` of its `max_tokens` are committed; `history`: its
+        prompt and those tokens); its uid."""
+        seq = Running(next(self._uids), max_tokens, source, dstate, last, list(taps), generated, list(history))
         self._join(seq, tcache)
         return seq.uid
 
@@ -201,23 +212,42 @@ class BatchDecoder:
             c = Committed(seq.uid, tokens, accepted=a)
             c.finish = self._finish(seq, c)
             out.append(c)
-            drops.append(w - 1 - a)
+            # The caches keep [last, accepted drafts]: a row per committed token but the newest;
+            # a finished sequence's, a row per token it committed (its history but the last token).
+            rows = a + 1 if c.finish is None else len(c.tokens)
+            drops.append(w - rows)
+            seq.history += c.tokens
+            if self.width > 1 and rows:
+                seq.taps.append(hidden[b : b + 1, :rows])
+                if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
+                    seq.source.add_context(seq.dstate, joined(seq.taps))
+                    seq.taps = []
             if c.finish is None:
                 keep.append(b)
                 seq.last = mx.array([tokens[-1]], mx.uint32)
-                if self.width > 1:
-                    seq.taps.append(hidden[b : b + 1, : a + 1])
-                    if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
-                        seq.source.add_context(seq.dstate, joined(seq.taps))
-                        seq.taps = []
                 seq.source.commit(seq.dstate, tokens)
         for c in self.cache:
             c.crop(drops)
+        if self.prompt_cache is not None:
+            kept = set(keep)
+            self.finished += [(s, [c.extract(b) for c in self.cache])
+                              for b, s in enumerate(self.seqs) if b not in kept]
         if len(keep) < len(self.seqs):
             for c in self.cache:
                 c.filter(keep)
             self.seqs = [self.seqs[b] for b in keep]
         return out
+
+    def keep(self) -> None:
+        """Hand what finished sequences computed to the prompt cache (after their answers are out):
+        the caches hold every committed token but the last, the drafter has read their taps."""
+        for seq, tcache in self.finished:
+            if seq.taps:
+                seq.source.add_context(seq.dstate, joined(caught_up(seq.source, seq.dstate, seq.taps)))
+                seq.taps = []
+            mx.eval([c.state for c in tcache], seq.source.arrays(seq.dstate))
+            self.prompt_cache.store(self.target, seq.source, seq.dstate, seq.history[:-1], tcache)
+        self.finished = []
 
     def remove(self, uid: int) -> None:
         """Drop a sequence before it finished (nothing if it is not in the batch)."""

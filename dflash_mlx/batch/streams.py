@@ -22,10 +22,11 @@ class _Stream:
 class BatchStreams:
     """Requests decoded together (`BatchDecoder`), each event tagged with its request's uid."""
 
-    def __init__(self, pair, width: int, policy=None):
-        """`width`: the widest cycle; `policy` (`policy.batch.BatchWidths`, default) picks each cycle's."""
+    def __init__(self, pair, width: int, policy=None, prompt_cache=None):
+        """`width`: the widest cycle; `policy` (`policy.batch.BatchWidths`, default) picks each
+        cycle's; with a `prompt_cache`, requests start from it and are kept in it (`keep`)."""
         self.pair = pair
-        self.decoder = BatchDecoder(pair, width)
+        self.decoder = BatchDecoder(pair, width, prompt_cache)
         self.policy = policy or BatchWidths(self.decoder.width)
         self.streams: Dict[int, _Stream] = {}
 
@@ -60,7 +61,8 @@ class BatchStreams:
 
     def adopt(self, h: HandOver) -> int:
         """Go on with a request another loop started (`stream_generate(hand_over=...)`); its uid."""
-        uid = self.decoder.adopt(h.tcache, h.source, h.dstate, h.last, h.taps, h.max_tokens, h.generated)
+        uid = self.decoder.adopt(h.tcache, h.source, h.dstate, h.last, h.taps, h.max_tokens, h.generated,
+                                 h.history)
         self.streams[uid] = _Stream(h.text, h.stats, h.tic)
         return uid
 
@@ -78,6 +80,11 @@ class BatchStreams:
             stats.acceptance_lengths.append(c.accepted + 1)
             out.append((c.uid, self._event(c, c.accepted)))
         return out
+
+    def keep(self) -> None:
+        """Keep what the requests that finished computed in the prompt cache (call it once
+        their last events are out: it takes a copy of their rows)."""
+        self.decoder.keep()
 
     def remove(self, uid: int) -> None:
         """End a request early (its client left)."""

@@ -143,6 +143,7 @@ class HandOver:
     text: "TextStream"
     stats: GenerationStats
     tic: float  # when its first token was committed
+    history: List[int]  # the prompt and the committed tokens
 
 
 class Request:
@@ -367,7 +368,7 @@ class Request:
             self.taps = []  # the drafter has read them
         d = self.d
         return HandOver(d.tcache, d.source, d.dstate, self.last, self.taps, self.max_tokens,
-                        self.stats.generation_tokens, self.text, self.stats, self.tic)
+                        self.stats.generation_tokens, self.text, self.stats, self.tic, self.history)
 
     def keep_caches(self, inflight) -> None:
         """Hand the caches to the prompt cache. A cycle still in flight has fed the
