@@ -204,6 +204,14 @@ class PromptCache:
         self._sources.setdefault(id(source), source)
         return id(source)
 
+    def reach(self, target, source, prompt: Sequence[int]) -> int:
+        """How many tokens of `prompt` a `fetch` would start from (nothing is copied or read)."""
+        key, query = self._key(target, source), list(prompt)
+        n, _ = nearest_prefix(self._lru.trie, key, query, lambda e: can_trim_prompt_cache(e.cache))
+        if self._on_disk(key):
+            n = max(n, nearest_prefix(self.disk.trie, self.disk.key, query, lambda f: f.trimmable)[0])
+        return n
+
     def fetch(self, target, source, prompt: Sequence[int]):
         """(target cache, draft state, tokens reused) for `prompt`; at least its last token is left to run."""
         key = self._key(target, source)

@@ -187,19 +187,21 @@ def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines,
 
     def run(prompts, n):
         dec = BatchDecoder(pair, 4, prompt_cache=cache)
-        out = {}
-        for f in dec.add_many(prompts, [n] * len(prompts)):
-            out[f.uid] = list(f.tokens)
+        firsts = dec.add_many(prompts, [n] * len(prompts))
+        out = {f.uid: list(f.tokens) for f in firsts}
         while len(dec):
             for c in dec.step():
                 out[c.uid] += c.tokens
             dec.keep()
-        return [out[i] for i in range(len(prompts))]
+        return [out[f.uid] for f in firsts]
 
     first = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
     answers = run(first, 20)
     assert answers == [plain_greedy(base, p, 20, eos=eos) for p in first]
     assert len(cache) == 3 and cache.hits == 0
+    # The three conversations go on, and two new ones (prefilled together) join them.
     second = [p + a + pair.tokenizer.encode(" and then") for p, a in zip(first, answers)]
+    second += [pair.tokenizer.encode(t) for t in TEXTS[3:5]]
     assert run(second, 12) == [plain_greedy(base, p, 12, eos=eos) for p in second]
-    assert cache.hits == 3 and cache.cached_tokens >= sum(len(p) + len(a) - 1 for p, a in zip(first, answers))
+    assert cache.hits == 3 and cache.misses == 5
+    assert cache.cached_tokens >= sum(len(p) + len(a) - 1 for p, a in zip(first, answers))

@@ -126,15 +126,26 @@ class BatchDecoder:
         (`BATCH_PREFILL` tokens in all): right-padded to the longest, each sequence's
         padding cropped after. Long prompts go one at a time, in chunks."""
         sources = list(sources or [None] * len(prompts))
+        if self.prompt_cache is not None and len(prompts) > 1:  # a cached prefix beats a shared pass
+            cached = [self.prompt_cache.reach(self.target, s or self.source, p) > 0
+                      for p, s in zip(prompts, sources)]
+            if any(cached):
+                fresh = [i for i, c in enumerate(cached) if not c]
+                out = dict(zip(fresh, self.add_many([prompts[i] for i in fresh], [max_tokens[i] for i in fresh],
+                                                    [sources[i] for i in fresh])))
+                for i in (i for i, c in enumerate(cached) if c):
+                    out[i] = self.add(prompts[i], max_tokens[i], sources[i])
+                return [out[i] for i in range(len(prompts))]
         lens = [len(p) for p in prompts]
-        # With a prompt cache each starts from its own cached prefix instead.
-        if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0 or self.prompt_cache is not None:
+        if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0:
             return [self.add(p, m, s) for p, m, s in zip(prompts, max_tokens, sources)]
         if self.window and max(lens) > self.window:
             raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
         n, L = len(prompts), max(lens)
         block = mx.array([list(p) + [0] * (L - len(p)) for p in prompts])
         cache = [RaggedKVCache([0] * n) for _ in self.target.make_cache()]
+        if self.prompt_cache is not None:  # counted as the misses a fetch would count
+            self.prompt_cache.misses += n
         logits, hidden = self.target(block, cache, taps=self.width > 1, rows=mx.array(lens) - 1)
         for c in cache:
             c.crop([L - k for k in lens])
