@@ -61,6 +61,20 @@ DRAFT_CONTEXT_HELP = (
     "change and acceptance may drop. Output stays exact.")
 
 
+TREE_HELP = (
+    "Tree verification (greedy, attention-only targets; others verify linearly): with a fixed --block-size, "
+    "also verify this many branches (the drafter's 2nd/3rd choices) in every target pass; with auto, the most "
+    "branches a cycle may use where the sizer finds they pay [default: as many as the cost curve timed, 2, so "
+    "trees are used where this machine's timings say they pay; 0 turns them off].")
+PROPOSAL_SCALE_HELP = (
+    "When sampling: how much flatter (>1) or sharper (<1) than the drafter's own distribution its drafts are "
+    "drawn (exact either way; 1: as z-lab's loop), or 'auto' to learn it per draft position from the "
+    "acceptance each scale would have had.")
+TIMEOUT_HELP = "Under mlx.launch: end the run when a rank makes no progress for this many seconds (0: never)."
+SHARDING_HELP = ("Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target (auto: tensor "
+                 "where the family has it, else pipeline).")
+
+
 @app.command()
 def generate(
     model: str = typer.Option(
@@ -99,30 +113,12 @@ def generate(
         True, "--lookup/--no-lookup",
         help="With --block-size auto, also draft from an n-gram lookup over the prompt and the text so far.",
     ),
-    tree: Optional[int] = ranged(
-        None, "--tree", min=0, max=8,
-        help="Tree verification (greedy, attention-only targets; others verify linearly): with a fixed "
-             "--block-size, also verify this many branches (the drafter's 2nd/3rd choices) in every target "
-             "pass; with auto, the most branches a cycle may use where the sizer finds they pay "
-             "[default: as many as the cost curve timed, 2, so trees are used where this machine's "
-             "timings say they pay; 0 turns them off].",
-    ),
-    proposal_scale: str = typer.Option(
-        "auto", "--proposal-scale",
-        help="When sampling: how much flatter (>1) or sharper (<1) than the drafter's own distribution its "
-             "drafts are drawn (exact either way; 1: as z-lab's loop), or 'auto' to learn it per draft "
-             "position from the acceptance each scale would have had.",
-    ),
+    tree: Optional[int] = ranged(None, "--tree", min=0, max=8, help=TREE_HELP),
+    proposal_scale: str = typer.Option("auto", "--proposal-scale", help=PROPOSAL_SCALE_HELP),
     draft_context: Optional[int] = ranged(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
-    timeout: float = ranged(
-        600.0, "--timeout", min=0.0,
-        help="Under mlx.launch: end the run when a rank makes no progress for this many seconds (0: never).",
-    ),
-    sharding: str = typer.Option(
-        "auto", "--sharding", help="Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target "
-                                   "(auto: tensor where the family has it, else pipeline).",
-    ),
+    timeout: float = ranged(600.0, "--timeout", min=0.0, help=TIMEOUT_HELP),
+    sharding: str = typer.Option("auto", "--sharding", help=SHARDING_HELP),
 ):
     """Generate text with DFlash speculative decoding, streaming it.
 
@@ -160,12 +156,7 @@ def generate(
                            enable_thinking)
         predicted = _auto_sizer(pair, len(ids)) if block == "auto" else None
         if verbose and main_rank:
-            cfg = pair.drafter.args
-            err.print(
-                f"target {pair.target_path} ({pair.target.model_type}, {pair.target.num_layers} layers)\n"
-                f"drafter {pair.draft_path} (block {cfg.block_size}, taps {cfg.target_layer_ids})\n"
-                f"prompt {len(ids)} tokens, block size {block}, {params}"
-            )
+            _print_settings(pair, len(ids), block, params)
         for event in dflash_mlx.stream_generate(
             pair, ids, max_tokens=max_tokens, sampling=params, block_size=block, lookup=lookup, tree=tree,
             proposal_scale=scale,
@@ -187,6 +178,13 @@ def generate(
     out.flush()
     if main_rank:
         _print_summary(stats, verbose, block == "auto", predicted is not None, g.size())
+
+
+def _print_settings(pair, prompt_tokens: int, block, params) -> None:
+    cfg = pair.drafter.args
+    err.print(f"target {pair.target_path} ({pair.target.model_type}, {pair.target.num_layers} layers)\n"
+              f"drafter {pair.draft_path} (block {cfg.block_size}, taps {cfg.target_layer_ids})\n"
+              f"prompt {prompt_tokens} tokens, block size {block}, {params}")
 
 
 def _load_pair(model, draft, g, sharding, draft_context, block):
@@ -367,10 +365,7 @@ def serve(
         help="Folder for the disk prompt cache, one subfolder per model (default: prompt-cache/ in the cache folder).",
     ),
     draft_context: Optional[int] = ranged(None, "--draft-context", min=1, help=DRAFT_CONTEXT_HELP),
-    sharding: str = typer.Option(
-        "auto", "--sharding", help="Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target "
-                                   "(auto: tensor where the family has it, else pipeline).",
-    ),
+    sharding: str = typer.Option("auto", "--sharding", help=SHARDING_HELP),
 ):
     """Serve an OpenAI-compatible API (chat and completions) with DFlash.
 
