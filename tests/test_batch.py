@@ -205,3 +205,16 @@ def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines,
     assert run(second, 12) == [plain_greedy(base, p, 12, eos=eos) for p in second]
     assert cache.hits == 3 and cache.misses == 5
     assert cache.cached_tokens >= sum(len(p) + len(a) - 1 for p, a in zip(first, answers))
+
+
+def test_targets_with_other_caches_are_not_batched(pairs):
+    """A hybrid target's recurrent state is not batched here: the server runs its requests one at
+    a time (`batch_width` None), and the decoder says why."""
+    from dflash_mlx.batch.engine import BatchDecoder, batch_width
+    from dflash_mlx.errors import DFlashError
+
+    assert batch_width(pairs["qwen3_5"], "auto") is None
+    assert batch_width(pairs["qwen3"], "auto") == min(8, pairs["qwen3"].draft_source.block_size)
+    assert batch_width(pairs["qwen3"], 3) == 3
+    with pytest.raises(DFlashError, match="KV caches"):
+        BatchDecoder(pairs["qwen3_5"], 4)
