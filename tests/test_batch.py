@@ -23,6 +23,27 @@ def same(a, b):
     return mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
 
 
+def generate_batch(pair, prompts, max_tokens, width, join_at=None):
+    """Each prompt's greedy tokens, decoded in one batch (`join_at[i]`: the cycle at which prompt i
+    joins, prefilled together with the others joining then; the rest join before the first)."""
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    join_at = join_at or {}
+    dec = BatchDecoder(pair, width)
+    out, uid_of, cycle = {}, {}, 0
+    waiting = list(range(len(prompts)))
+    while waiting or len(dec):
+        now = [i for i in waiting if join_at.get(i, 0) <= cycle]
+        waiting = [i for i in waiting if i not in now]
+        for i, first in zip(now, dec.add_many([prompts[i] for i in now], [max_tokens] * len(now))):
+            uid_of[first.uid] = i
+            out[i] = list(first.tokens)
+        for c in dec.step():
+            out[uid_of[c.uid]] += c.tokens
+        cycle += 1
+    return [out[i] for i in range(len(prompts))]
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_a_ragged_batch_pass_equals_each_sequence_alone(baselines, family):
     """Each sequence's rows of a batched pass are its own pass's, whatever the other sequences'
@@ -72,8 +93,6 @@ def test_batched_greedy_equals_each_prompt_alone(pairs, baselines, family, width
     alone, whatever the others accept; two join while the rest decode, and sequences leave
     at different times (different budgets reached through EOS-free text)."""
     from conftest import plain_greedy
-
-    from dflash_mlx.batch.engine import generate_batch
 
     pair = pairs[family]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]

@@ -369,15 +369,23 @@ def send_raw_request(url, body):
     return sock
 
 
+LONG = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 20000}
+
+
+def start_long_request(url):
+    """The health before, and the socket of a long request once it is generating."""
+    before = wait_for(url, lambda h: h["active"] == 0 and h["queued"] == 0)
+    sock = send_raw_request(url, LONG)
+    wait_for(url, lambda h: h["active"] == 1 and h["generated_tokens"] > before["generated_tokens"])
+    return before, sock
+
+
 def test_disconnect_before_a_complete_answer_stops_generation(served, client):
     """A non-streaming client that hangs up, while generating or while queued, cancels its job."""
     url = served[1]
-    before = wait_for(url, lambda h: h["active"] == 0 and h["queued"] == 0)
-    long = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 20000}
-    running = send_raw_request(url, long)
-    wait_for(url, lambda h: h["active"] == 1 and h["generated_tokens"] > before["generated_tokens"])
+    before, running = start_long_request(url)
     # Sampled: it cannot join the running (greedy) request's batch, so it waits in the queue.
-    queued = send_raw_request(url, {**long, "prompt": "import math", "temperature": 0.7})
+    queued = send_raw_request(url, {**LONG, "prompt": "import math", "temperature": 0.7})
     wait_for(url, lambda h: h["queued"] == 1)
     queued.close()
     time.sleep(0.5)  # the handler notices while the job still waits in the queue
@@ -394,11 +402,8 @@ def test_disconnect_before_a_complete_answer_stops_generation(served, client):
 def test_disconnect_from_a_batch_stops_only_that_request(served, client):
     """Of two batched requests, the one whose client hangs up leaves the batch; the other goes on."""
     url = served[1]
-    before = wait_for(url, lambda h: h["active"] == 0 and h["queued"] == 0)
-    long = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 20000}
-    first = send_raw_request(url, long)
-    wait_for(url, lambda h: h["active"] == 1 and h["generated_tokens"] > before["generated_tokens"])
-    second = send_raw_request(url, {**long, "prompt": "import math"})
+    before, first = start_long_request(url)
+    second = send_raw_request(url, {**LONG, "prompt": "import math"})
     assert wait_for(url, lambda h: h["active"] == 2)["active"] == 2  # batched together
     first.close()
     h = wait_for(url, lambda h: h["cancelled"] == before["cancelled"] + 1 and h["active"] == 1)

@@ -12,7 +12,7 @@ the same tokens as decoding it alone.
 
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -101,8 +101,6 @@ class BatchDecoder:
             raise DFlashError("The prompt is empty.")
         if self.window and len(prompt) > self.window:
             raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {self.window}.")
-        if self.window:
-            max_tokens = min(max_tokens, self.window - len(prompt) + 1)
         source = source or self.source
         tcache, dstate, reused = self.target.make_cache(), source.new_state(), 0
         if self.prompt_cache is not None:
@@ -111,11 +109,7 @@ class BatchDecoder:
                                taps=self.width > 1, skip=True, before=reused)
         last = mx.argmax(logits[None], axis=-1).astype(mx.uint32)
         mx.eval(last, [c.state for c in tcache])
-        seq = Running(next(self._uids), max_tokens, source, dstate, last, taps)
-        out = Committed(seq.uid, [last.item()])
-        out.finish = self._finish(seq, out)
-        seq.history = list(prompt) + out.tokens
-        source.commit(dstate, seq.history)
+        seq, out = self._start(prompt, max_tokens, source, dstate, last, taps)
         if out.finish is None:
             self._join(seq, tcache)
         return out
@@ -154,15 +148,8 @@ class BatchDecoder:
         out, keep, joined_seqs = [], [], []
         for b, (p, m, source) in enumerate(zip(prompts, max_tokens, sources)):
             source = source or self.source
-            if self.window:
-                m = min(m, self.window - len(p) + 1)
-            dstate = source.new_state()
             taps = [hidden[b : b + 1, : lens[b]]] if self.width > 1 else []
-            seq = Running(next(self._uids), m, source, dstate, lasts[b : b + 1], taps)
-            c = Committed(seq.uid, [int(lasts[b].item())])
-            c.finish = self._finish(seq, c)
-            seq.history = list(p) + c.tokens
-            source.commit(dstate, seq.history)
+            seq, c = self._start(p, m, source, source.new_state(), lasts[b : b + 1], taps)
             out.append(c)
             if c.finish is None:
                 keep.append(b)
@@ -177,6 +164,18 @@ class BatchDecoder:
                 self.cache = cache
             self.seqs += joined_seqs
         return out
+
+    def _start(self, prompt, max_tokens: int, source, dstate, last: mx.array, taps: list):
+        """A prefilled sequence (its first token `last`, evaluated) and that token's `Committed`;
+        its budget stops at the model's window."""
+        if self.window:
+            max_tokens = min(max_tokens, self.window - len(prompt) + 1)
+        seq = Running(next(self._uids), max_tokens, source, dstate, last, taps)
+        out = Committed(seq.uid, last.tolist())
+        out.finish = self._finish(seq, out)
+        seq.history = list(prompt) + out.tokens
+        source.commit(dstate, seq.history)
+        return seq, out
 
     def adopt(self, tcache: list, source, dstate, last: mx.array, taps: list, max_tokens: int,
               generated: int, history: Sequence[int] = ()) -> int:
@@ -243,10 +242,7 @@ class BatchDecoder:
             kept = set(keep)
             self.finished += [(s, [c.extract(b) for c in self.cache])
                               for b, s in enumerate(self.seqs) if b not in kept]
-        if len(keep) < len(self.seqs):
-            for c in self.cache:
-                c.filter(keep)
-            self.seqs = [self.seqs[b] for b in keep]
+        self._keep_only(keep)
         return out
 
     def keep(self) -> None:
@@ -262,7 +258,10 @@ class BatchDecoder:
 
     def remove(self, uid: int) -> None:
         """Drop a sequence before it finished (nothing if it is not in the batch)."""
-        keep = [b for b, s in enumerate(self.seqs) if s.uid != uid]
+        self._keep_only([b for b, s in enumerate(self.seqs) if s.uid != uid])
+
+    def _keep_only(self, keep: List[int]) -> None:
+        """Keep the sequences at indices `keep`; the others' rows are dropped."""
         if len(keep) < len(self.seqs):
             for c in self.cache:
                 c.filter(keep)
@@ -282,27 +281,3 @@ class BatchDecoder:
                 c.tokens = c.tokens[:i]
                 return "stop"
         return "length" if seq.generated >= seq.max_tokens else None
-
-
-def generate_batch(pair, prompts: Sequence[Sequence[int]], max_tokens: int, width: int,
-                   join_at: Optional[Dict[int, int]] = None, sources: Optional[Sequence] = None) -> List[List[int]]:
-    """Each prompt's greedy tokens, decoded in one batch (`join_at[i]`: the cycle at which
-    prompt i joins; the others join before the first; `sources[i]`: its own draft source)."""
-    join_at = join_at or {}
-    dec = BatchDecoder(pair, width)
-    out: Dict[int, List[int]] = {}
-    uid_of: Dict[int, int] = {}
-    cycle = 0
-    waiting = sorted(range(len(prompts)), key=lambda i: join_at.get(i, 0))
-    while waiting or len(dec):
-        now = [i for i in waiting if join_at.get(i, 0) <= cycle]
-        waiting = [i for i in waiting if i not in now]
-        firsts = dec.add_many([prompts[i] for i in now], [max_tokens] * len(now),
-                              [sources[i] for i in now] if sources else None)
-        for i, first in zip(now, firsts):
-            uid_of[first.uid] = i
-            out[i] = list(first.tokens)
-        for c in dec.step():
-            out[uid_of[c.uid]] += c.tokens
-        cycle += 1
-    return [out[i] for i in range(len(prompts))]

@@ -33,28 +33,18 @@ class BatchStreams:
     def __len__(self) -> int:
         return len(self.decoder)
 
-    def add(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[str] = ()) -> Tuple[int, GenerationEvent]:
-        """Prefill and join; the request's uid and its first event (which may be its last)."""
-        check_prompt(prompt, self.pair.target)
-        tic = time.perf_counter()
-        first = self.decoder.add(prompt, max_tokens)
-        stats = GenerationStats(prompt_tokens=len(prompt))
-        stats.prompt_tps = len(prompt) / (time.perf_counter() - tic)
-        self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, stop), stats, time.perf_counter())
-        return first.uid, self._event(first, 0, first=True)
-
     def add_many(self, requests: Sequence[Tuple[Sequence[int], int, Sequence[str]]]
                  ) -> List[Tuple[int, GenerationEvent]]:
-        """`add` for several (prompt, max_tokens, stop) requests, prefilled together where short."""
+        """Prefill (prompt, max_tokens, stop) requests, together where short, and let them join;
+        each one's uid and first event (which may be its last)."""
         for prompt, _, _ in requests:
             check_prompt(prompt, self.pair.target)
         tic = time.perf_counter()
         firsts = self.decoder.add_many([r[0] for r in requests], [r[1] for r in requests])
-        seconds = time.perf_counter() - tic
+        prompt_tps = sum(len(r[0]) for r in requests) / (time.perf_counter() - tic)
         out = []
         for (prompt, _, stop), first in zip(requests, firsts):
-            stats = GenerationStats(prompt_tokens=len(prompt))
-            stats.prompt_tps = sum(len(r[0]) for r in requests) / seconds
+            stats = GenerationStats(prompt_tokens=len(prompt), prompt_tps=prompt_tps)
             self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, stop), stats, time.perf_counter())
             out.append((first.uid, self._event(first, 0, first=True)))
         return out
