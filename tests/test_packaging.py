@@ -20,6 +20,8 @@ def test_wheel_holds_only_dflash_mlx(tmp_path):
     for module in ("dflash_mlx/cli/main.py", "dflash_mlx/convert/readers.py", "dflash_mlx/kernels/verify_accept.py",
                    "dflash_mlx/aliases.json", "dflash_mlx/demo/target/config.json", "dflash_mlx/suites/code.jsonl"):
         assert module in names, module
+    for package in (ROOT / "dflash_mlx").rglob("__init__.py"):  # every subpackage of the source tree
+        assert package.relative_to(ROOT).as_posix() in names, package
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "dflash-mlx = dflash_mlx.cli.main:app" in zipfile.ZipFile(wheel).read(entry).decode()
 
