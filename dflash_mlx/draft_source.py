@@ -57,13 +57,14 @@ class DraftSource:
     def commit(self, state, tokens: List[int]) -> None:
         """Token ids committed since the last call (the prompt's first)."""
 
-    def propose_path(self, state, last, hidden, width, params, prefix=(), process=None, scales=None):
+    def propose_path(self, state, last, hidden, width, params, prefix=(), process=None, scales=None, noise=None):
         """For sources whose positions depend on the drafts before them (DFlash 2's
         selector): tokens [width - 1 - len(prefix)] after `prefix` and the log
         probabilities each was drawn from (None when greedy), `process(row,
         before)` applied to each position's logits, and when sampling, draft
-        position i drawn at `scales[i]` (`proposal.rescale`). None: the loop
-        samples `propose`'s logits itself (and nothing has been committed)."""
+        position i drawn at `scales[i]` (`proposal.rescale`), or with `noise`
+        (`sampling.Draws` rows [width - 1, V]) as the draw at its position.
+        None: the loop samples `propose`'s logits itself (and nothing has been committed)."""
         return None
 
     def offer(self, state, limit: int) -> List[int]:

@@ -231,11 +231,12 @@ class DFlash2DraftSource(DFlashDraftSource):
 
     def propose_path(self, state, last, hidden, width: int, params: SamplingParams,
                      prefix: Sequence[int] = (), process: Optional[Callable] = None,
-                     scales: Optional[Sequence[float]] = None):
+                     scales: Optional[Sequence[float]] = None, noise: Optional[mx.array] = None):
         """Draft tokens [width - 1 - len(prefix)] after `prefix` (tokens already
         drafted at the first positions, e.g. a lookup's) and, when sampling,
         the log probabilities [same, V] each was drawn from (position i at
-        `scales[i]`, when given).
+        `scales[i]`, when given; with `noise`, `sampling.Draws` rows
+        [width - 1, V], position i is the draw with `noise[i]`).
 
         `process(row [1, V], drafts before it)` (the loop's logits processors)
         is applied to each position's row, -inf outside the candidates, before
@@ -254,6 +255,8 @@ class DFlash2DraftSource(DFlashDraftSource):
             if params.greedy:
                 return mx.argmax(scores, axis=-1), scores
             row = log_probs(scores, params)
+            if noise is not None:
+                return mx.argmax(row + mx.take(noise[n + len(path)], cand), axis=-1), row
             if scales is not None:
                 row = rescale(row, scales[n + len(path)])
             return mx.random.categorical(row), row

@@ -1,12 +1,16 @@
-"""Sampling settings and the filtered distributions tokens are drawn from.
+"""Sampling settings, the filtered distributions tokens are drawn from, and
+the draws of a seeded request.
 
 Filters are mlx-lm's own (top-p, min-p, top-k on temperature-1 log
 probabilities, then temperature), applied identically to the target's p and
 the drafter's q, so DFlash samples from exactly the distribution mlx-lm's
-sampler would. Acceptance itself lives in `kernels/verify_accept.py`.
+sampler would. Rejection sampling lives in `kernels/verify_accept.py`;
+`Draws` is the other exact scheme, whose text a seed fixes at any width.
 """
 
 import functools
+import hashlib
+import secrets
 from dataclasses import dataclass
 from typing import Optional
 
@@ -117,6 +121,64 @@ class Processed:
         if not self.processors:
             return logits
         return mx.concatenate([self.row(logits[i : i + 1], drafts[:i]) for i in range(logits.shape[0])])
+
+
+@functools.lru_cache(maxsize=8)
+def _gumbel_rows(V: int):
+    return mx.vmap(lambda key: mx.random.gumbel((V,), key=key))
+
+
+class Draws:
+    """A request's random draws, fixed by its seed and each token's position.
+
+    The token at position t is `argmax(log_probs(logits_t) + G_t)`, with G_t
+    Gumbel noise [V] from the key (seed word, t): the Gumbel-max trick, an
+    exact draw from the filtered, tempered distribution, and independent from
+    position to position. A draft at t is chosen with the same G_t from the
+    drafter's distribution, and verifying it is the greedy rule on the
+    perturbed rows (accepted where it equals the target's choice, the target's
+    choice after the first disagreement). So the text is a function of the
+    prompt, the settings and the seed alone: the same at every block width,
+    with or without drafts, alone or in any batch. (Rejection sampling, used
+    without a seed on a request's own, accepts a little more: its coupling of
+    draft and target is the best possible, but its draws follow the widths.)
+    Without a seed the word is random.
+    """
+
+    def __init__(self, seed: Optional[int], at: int, vocab_size: int):
+        """`at`: the position (prompt tokens before it) of the next token drawn."""
+        self.vocab_size = vocab_size
+        if seed is None:
+            self.word = secrets.randbits(32)
+        else:
+            digest = hashlib.blake2b(str(int(seed)).encode(), digest_size=4).digest()
+            self.word = int.from_bytes(digest, "little")
+        self.at = at
+
+    def keys(self, n: int) -> mx.array:
+        """The keys [n, 2] of the next n positions."""
+        return mx.array([[self.word, (self.at + i) & 0xFFFFFFFF] for i in range(n)], dtype=mx.uint32)
+
+    def noise(self, n: int) -> mx.array:
+        """Gumbel rows [n, V] for the next n positions (lazy)."""
+        return _gumbel_rows(self.vocab_size)(self.keys(n))
+
+    def advance(self, n: int) -> None:
+        """n tokens were committed."""
+        self.at += n
+
+
+def choose(logits: mx.array, params: SamplingParams, noise: Optional[mx.array] = None) -> mx.array:
+    """Each row's token: the greedy pick (mlx-lm's), or with `noise` (`Draws.noise`) a
+    draw from the filtered, tempered distribution of that row."""
+    if params.greedy:
+        return mx.argmax(greedy_log_probs(logits), axis=-1).astype(mx.uint32)
+    return mx.argmax(log_probs(logits, params) + noise, axis=-1).astype(mx.uint32)
+
+
+def agreeing(drafts: mx.array, picks: mx.array) -> mx.array:
+    """How many leading drafts [..., n] equal the picks [..., n + 1] after them (the accepted count)."""
+    return mx.cumprod(drafts == picks[..., :-1], axis=-1).sum(axis=-1)
 
 
 def make_processors(args: Optional[dict]) -> list:

@@ -3,8 +3,8 @@
 Handler threads parse and validate requests; one worker thread owns the
 model and takes jobs in arrival order, so all MLX work stays on one thread. A
 job that finds nothing else waiting runs alone; jobs that queue up behind
-others are decoded together where they can be (greedy, no logits processors
-or log probabilities: `batch.BatchStreams`), each with its own caches. A
+others are decoded together (`batch.BatchStreams`), each with its own
+caches, sampling settings, logits processors and log probabilities. A
 client that disconnects, streaming or not, cancels its job; the worker stops
 it at the next cycle.
 
@@ -33,8 +33,8 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from .batch.engine import batch_width
-from .batch.streams import BatchStreams
+from .batch.engine import Asks, batch_width
+from .batch.streams import BatchStreams, Joining
 from .policy.batch import BatchWidths, FixedBatchWidth
 from .decode import stream_generate
 from .prompt_cache import PromptCache
@@ -221,10 +221,8 @@ class Engine:
             pass
 
     def _batchable(self, job: Job) -> bool:
-        """Whether a job can join a batch: greedy, no logits processors or log probabilities,
-        where the engine batches at all (`batch_width`)."""
-        return (self.batch_width is not None and job.params.greedy and job.logprobs is None
-                and not job.processor_args)
+        """Whether a job can join a batch: any job, where the engine batches at all (`batch_width`)."""
+        return self.batch_width is not None
 
     def _run_batch(self, waiting, adopted=None) -> None:
         """Decode the batchable jobs at the head of `waiting` together (and `adopted`, a job
@@ -273,7 +271,9 @@ class Engine:
     def _join(self, batch: "BatchStreams", jobs: dict, joining: List[Job]) -> None:
         """Prefill the joining jobs (together where their prompts are short) and let them in."""
         try:
-            firsts = batch.add_many([(job.prompt, job.max_tokens, job.stop) for job in joining])
+            firsts = batch.add_many([Joining(job.prompt, job.max_tokens, job.stop,
+                                             Asks(job.params, make_processors(job.processor_args), job.logprobs))
+                                     for job in joining])
         except DFlashError as e:
             if len(joining) > 1:  # find the one at fault: the others go in
                 for job in joining:

@@ -267,7 +267,7 @@ class ScriptedWidths:
     def __init__(self, widths):
         self.widths = [w if isinstance(w, Plan) else Plan(w) for w in widths]
 
-    def start(self, seeded=False, branches=0):
+    def start(self, branches=0):
         self.chosen, self.updates, self.offers, self.plans, self.unseen = [], [], [], [], []
         return self
 

@@ -237,3 +237,76 @@ def test_targets_with_other_caches_are_not_batched(pairs):
     assert batch_width(pairs["qwen3"], 3) == 3
     with pytest.raises(DFlashError, match="KV caches"):
         BatchDecoder(pairs["qwen3_5"], 4)
+
+
+def run_streams(pair, joining, widths, join_at=None, width=8):
+    """Each request's events, decoded together by `BatchStreams` at the cycle widths `widths`
+    (cycling; `join_at[i]`: the cycle request i joins at)."""
+    from dflash_mlx.batch.streams import BatchStreams
+    from dflash_mlx.policy.batch import FixedBatchWidth
+
+    class Scripted(FixedBatchWidth):
+        cycle = 0
+
+        def choose(self, batch):
+            self.cycle += 1
+            return widths[self.cycle % len(widths)]
+
+    join_at = join_at or {}
+    streams = BatchStreams(pair, width, Scripted(width))
+    events, index, cycle = {}, {}, 0
+    waiting = list(range(len(joining)))
+    while waiting or len(streams):
+        now = [i for i in waiting if join_at.get(i, 0) <= cycle]
+        waiting = [i for i in waiting if i not in now]
+        if now:
+            for i, (uid, event) in zip(now, streams.add_many([joining[i] for i in now])):
+                index[uid], events[i] = i, [event]
+        for uid, event in streams.step():
+            events[index[uid]].append(event)
+        cycle += 1
+    return [events[i] for i in range(len(joining))]
+
+
+def test_sampled_penalised_and_logprob_requests_in_a_batch_equal_each_alone(pairs):
+    """Greedy and sampled requests, with penalties, logit bias, log probabilities and stop
+    strings, decoded together while the width changes every cycle and requests join late:
+    each gets the tokens (and log probabilities) it gets from `stream_generate` alone. A
+    sampled request's draws follow its seed and its positions only (`sampling.Draws`)."""
+    import dflash_mlx
+    from dflash_mlx.batch.engine import Asks
+    from dflash_mlx.batch.streams import Joining
+    from dflash_mlx.sampling import SamplingParams, make_processors
+
+    pair = pairs["qwen3"]
+    penalty = {"repetition_penalty": 1.3, "repetition_context_size": 16}
+    bias = {"logit_bias": {"17": 4.0, 23: -100.0}}
+    cases = [  # (text, params, processor arguments, logprobs, stop)
+        (TEXTS[0], SamplingParams(), {}, 3, ()),
+        (TEXTS[1], SamplingParams(temp=0.9, seed=5), {}, None, ()),
+        (TEXTS[2], SamplingParams(temp=1.2, top_p=0.9, top_k=20, seed=6), penalty, 2, ()),
+        (TEXTS[3], SamplingParams(temp=0.7, min_p=0.05, seed=7), bias, None, ()),
+        (TEXTS[4], SamplingParams(), penalty, None, ()),
+        (TEXTS[0], SamplingParams(temp=1.0, seed=8), {}, 0, ("e",)),
+    ]
+    n = 20
+    alone = []
+    for text, params, procs, top, stop in cases:
+        alone.append(list(dflash_mlx.stream_generate(pair, text, max_tokens=n, sampling=params, block_size=4,
+                                                     logits_processors=make_processors(procs), logprobs=top,
+                                                     stop=list(stop))))
+    joining = [Joining(pair.tokenizer.encode(text), n, list(stop), Asks(params, make_processors(procs), top))
+               for text, params, procs, top, stop in cases]
+    batched = run_streams(pair, joining, widths=[1, 4, 2, 8, 3, 1, 1, 6], join_at={3: 2, 4: 5, 5: 5})
+    for (text, params, *_), mine, own in zip(cases, batched, alone):
+        tokens = [t for ev in mine for t in ev.tokens]
+        assert tokens == [t for ev in own for t in ev.tokens], (text, params)
+        assert "".join(ev.text for ev in mine) == "".join(ev.text for ev in own)
+        assert mine[-1].finish_reason == own[-1].finish_reason
+        lps = [row for ev in mine for row in ev.logprobs or []]
+        theirs = [row for ev in own for row in ev.logprobs or []]
+        assert len(lps) == len(theirs)
+        for (lp, top), (lp2, top2) in zip(lps, theirs):
+            assert abs(lp - lp2) < 1e-3 and [t for t, _ in top] == [t for t, _ in top2]
+    assert batched[5][-1].finish_reason == "stop" and len([t for ev in batched[5] for t in ev.tokens]) < n
+    assert len({tuple(t for ev in mine for t in ev.tokens) for mine in batched}) == len(cases)

@@ -72,7 +72,7 @@ class Scripted:
     def __init__(self, plans):
         self.plans = plans
 
-    def start(self, seeded: bool = False, branches: int = 0) -> Run:
+    def start(self, branches: int = 0) -> Run:
         return ScriptedRun(self.plans)
 
 

@@ -6,6 +6,7 @@ sequences DFlash samples using a chi-square goodness-of-fit test. The test is
 seeded; with a fresh seed its false-alarm rate is 0.1% (alpha = 1e-3).
 """
 
+import dataclasses
 import itertools
 import math
 
@@ -76,12 +77,15 @@ def exact_distribution(model, params):
     return seqs, np.exp(np.array(picked))
 
 
-def sample_counts(pair, params, n, source=None, block_size=BLOCK, **kw):
+def sample_counts(pair, params, n, source=None, block_size=BLOCK, seeded=False, **kw):
+    """n texts of N_TOKENS, and how often the first draft was accepted; `seeded`: the
+    i-th text with seed i (`sampling.Draws`), else rejection sampling after one seed."""
     mx.random.seed(1234)
     counts, accepted_first, cycles = {}, 0, 0
-    for _ in range(n):
+    for i in range(n):
         toks, events = [], []
-        for ev in dflash_mlx.stream_generate(pair, PROMPT, max_tokens=N_TOKENS, sampling=params,
+        p = dataclasses.replace(params, seed=i) if seeded else params
+        for ev in dflash_mlx.stream_generate(pair, PROMPT, max_tokens=N_TOKENS, sampling=p,
                                              block_size=block_size, draft_source=source, **kw):
             toks += ev.tokens
             events.append(ev)
@@ -189,23 +193,65 @@ def test_the_check_catches_a_wrong_acceptance_rule(small_pair, monkeypatch):
     assert gof_pvalue(counts, seqs, probs, n) < ALPHA
 
 
+def gumbel_coupled(p: np.ndarray, q: np.ndarray) -> float:
+    """P(argmax(log p + G) == argmax(log q + G)) for one Gumbel vector G: the
+    event X = Y = i is a race of weights max(p_j / p_i, q_j / q_i), won by i
+    with probability 1 / sum_j max(p_j / p_i, q_j / q_i)."""
+    total = 0.0
+    for i in np.flatnonzero((p > 0) & (q > 0)):
+        total += 1.0 / np.maximum(p / p[i], q / q[i]).sum()
+    return total
+
+
+def test_seeded_draws_follow_the_target_distribution_and_couple_the_drafts(small_pair):
+    """A seeded request draws each token with its position's Gumbel noise
+    (`sampling.Draws`): over many seeds its texts follow the target's exact
+    distribution, and a draft drawn with the same noise is accepted at the
+    Gumbel coupling's rate, well above an independent draw's."""
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0, top_k=4)
+    source = TemperedTarget(model)
+    seqs, probs = exact_distribution(model, params)
+    counts, accept_rate = sample_counts(pair, params, SAMPLES, source, seeded=True)
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+    p1 = np.array(mx.exp(log_probs(model(mx.array([PROMPT]))[0, -1], params)))
+    coupled = indep = 0.0
+    for t1 in range(V):
+        p2 = np.array(mx.exp(log_probs(model(mx.array([PROMPT + [t1]]))[0, -1], params)))
+        q2 = np.array(mx.exp(log_probs(source.propose(None, mx.array([t1]), None, 2)[0], params)))
+        coupled += p1[t1] * gumbel_coupled(p2, q2)
+        indep += p1[t1] * (p2 * q2).sum()
+    sigma = math.sqrt(coupled * (1 - coupled) / SAMPLES)
+    assert abs(accept_rate - coupled) < 4 * sigma + 1e-3
+    assert accept_rate > indep + 4 * sigma
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temp=1.0, seed=7), SamplingParams(temp=0.7, top_p=0.9, top_k=3, seed=8),
                                     SamplingParams(temp=1.2, min_p=0.1, seed=9)])
-def test_seeded_plain_decoding_draws_mlx_lms_samples(small_pair, params):
-    """At block size 1 a seeded request samples token for token what mlx-lm's
-    generate_step does with its own sampler after the same mx.random.seed."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
-
+def test_a_seed_fixes_the_text_at_every_width(small_pair, params):
+    """A seeded request's text depends on the prompt, the settings and the seed alone:
+    plain steps, every fixed width, a lookup's certain drafts, the adaptive sizer
+    and penalties (processed rows) give the same tokens; another seed does not."""
     pair, model = small_pair
     prompt = [1, 3, 2, 0, 4, 1]
-    ours = [t for ev in dflash_mlx.stream_generate(pair, prompt, max_tokens=24, sampling=params, block_size=1)
-            for t in ev.tokens]
-    mx.random.seed(params.seed)
-    sampler = make_sampler(params.temp, params.top_p, params.min_p, top_k=params.top_k)
-    theirs = [t.item() if hasattr(t, "item") else t
-              for t, _ in generate_step(mx.array(prompt), model, max_tokens=24, sampler=sampler)]
-    assert ours == theirs and len(set(ours)) > 1
+
+    def text(block_size, seed=params.seed, **kw):
+        p = SamplingParams(params.temp, params.top_p, params.top_k, params.min_p, seed)
+        return [t for ev in dflash_mlx.stream_generate(pair, prompt, max_tokens=24, sampling=p, block_size=block_size,
+                                                       **kw) for t in ev.tokens]
+
+    plain = text(1)
+    assert len(set(plain)) > 1
+    for block_size in (2, 3, BLOCK, "auto"):
+        assert text(block_size) == plain, block_size
+    assert text(BLOCK, draft_source=FixedLookup(pair, [2, 3, 1])) == plain
+    mixed = ScriptedWidths([Plan(1), Plan(BLOCK), Plan(2), Plan(BLOCK, 2), Plan(1), Plan(3)])
+    assert text(mixed, draft_source=FixedLookup(pair, [2, 3, 1])) == plain
+    penalty = {"repetition_penalty": 1.5, "repetition_context_size": 8}
+    processed = text(1, logits_processors=sampling.make_processors(penalty))
+    assert text(BLOCK, logits_processors=sampling.make_processors(penalty)) == processed
+    assert text(1, seed=params.seed + 100) != plain
 
 
 def test_invalid_sampling_settings():

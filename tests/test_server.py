@@ -120,33 +120,46 @@ def metric(url, name):
 
 
 def test_requests_that_queue_up_are_decoded_together(client, served):
-    """Greedy requests that arrive while another runs are batched: one target pass per
-    cycle for all of them, each answer what it is alone (streamed or not, stop strings too)."""
+    """Requests that arrive while another runs are batched: one target pass per cycle for all
+    of them, each answer what it is alone, streamed or not: greedy, sampled with a seed,
+    with penalties and logit bias, with log probabilities and with stop strings."""
     pair, url = served
     prompts = ["class Stack:", "def fib(n):", "import os", "while True:", "x = [1, 2, 3]", "print('hi')"]
-    want = {p: dflash_mlx.generate(pair, p, max_tokens=20)[0] for p in prompts}
-    stop = want[prompts[1]][5:8]
-    cut = want[prompts[1]][: want[prompts[1]].index(stop)]
+    asks = [{"temperature": 0}, {"temperature": 0}, {"temperature": 0.8, "seed": 4},
+            {"temperature": 0, "frequency_penalty": 0.8, "logit_bias": {"17": 3}},
+            {"temperature": 1.1, "top_p": 0.9, "seed": 5, "presence_penalty": 0.5},
+            {"temperature": 0, "logprobs": 2}]
+
+    def ask(i, stream, **kw):
+        r = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=20, stream=stream, **asks[i], **kw)
+        if not stream:
+            return r.choices[0].text, r.choices[0].logprobs
+        chunks = list(r)
+        return "".join(c.choices[0].text for c in chunks), None
+
+    want = [ask(i, False) for i in range(len(prompts))]  # one at a time: each runs alone
+    stop = want[1][0][5:8]
+    cut = want[1][0][: want[1][0].index(stop)]
     before = metric(url, "batch_cycles_total"), metric(url, "batch_sequences_total")
     results, errors = {}, []
 
-    def ask(i):
-        p = prompts[i]
+    def run(i):
         try:
-            kw = dict(stop=[stop]) if i == 1 else {}
-            r = client.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0, stream=i % 2 == 0,
-                                          **kw)
-            results[i] = "".join(c.choices[0].text for c in r) if i % 2 == 0 else r.choices[0].text
+            results[i] = ask(i, i % 2 == 0 and i != 5, **(dict(stop=[stop]) if i == 1 else {}))
         except Exception as e:  # collected and reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
     assert not errors
-    assert results == {i: cut if i == 1 else want[p] for i, p in enumerate(prompts)}
+    assert {i: text for i, (text, _) in results.items()} == {
+        i: cut if i == 1 else text for i, (text, _) in enumerate(want)}
+    lps, alone = results[5][1], want[5][1]
+    assert lps.tokens == alone.tokens and len(lps.top_logprobs[0]) == 2
+    assert all(abs(a - b) < 1e-3 for a, b in zip(lps.token_logprobs, alone.token_logprobs))
     cycles = metric(url, "batch_cycles_total") - before[0]
     rows = metric(url, "batch_sequences_total") - before[1]
     assert cycles > 0 and rows / cycles > 1.5  # several requests per target pass
@@ -380,11 +393,12 @@ def start_long_request(url):
     return before, sock
 
 
-def test_disconnect_before_a_complete_answer_stops_generation(served, client):
+def test_disconnect_before_a_complete_answer_stops_generation(served, client, monkeypatch):
     """A non-streaming client that hangs up, while generating or while queued, cancels its job."""
     url = served[1]
+    # As for a target that cannot be batched: the second request waits in the queue.
+    monkeypatch.setattr(ENGINES["served"], "batch_width", None)
     before, running = start_long_request(url)
-    # Sampled: it cannot join the running (greedy) request's batch, so it waits in the queue.
     queued = send_raw_request(url, {**LONG, "prompt": "import math", "temperature": 0.7})
     wait_for(url, lambda h: h["queued"] == 1)
     queued.close()

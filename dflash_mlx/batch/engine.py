@@ -1,4 +1,4 @@
-"""Greedy speculative decoding of several sequences at once.
+"""Speculative decoding of several sequences at once.
 
 Each cycle drafts every active sequence's block (the drafter, per sequence) and
 verifies all of them in one target pass over a [B, width] block; each sequence
@@ -6,8 +6,12 @@ keeps its own longest agreeing prefix plus the target's token, and its caches
 are cropped on their own (`RaggedKVCache.crop`: no copy). One host
 synchronisation per cycle reads every sequence's acceptance. A sequence joins
 after its own prefill (its caches are merged into the batch's) and leaves when
-it finishes (its rows are dropped). Output is each sequence's greedy decoding:
-the same tokens as decoding it alone.
+it finishes (its rows are dropped).
+
+Each sequence keeps its own sampling settings, logits processors and log
+probabilities. A greedy one gets the tokens it gets alone; a sampled one draws
+with `sampling.Draws` (its seed's, or a random word's), whose tokens do not
+depend on the widths: a seeded request gets the text it gets alone.
 """
 
 from dataclasses import dataclass, field
@@ -19,8 +23,8 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
-from ..sampling import SamplingParams
-from ..decode.passes import PREFILL_STEP, caught_up, draft, joined, prefill
+from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs
+from ..decode.passes import PREFILL_STEP, caught_up, draft, joined, logprob_rows, prefill, token_logprobs
 from ..decode.request import HELD_TAPS
 from .cache import RaggedKVCache
 
@@ -45,6 +49,15 @@ def batch_width(pair, block_size) -> Optional[int]:
 
 
 @dataclass
+class Asks:
+    """How a sequence wants its tokens picked."""
+
+    params: SamplingParams = GREEDY
+    processors: Sequence = ()  # mlx-lm logits processors (penalties, logit bias)
+    logprobs: Optional[int] = None  # with each token its log probability and this many top tokens
+
+
+@dataclass
 class Running:
     """One sequence of the batch: what its next cycle starts from."""
 
@@ -56,6 +69,26 @@ class Running:
     taps: list = field(default_factory=list)  # target taps the drafter has not read yet (lazy)
     generated: int = 0
     history: List[int] = field(default_factory=list)  # prompt and committed tokens (for the prompt cache)
+    params: SamplingParams = GREEDY
+    proc: Processed = field(default_factory=lambda: Processed([], ()))
+    draws: Optional[Draws] = None  # a sampled sequence's draws
+    top: Optional[int] = None  # `Asks.logprobs`
+
+    def noise(self, n: int) -> Optional[mx.array]:
+        return None if self.draws is None else self.draws.noise(n)
+
+    def pick(self, logits: mx.array, drafts: Optional[mx.array], noise: Optional[mx.array]):
+        """Its tokens after each row of `logits` [n, V] of [last, drafts] (and their log probabilities)."""
+        if self.proc:
+            logits = self.proc(logits, drafts) if drafts is not None else self.proc.row(logits)
+        picks = choose(logits, self.params, noise)
+        return picks, None if self.top is None else token_logprobs(logits, picks, self.top)
+
+    def commit(self, tokens: List[int]) -> None:
+        self.history += tokens
+        self.proc.commit(mx.array(tokens))
+        if self.draws is not None:
+            self.draws.advance(len(tokens))
 
 
 @dataclass
@@ -66,6 +99,7 @@ class Committed:
     tokens: List[int]
     finish: Optional[str] = None  # "stop" (EOS) or "length"
     accepted: int = 0  # draft tokens the target accepted
+    logprobs: Optional[list] = None  # per token (log probability, [(token, log probability)] best first)
 
 
 class BatchDecoder:
@@ -94,9 +128,10 @@ class BatchDecoder:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def add(self, prompt: Sequence[int], max_tokens: int, source=None) -> Committed:
+    def add(self, prompt: Sequence[int], max_tokens: int, source=None, asks: Optional[Asks] = None) -> Committed:
         """Prefill `prompt` alone, then join the batch; its first token (and whether it already ended).
-        `source`: the sequence's own draft source (default: the pair's drafter)."""
+        `source`: the sequence's own draft source (default: the pair's drafter); `asks`: how its
+        tokens are picked (default: greedy)."""
         if not prompt:
             raise DFlashError("The prompt is empty.")
         if self.window and len(prompt) > self.window:
@@ -107,32 +142,34 @@ class BatchDecoder:
             tcache, dstate, reused = self.prompt_cache.fetch(self.target, source, prompt)
         logits, taps = prefill(self.target, source, dstate, mx.array(prompt[reused:]), tcache, PREFILL_STEP,
                                taps=self.width > 1, skip=True, before=reused)
-        last = mx.argmax(logits[None], axis=-1).astype(mx.uint32)
-        mx.eval(last, [c.state for c in tcache])
-        seq, out = self._start(prompt, max_tokens, source, dstate, last, taps)
+        seq = self._running(prompt, max_tokens, source, dstate, taps, asks)
+        last, lps = seq.pick(logits[None], None, seq.noise(1))
+        mx.eval(last, lps, [c.state for c in tcache])
+        out = self._start(seq, prompt, last, lps)
         if out.finish is None:
             self._join(seq, tcache)
         return out
 
     def add_many(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
-                 sources: Optional[Sequence] = None) -> List[Committed]:
+                 sources: Optional[Sequence] = None, asks: Optional[Sequence[Asks]] = None) -> List[Committed]:
         """`add` for several prompts, prefilled in one target pass where they are short
         (`BATCH_PREFILL` tokens in all): right-padded to the longest, each sequence's
         padding cropped after. Long prompts go one at a time, in chunks."""
         sources = list(sources or [None] * len(prompts))
+        asks = list(asks or [None] * len(prompts))
         if self.prompt_cache is not None and len(prompts) > 1:  # a cached prefix beats a shared pass
             cached = [self.prompt_cache.reach(self.target, s or self.source, p) > 0
                       for p, s in zip(prompts, sources)]
             if any(cached):
                 fresh = [i for i, c in enumerate(cached) if not c]
                 out = dict(zip(fresh, self.add_many([prompts[i] for i in fresh], [max_tokens[i] for i in fresh],
-                                                    [sources[i] for i in fresh])))
+                                                    [sources[i] for i in fresh], [asks[i] for i in fresh])))
                 for i in (i for i, c in enumerate(cached) if c):
-                    out[i] = self.add(prompts[i], max_tokens[i], sources[i])
+                    out[i] = self.add(prompts[i], max_tokens[i], sources[i], asks[i])
                 return [out[i] for i in range(len(prompts))]
         lens = [len(p) for p in prompts]
         if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0:
-            return [self.add(p, m, s) for p, m, s in zip(prompts, max_tokens, sources)]
+            return [self.add(*a) for a in zip(prompts, max_tokens, sources, asks)]
         if self.window and max(lens) > self.window:
             raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
         n, L = len(prompts), max(lens)
@@ -143,13 +180,16 @@ class BatchDecoder:
         logits, hidden = self.target(block, cache, taps=self.width > 1, rows=mx.array(lens) - 1)
         for c in cache:
             c.crop([L - k for k in lens])
-        lasts = mx.argmax(logits[:, 0], axis=-1).astype(mx.uint32)
-        mx.eval(lasts, [c.state for c in cache])
-        out, keep, joined_seqs = [], [], []
-        for b, (p, m, source) in enumerate(zip(prompts, max_tokens, sources)):
+        seqs, picked = [], []
+        for b, (p, m, source, a) in enumerate(zip(prompts, max_tokens, sources, asks)):
             source = source or self.source
             taps = [hidden[b : b + 1, : lens[b]]] if self.width > 1 else []
-            seq, c = self._start(p, m, source, source.new_state(), lasts[b : b + 1], taps)
+            seqs.append(self._running(p, m, source, source.new_state(), taps, a))
+            picked.append(seqs[-1].pick(logits[b], None, seqs[-1].noise(1)))
+        mx.eval(picked, [c.state for c in cache])
+        out, keep, joined_seqs = [], [], []
+        for b, (p, seq) in enumerate(zip(prompts, seqs)):
+            c = self._start(seq, p, *picked[b])
             out.append(c)
             if c.finish is None:
                 keep.append(b)
@@ -165,24 +205,36 @@ class BatchDecoder:
             self.seqs += joined_seqs
         return out
 
-    def _start(self, prompt, max_tokens: int, source, dstate, last: mx.array, taps: list):
-        """A prefilled sequence (its first token `last`, evaluated) and that token's `Committed`;
-        its budget stops at the model's window."""
+    def _running(self, prompt, max_tokens: int, source, dstate, taps: list, asks: Optional[Asks]) -> Running:
+        """A sequence about to draw its first token; its budget stops at the model's window."""
+        asks = asks or Asks()
         if self.window:
             max_tokens = min(max_tokens, self.window - len(prompt) + 1)
-        seq = Running(next(self._uids), max_tokens, source, dstate, last, taps)
-        out = Committed(seq.uid, last.tolist())
+        draws = None if asks.params.greedy else Draws(asks.params.seed, len(prompt), self.target.vocab_size)
+        return Running(next(self._uids), max_tokens, source, dstate, None, taps, params=asks.params,
+                       proc=Processed(asks.processors, prompt), draws=draws, top=asks.logprobs)
+
+    def _start(self, seq: Running, prompt, last: mx.array, lps) -> Committed:
+        """The sequence's first token `last` (evaluated, and its log probabilities): its `Committed`."""
+        seq.last = last
+        out = Committed(seq.uid, last.tolist(), logprobs=lps and logprob_rows(lps, 1))
         out.finish = self._finish(seq, out)
-        seq.history = list(prompt) + out.tokens
-        source.commit(dstate, seq.history)
-        return seq, out
+        seq.history = list(prompt)
+        seq.commit(out.tokens)
+        seq.source.commit(seq.dstate, seq.history)
+        return out
 
     def adopt(self, tcache: list, source, dstate, last: mx.array, taps: list, max_tokens: int,
-              generated: int, history: Sequence[int] = ()) -> int:
+              generated: int, history: Sequence[int] = (), params: SamplingParams = GREEDY,
+              proc: Optional[Processed] = None, draws: Optional[Draws] = None, top: Optional[int] = None) -> int:
         """Take in a sequence another loop decoded so far (its caches hold every committed
         token but `last`; `generated` of its `max_tokens` are committed; `history`: its
-        prompt and those tokens); its uid."""
-        seq = Running(next(self._uids), max_tokens, source, dstate, last, list(taps), generated, list(history))
+        prompt and those tokens; `proc` has seen them, `draws` is past them: a sampled
+        sequence without draws gets a random word's); its uid."""
+        if draws is None and not params.greedy:
+            draws = Draws(None, len(history), self.target.vocab_size)
+        seq = Running(next(self._uids), max_tokens, source, dstate, last, list(taps), generated, list(history),
+                      params, proc or Processed([], ()), draws, top)
         self._join(seq, tcache)
         return seq.uid
 
@@ -202,31 +254,33 @@ class BatchDecoder:
             return []
         w = self.width if width is None else max(1, min(width, self.width))
         lasts = mx.concatenate([s.last for s in self.seqs])
+        noises = [s.noise(w) for s in self.seqs]
+        drafts = None
         if w > 1:
-            drafts = mx.stack([self._draft(s, w) for s in self.seqs])
+            drafts = mx.stack([self._draft(s, w, n) for s, n in zip(self.seqs, noises)])
             block = mx.concatenate([lasts[:, None], drafts], axis=1)
         else:
             block = lasts[:, None]
         logits, hidden = self.target(block, self.cache, taps=self.width > 1)
-        picks = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        picks, lps = self._pick(logits, drafts, noises)
         if w > 1:
-            accepted = mx.cumprod(drafts == picks[:, :-1], axis=1).sum(axis=1)
+            accepted = agreeing(drafts, picks)
         else:
             accepted = mx.zeros((len(self.seqs),), mx.uint32)
-        mx.eval(accepted, picks, block)  # the cycle's one host synchronisation
+        mx.eval(accepted, picks, block, lps)  # the cycle's one host synchronisation
         acc, pk, blk = accepted.tolist(), picks.tolist(), block.tolist()
         out, keep, drops = [], [], []
         for b, seq in enumerate(self.seqs):
             a = acc[b]
             tokens = blk[b][1 : 1 + a] + [pk[b][a]]
-            c = Committed(seq.uid, tokens, accepted=a)
+            c = Committed(seq.uid, tokens, accepted=a, logprobs=lps[b] and logprob_rows(lps[b], a + 1))
             c.finish = self._finish(seq, c)
             out.append(c)
             # The caches keep [last, accepted drafts]: a row per committed token but the newest;
             # a finished sequence's, a row per token it committed (its history but the last token).
             rows = a + 1 if c.finish is None else len(c.tokens)
             drops.append(w - rows)
-            seq.history += c.tokens
+            seq.commit(c.tokens)
             if self.width > 1 and rows:
                 seq.taps.append(hidden[b : b + 1, :rows])
                 if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
@@ -267,17 +321,31 @@ class BatchDecoder:
                 c.filter(keep)
             self.seqs = [self.seqs[b] for b in keep]
 
-    def _draft(self, seq: Running, width: int) -> mx.array:
+    def _draft(self, seq: Running, width: int, noise: Optional[mx.array]) -> mx.array:
         hidden = joined(caught_up(seq.source, seq.dstate, seq.taps)) if seq.taps else None
         seq.taps = []
-        return draft(seq.source, seq.dstate, seq.last, hidden, width, GREEDY).tokens
+        return draft(seq.source, seq.dstate, seq.last, hidden, width, seq.params, proc=seq.proc or None,
+                     noise=None if noise is None else noise[:-1]).tokens
+
+    def _pick(self, logits: mx.array, drafts: Optional[mx.array], noises: list):
+        """Each sequence's tokens after each row of `logits` [B, w, V] (and per sequence its
+        log probabilities, or None): greedy sequences with nothing to process in one op."""
+        if all(s.params.greedy and not s.proc and s.top is None for s in self.seqs):
+            return mx.argmax(greedy_log_probs(logits), axis=-1).astype(mx.uint32), [None] * len(self.seqs)
+        picked = [s.pick(logits[b], None if drafts is None else drafts[b], noises[b])
+                  for b, s in enumerate(self.seqs)]
+        return mx.stack([p for p, _ in picked]), [lp for _, lp in picked]
 
     def _finish(self, seq: "Running", c: Committed) -> Optional[str]:
-        """Cut `c`'s tokens at the budget and at EOS; the finish reason, if this ends the sequence."""
+        """Cut `c`'s tokens (and log probabilities) at the budget and at EOS; the finish
+        reason, if this ends the sequence."""
         c.tokens = c.tokens[: seq.max_tokens - seq.generated]
         seq.generated += len(c.tokens)
+        finish = "length" if seq.generated >= seq.max_tokens else None
         for i, t in enumerate(c.tokens):
             if t in self.eos:
-                c.tokens = c.tokens[:i]
-                return "stop"
-        return "length" if seq.generated >= seq.max_tokens else None
+                c.tokens, finish = c.tokens[:i], "stop"
+                break
+        if c.logprobs is not None:
+            c.logprobs = c.logprobs[: len(c.tokens)]
+        return finish

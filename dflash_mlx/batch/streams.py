@@ -2,14 +2,24 @@
 stats, handed back as the same `GenerationEvent`s `stream_generate` gives."""
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
 from ..decode.events import GenerationEvent, GenerationStats
 from ..decode.request import HandOver, TextStream, check_prompt
 from ..machine import peak_memory_gb
 from ..policy.batch import BatchWidths
-from .engine import BatchDecoder, Committed
+from .engine import Asks, BatchDecoder, Committed
+
+
+@dataclass
+class Joining:
+    """A request about to join the batch."""
+
+    prompt: List[int]
+    max_tokens: int
+    stop: Sequence[str] = ()
+    asks: Asks = field(default_factory=Asks)
 
 
 @dataclass
@@ -33,26 +43,26 @@ class BatchStreams:
     def __len__(self) -> int:
         return len(self.decoder)
 
-    def add_many(self, requests: Sequence[Tuple[Sequence[int], int, Sequence[str]]]
-                 ) -> List[Tuple[int, GenerationEvent]]:
-        """Prefill (prompt, max_tokens, stop) requests, together where short, and let them join;
-        each one's uid and first event (which may be its last)."""
-        for prompt, _, _ in requests:
-            check_prompt(prompt, self.pair.target)
+    def add_many(self, requests: Sequence[Joining]) -> List[Tuple[int, GenerationEvent]]:
+        """Prefill the requests, together where short, and let them join; each one's uid and
+        first event (which may be its last)."""
+        for r in requests:
+            check_prompt(r.prompt, self.pair.target)
         tic = time.perf_counter()
-        firsts = self.decoder.add_many([r[0] for r in requests], [r[1] for r in requests])
-        prompt_tps = sum(len(r[0]) for r in requests) / (time.perf_counter() - tic)
+        firsts = self.decoder.add_many([r.prompt for r in requests], [r.max_tokens for r in requests],
+                                       asks=[r.asks for r in requests])
+        prompt_tps = sum(len(r.prompt) for r in requests) / (time.perf_counter() - tic)
         out = []
-        for (prompt, _, stop), first in zip(requests, firsts):
-            stats = GenerationStats(prompt_tokens=len(prompt), prompt_tps=prompt_tps)
-            self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, stop), stats, time.perf_counter())
+        for r, first in zip(requests, firsts):
+            stats = GenerationStats(prompt_tokens=len(r.prompt), prompt_tps=prompt_tps)
+            self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, r.stop), stats, time.perf_counter())
             out.append((first.uid, self._event(first, 0, first=True)))
         return out
 
     def adopt(self, h: HandOver) -> int:
         """Go on with a request another loop started (`stream_generate(hand_over=...)`); its uid."""
         uid = self.decoder.adopt(h.tcache, h.source, h.dstate, h.last, h.taps, h.max_tokens, h.generated,
-                                 h.history)
+                                 h.history, h.params, h.proc, h.draws, h.top)
         self.streams[uid] = _Stream(h.text, h.stats, h.tic)
         return uid
 
@@ -83,10 +93,11 @@ class BatchStreams:
 
     def _event(self, c: Committed, accepted: int, first: bool = False) -> GenerationEvent:
         s = self.streams[c.uid]
-        tokens, finish = c.tokens, c.finish
+        tokens, finish, lps = c.tokens, c.finish, c.logprobs
         segment, kept, stopped = s.text.add(tokens, final=finish is not None)
         if stopped:
             tokens, finish = tokens[:kept], "stop"
+            lps = lps and lps[:kept]
             s.stats.stop_sequence = s.text.matched
             self.decoder.remove(c.uid)
         stats = s.stats
@@ -97,4 +108,4 @@ class BatchStreams:
         stats.finish_reason = finish
         if finish is not None:
             self.streams.pop(c.uid)
-        return GenerationEvent(segment, tokens, accepted, stats, finish)
+        return GenerationEvent(segment, tokens, accepted, stats, finish, lps)

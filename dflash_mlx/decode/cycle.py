@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from .. import tree as trees
 from ..policy.plan import Outcome
-from ..sampling import Processed, SamplingParams
+from ..sampling import Draws, Processed, SamplingParams
 from .passes import Draft, TreeVerified, logprob_rows, step, verify, verify_tree
 
 
@@ -32,6 +32,17 @@ class Decoding:
     proc: Processed  # logits processors, each committed token fed to them
     top: Optional[int] = None  # with `logprobs=k`: the k most likely tokens at each position
     tapped: bool = True  # plain steps compute taps: the request keeps the drafter's context
+    draws: Optional[Draws] = None  # a seeded sampled request's draws (None: rejection sampling)
+
+    def noise(self, n: int) -> Optional[mx.array]:
+        """The next n positions' draws (`Draws.noise`), None without a seed."""
+        return None if self.draws is None else self.draws.noise(n)
+
+    def commit(self, tokens: mx.array, n: int) -> None:
+        """n tokens committed: the logits processors see them, the draws move past them."""
+        self.proc.commit(tokens)
+        if self.draws is not None:
+            self.draws.advance(n)
 
 
 class PlainStep:
@@ -40,9 +51,10 @@ class PlainStep:
     `generate_step` does."""
 
     def __init__(self, d: Decoding, last: mx.array):
-        self.pending = step(d.target, d.tcache, last, d.params, top=d.top, proc=d.proc, taps=d.tapped)
+        self.pending = step(d.target, d.tcache, last, d.params, top=d.top, proc=d.proc, taps=d.tapped,
+                            noise=d.noise(1))
         mx.async_eval(self.pending)
-        d.proc.commit(self.pending.token)
+        d.commit(self.pending.token, 1)
         self.token = self.pending.token
 
     def settle(self, also: Sequence = ()) -> Outcome:
@@ -58,10 +70,12 @@ class LinearCycle:
     prefix (greedy) or the rejection sampler's (sampling) and one token of the
     target's own. With `keep`, the block's logits stay for the proposal scales."""
 
-    def __init__(self, d: Decoding, last: mx.array, proposal: Draft, width: int, keep: bool = False):
+    def __init__(self, d: Decoding, last: mx.array, proposal: Draft, width: int, keep: bool = False,
+                 noise: Optional[mx.array] = None):
+        """`noise`: with a seeded request's draws, the rows [width, V] the proposal was drawn with."""
         self.d, self.width, self.dtype = d, width, last.dtype
         self.verified = verify(d.target, d.tcache, last, proposal.tokens, proposal.q_lp, d.params, top=d.top,
-                               proc=d.proc, keep=keep)._replace(alternatives=proposal.alternatives)
+                               proc=d.proc, keep=keep, noise=noise)._replace(alternatives=proposal.alternatives)
         mx.async_eval(self.verified)
 
     def settle(self, also: Sequence = ()) -> Outcome:
@@ -77,7 +91,7 @@ class LinearCycle:
         missed = None
         if v.alternatives is not None and accepted < n:
             missed = trees.missed(values[n + 2 :], v.alternatives.shape[1], accepted + 1, tokens[-1])
-        self.d.proc.commit(mx.array(tokens))
+        self.d.commit(mx.array(tokens), len(tokens))
         self.cut(accepted)
         hidden = v.hidden if v.hidden.shape[1] == accepted + 1 else v.hidden[:, : accepted + 1]
         return Outcome(accepted, tokens, v.token.reshape(1).astype(self.dtype), hidden,

@@ -11,7 +11,7 @@ from .. import tree as trees
 from ..kernels import verify_accept
 from ..lookup import point_masses
 from ..policy.proposal import rescale
-from ..sampling import Processed, SamplingParams, greedy_log_probs, log_probs, pick
+from ..sampling import Processed, SamplingParams, agreeing, choose, greedy_log_probs, log_probs, pick
 
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk: mlx-lm's prefill_step_size
@@ -94,10 +94,12 @@ class Draft(NamedTuple):
 
 def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copied: Sequence[int] = (),
           proc: Optional[Processed] = None, alternatives: bool = False,
-          scales: Optional[Sequence[float]] = None) -> Draft:
+          scales: Optional[Sequence[float]] = None, noise: Optional[mx.array] = None) -> Draft:
     """Draft tokens for a cycle of `width`, their log probabilities when
     sampling and, with `alternatives` (greedy, nothing copied), the drafter's
-    2nd and 3rd choices at each position.
+    2nd and 3rd choices at each position. With `noise` (a seeded request's
+    `sampling.Draws` rows [width - 1, V]) a sampled draft is drawn with its
+    position's noise, and no log probabilities are kept (verifying compares tokens).
 
     `copied` tokens (a lookup's) take the first positions, each a certain
     draft (a point mass); the drafter fills the rest, and is not run when
@@ -107,17 +109,18 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
     """
     alts = None
     tokens, qs, n = [], [], len(copied)
+    kept = not params.greedy and noise is None  # the proposal's log probabilities, for rejection sampling
     if n:
         tokens.append(mx.array(copied, dtype=mx.uint32))
-        if not params.greedy:
+        if kept:
             qs.append(point_masses(tokens[0], source.vocab_size))
     path = None
     if n < width - 1:
         path = source.propose_path(dstate, last, hidden, width, params, copied, proc.row if proc else None,
-                                   scales)
+                                   scales, noise)
     if path is not None:  # the source drew each position after the ones before it
         tokens.append(path[0])
-        if not params.greedy:
+        if kept:
             qs.append(path[1])
     elif n < width - 1:
         logits = source.propose(dstate, last, hidden, width)[n:]
@@ -130,12 +133,14 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
                 row = proc.row(logits[i : i + 1], before)
             if params.greedy:
                 tokens.append(mx.argmax(row, axis=-1).astype(mx.uint32))
+            elif noise is not None:
+                tokens.append(choose(row, params, noise[n + i : n + i + 1]))
             else:
                 lp = log_probs(row, params)
                 qs.append(lp if scales is None else rescale(lp, scales[n + i]))
                 tokens.append(mx.random.categorical(qs[-1]).astype(mx.uint32))
     tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
-    if params.greedy:
+    if not kept:
         return Draft(tokens, None, alts)
     return Draft(tokens, qs[0] if len(qs) == 1 else mx.concatenate(qs), alts)
 
@@ -176,14 +181,21 @@ def logprob_rows(values, n: int):
 
 
 def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Optional[int] = None,
-           proc: Optional[Processed] = None, keep: bool = False) -> Verified:
+           proc: Optional[Processed] = None, keep: bool = False, noise: Optional[mx.array] = None) -> Verified:
     """One target pass over [last, tokens]: accepted count, next token, taps
     (and with `top`, the log probabilities of the tokens it commits; with
-    `keep`, the block's logits and `q_lp`)."""
+    `keep`, the block's logits and `q_lp`). With `noise` (a seeded request's
+    `sampling.Draws` rows [width, V]) the drafts are checked against the
+    target's draws at their positions."""
     block = mx.concatenate([last, tokens])
     logits, hidden = target(block[None], tcache, record=True)
     logits = logits[None, 0] if not proc else proc(logits[0], tokens)[None]
-    accepted, nxt = verify_accept(tokens, logits[0], params, q_lp)
+    if noise is None:
+        accepted, nxt = verify_accept(tokens, logits[0], params, q_lp)
+    else:
+        picks = choose(logits[0], params, noise)
+        accepted = agreeing(tokens, picks)
+        nxt = picks[accepted]
     lps = None
     if top is not None:
         rows = mx.arange(block.shape[0])
@@ -195,16 +207,17 @@ def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Opti
 
 
 def step(target, tcache, last, params: SamplingParams, record: bool = False, top: Optional[int] = None,
-         proc: Optional[Processed] = None, taps: bool = True) -> Stepped:
+         proc: Optional[Processed] = None, taps: bool = True, noise: Optional[mx.array] = None) -> Stepped:
     """One plain decoding step, as mlx-lm's: the token after `last`, and the
     taps as a tuple of the tapped layers' outputs (None with `taps=False`):
     `joined` concatenates a run of steps' taps at once when the drafter reads them.
+    With `noise` (a seeded request's `sampling.Draws` row [1, V]) the token is that draw.
 
     The loop records nothing for a rollback: a plain step is never cropped.
     """
     logits, hidden = target(last[None], tcache, record=record, taps="layers" if taps else False)
     logits = logits[0, -1:] if not proc else proc.row(logits[0, -1:])
-    token = pick(logits, params)
+    token = pick(logits, params) if noise is None else choose(logits, params, noise)
     return Stepped(token, hidden, None if top is None else token_logprobs(logits, token, top))
 
 

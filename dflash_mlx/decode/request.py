@@ -17,7 +17,7 @@ from ..errors import DFlashError
 from ..machine import peak_memory_gb
 from ..prompt_cache import can_trim, snapshot
 from ..policy.proposal import FixedScale, ProposalScales, reached_gains
-from ..sampling import Processed, SamplingParams, pick
+from ..sampling import Draws, Processed, SamplingParams, choose, pick
 from .cycle import Decoding, LinearCycle, PlainStep, TreeCycle
 from .events import GenerationEvent, GenerationStats
 from .passes import caught_up, draft, draft_tree, joined, logprob_rows, prefill, token_logprobs
@@ -114,7 +114,7 @@ def check_prompt(prompt: Sequence[int], target) -> None:
                           "(max_position_embeddings); shorten the prompt.")
 
 
-def proposal_scaler(pair, source, params: SamplingParams, proposal_scale, seeded: bool):
+def proposal_scaler(pair, source, params: SamplingParams, proposal_scale):
     """The request's proposal scales (`policy/proposal.py`): an object's, a fixed number,
     or 'auto': the pair's learned ones for its own drafter, fresh ones otherwise."""
     if isinstance(proposal_scale, (int, float)):
@@ -125,7 +125,7 @@ def proposal_scaler(pair, source, params: SamplingParams, proposal_scale, seeded
         scaler = pair.proposal_scales(params)  # the pair's drafter keeps them across requests
     else:
         scaler = ProposalScales(source.block_size - 1)
-    return scaler.start(seeded=seeded)
+    return scaler
 
 
 @dataclass
@@ -144,6 +144,10 @@ class HandOver:
     stats: GenerationStats
     tic: float  # when its first token was committed
     history: List[int]  # the prompt and the committed tokens
+    params: SamplingParams
+    proc: Processed  # its logits processors, which have seen `history`
+    draws: Optional[Draws]  # a seeded request's draws, past `history`
+    top: Optional[int]  # with log probabilities: how many top tokens
 
 
 class Request:
@@ -171,8 +175,6 @@ class Request:
         # no taps, no drafter context, no n-gram index.
         plain = isinstance(policy, FixedWidth) and policy.plan == PLAIN and prompt_cache is None
         self.lookup = lookup and not plain
-        if params.seed is not None:
-            mx.random.seed(params.seed)
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.text = TextStream(tokenizer, stop)
 
@@ -188,20 +190,20 @@ class Request:
         if tree and branches and not trees.works(target):
             branches = 0
         self.branches = branches
-        # A seeded sampled request's widths (and so its random draws) depend on nothing
-        # earlier requests left behind; a greedy one's text does not depend on its widths.
-        seeded = params.seed is not None and not params.greedy
-        self.run = policy.start(seeded=seeded, branches=branches)
+        self.run = policy.start(branches=branches)
         self.learn = self.run.learns_branches
         # The drafter's context (the target's taps) is kept only where a drafted cycle could pay: a
         # sizer on a cost curve where even every draft accepted would not never drafts in this request.
         self.drafter = not plain and (prompt_cache is not None
                                       or self.run.drafter_pays(len(prompt), len(prompt) + max_tokens))
+        # A seed fixes the text, whatever the widths (`sampling.Draws`); without one, rejection sampling.
+        seeded = params.seed is not None and not params.greedy
+        draws = Draws(params.seed, len(prompt), target.vocab_size) if seeded else None
         self.scaler = None
-        if not params.greedy and self.drafter:
-            self.scaler = proposal_scaler(pair, source, params, proposal_scale, seeded)
+        if not params.greedy and self.drafter and draws is None:
+            self.scaler = proposal_scaler(pair, source, params, proposal_scale)
         self.d = Decoding(target, source, dstate, tcache, params, Processed(logits_processors, prompt), logprobs,
-                          tapped=self.drafter)
+                          tapped=self.drafter, draws=draws)
         self.taps: list = []  # target taps of committed tokens not yet given to the drafter
         self.unseen = 0  # rows of them (what the drafter's next drafted cycle catches up on)
         self.history: List[int] = []  # prompt and committed tokens: the target's cache holds all but the last
@@ -219,8 +221,8 @@ class Request:
                                     before_last=None if trimmable else self.keep_at_prompt, taps=self.drafter,
                                     skip=True, before=self.reused)
         logits = d.proc.row(logits[None])[0] if d.proc else logits
-        last = pick(logits[None], self.params)
-        d.proc.commit(last)
+        last = pick(logits[None], self.params) if d.draws is None else choose(logits[None], self.params, d.noise(1))
+        d.commit(last, 1)
         lps = None if d.top is None else token_logprobs(logits[None], last, d.top)
         if lps is not None:
             mx.eval(last, lps)
@@ -281,10 +283,11 @@ class Request:
         if plan.branches:
             return TreeCycle(d, self.last, draft_tree(d.source, d.dstate, self.last, hidden, plan.width,
                                                       plan.branches))
+        noise = d.noise(plan.width)
         proposal = draft(d.source, d.dstate, self.last, hidden, plan.width, self.params, self.offer[: plan.copied],
-                         d.proc, self.learn, self.scales)
+                         d.proc, self.learn, self.scales, None if noise is None else noise[:-1])
         return LinearCycle(d, self.last, proposal, plan.width,
-                           keep=self.scales is not None and self.scaler.learning())
+                           keep=self.scales is not None and self.scaler.learning(), noise=noise)
 
     def step_ahead(self, cycle) -> Optional[PlainStep]:
         """While a plain step is in flight, the next cycle's plan; a plain step is
@@ -368,7 +371,8 @@ class Request:
             self.taps = []  # the drafter has read them
         d = self.d
         return HandOver(d.tcache, d.source, d.dstate, self.last, self.taps, self.max_tokens,
-                        self.stats.generation_tokens, self.text, self.stats, self.tic, self.history)
+                        self.stats.generation_tokens, self.text, self.stats, self.tic, self.history,
+                        self.params, d.proc, d.draws, d.top)
 
     def keep_caches(self, inflight) -> None:
         """Hand the caches to the prompt cache. A cycle still in flight has fed the

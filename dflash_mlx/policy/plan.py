@@ -72,9 +72,8 @@ class Policy(Protocol):
     def default_branches(self) -> int:
         """Tree branches a request weighs unless it says otherwise."""
 
-    def start(self, seeded: bool = False, branches: int = 0) -> Run:
-        """A run for one request: a `seeded` one must not depend on earlier requests; its cycles
-        may verify trees of up to `branches` branches."""
+    def start(self, branches: int = 0) -> Run:
+        """A run for one request, whose cycles may verify trees of up to `branches` branches."""
 
 
 class FixedWidth:
@@ -87,7 +86,7 @@ class FixedWidth:
     def __init__(self, width: int, branches: int = 0):
         self.plan = Plan(width, 0, branches if width > 1 else 0)
 
-    def start(self, seeded: bool = False, branches: int = 0) -> "FixedWidth":
+    def start(self, branches: int = 0) -> "FixedWidth":
         return self
 
     def choose(self, context: int, offer: Sequence[int] = (), unseen: int = 0, left: int = 0) -> Plan:

@@ -20,7 +20,6 @@ length is a sum of products of per-position rates, each largest at its own
 best scale.
 """
 
-import copy
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -78,18 +77,7 @@ class ProposalScales:
         self.decay, self.prior_weight = decay, prior_weight
         self.sums = np.zeros((positions, len(self.scales)))
         self.weight = np.zeros(positions)
-        self.cycles = 0  # drafted cycles asked `learning` (a seeded request's count starts at 0 too)
-
-    def start(self, seeded: bool = False) -> "ProposalScales":
-        """The statistics one request uses: these (shared across requests), or fresh ones
-        for a seeded request, whose draws must not depend on earlier requests."""
-        return copy.deepcopy(self).reset() if seeded else self
-
-    def reset(self) -> "ProposalScales":
-        self.sums[:] = 0
-        self.weight[:] = 0
-        self.cycles = 0
-        return self
+        self.cycles = 0  # drafted cycles asked `learning`
 
     def learning(self) -> bool:
         """Whether the next drafted cycle should be learned from (`reached_gains`)."""
@@ -135,9 +123,6 @@ class FixedScale:
 
     def __init__(self, scale: float):
         self.scale = float(scale)
-
-    def start(self, seeded: bool = False) -> "FixedScale":
-        return self
 
     def choose(self, n: int, start: int = 0) -> List[float]:
         return [self.scale] * n

@@ -207,7 +207,7 @@ class BlockSizer:
                  branch_prior: float = BRANCH_PRIOR):
         self.curve = curve
         self.explore = explore  # False: choose on the posterior means (no exploring)
-        self.rng = random.Random(0)  # seeds each unseeded run's own generator
+        self.rng = random.Random(0)  # seeds each run's own generator
         self.max_width = min(max_width, curve.max_width)
         self.prior, self.lookup_prior, self.weight, self.carry, self.stick = prior, lookup_prior, weight, carry, stick
         self.branch_prior, self.decay, self.half_life = branch_prior, decay, half_life
@@ -227,10 +227,10 @@ class BlockSizer:
         """Statistics with nothing in them, ageing by `clock` (default: every request's tokens)."""
         return AcceptanceStats(self.max_width, self.decay, self.half_life, clock or self.shared_clock)
 
-    def start(self, seeded: bool = False, branches: int = 0) -> "SizerRun":
+    def start(self, branches: int = 0) -> "SizerRun":
         """A run for a new request (`SizerRun`), whose cycles may verify trees of up to
         `branches` branches."""
-        return SizerRun(self, seeded, branches)
+        return SizerRun(self, branches)
 
     @property
     def default_branches(self) -> int:
@@ -283,27 +283,21 @@ class SizerRun:
     """One request's side of a `BlockSizer` (`policy.plan.Run`): its own statistics,
     which start from the shared ones and feed them, its random draws, the width it
     keeps, the lookup offer it is scoring and the plain steps it holds.
-
-    A seeded request starts from the prior alone, and draws its rates from a fixed
-    seed (Python's generator, not MLX's), so that its widths, and with them the
-    order its random numbers are drawn in, are the same whatever earlier requests
-    taught the shared statistics.
+    (Its widths never change a request's text: greedy picks and a seed's draws,
+    `sampling.Draws`, do not depend on them.)
     """
 
-    def __init__(self, sizer: BlockSizer, seeded: bool = False, branches: int = 0):
+    def __init__(self, sizer: BlockSizer, branches: int = 0):
         self.curve, self.max_width, self.explore = sizer.curve, sizer.max_width, sizer.explore
         self.prior, self.lookup_prior, self.branch_prior = sizer.prior, sizer.lookup_prior, sizer.branch_prior
         self.weight, self.stick = sizer.weight, sizer.stick
         self.sizer = sizer  # what every request learns goes to its statistics too
-        self.rng = random.Random(0 if seeded else sizer.rng.getrandbits(63))
+        self.rng = random.Random(sizer.rng.getrandbits(63))
         self.branches = min(branches, self.curve.tree_branches) if self.curve.tree else branches
         self.clock = Clock()  # tokens this request committed: its own statistics age by it
-        if seeded:
-            self.stats, self.lookup, self.alt = self._fresh(), {}, [self._fresh(), self._fresh()]
-        else:
-            self.stats = sizer.shared.capped(sizer.carry, self.clock)
-            self.lookup = {n: st.capped(sizer.carry, self.clock) for n, st in sizer.shared_lookup.items()}
-            self.alt = [st.capped(sizer.carry, self.clock) for st in sizer.shared_alt]
+        self.stats = sizer.shared.capped(sizer.carry, self.clock)
+        self.lookup = {n: st.capped(sizer.carry, self.clock) for n, st in sizer.shared_lookup.items()}
+        self.alt = [st.capped(sizer.carry, self.clock) for st in sizer.shared_alt]
         self.current = 0  # the drafter width chosen last
         self.pending: List[int] = []  # a lookup offer not yet compared with what was committed
         self.pending_order = 0
