@@ -34,7 +34,7 @@ from mlx_lm.models.rope_utils import initialize_rope as _mlx_lm_rope
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .errors import DFlashError
-from .kernels import backend, gdn_replay, gdn_verify, qmm_verify
+from .kernels import backend, gdn_replay, gdn_replay_each, gdn_verify, qmm_verify
 from .target_caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind
 
 
@@ -334,6 +334,13 @@ class TapedGatedDeltaNet(_Wrapper):
         cache[1] = gdn_replay(state0, k, gate, delta, keep) if keep else state0
         cache[0] = conv_input[:, keep : keep + g.conv_kernel_size - 1, :]
 
+    def rollback_each(self, cache, keeps: Sequence[int]):
+        """`rollback` for a batched block: sequence b keeps its first `keeps[b]` tokens."""
+        k, gate, delta, conv_input, state0 = self._taps.tape[self._index]
+        cache[1] = gdn_replay_each(state0, k, gate, delta, keeps)
+        rows = mx.array(keeps)[:, None] + mx.arange(self.inner.conv_kernel_size - 1)[None]
+        cache[0] = mx.take_along_axis(conv_input, rows[..., None], axis=1)
+
 
 def _mixer(layer: nn.Module) -> Optional[nn.Module]:
     """The Gated DeltaNet mixer of a decoder layer, if it has one the tape knows."""
@@ -579,6 +586,31 @@ class TargetAdapter:
             else:
                 c.trim(drop)
         self._taps.tape.clear()
+
+    def crop_each(self, cache, keeps: Sequence[int], width: int):
+        """`crop` for a batch (`batch.cache.RaggedKVCache` and batched recurrent states):
+        sequence b keeps the first `keeps[b]` of the last `width` positions; a pass that was
+        not recorded can only keep them all."""
+        drops = [width - k for k in keeps]
+        if any(drops):
+            for i, c in enumerate(cache):
+                if i in self._gdn:
+                    self._gdn[i].rollback_each(c, keeps)
+                else:
+                    c.crop(drops)
+        self._taps.tape.clear()
+
+    @property
+    def batchable(self) -> bool:
+        """Whether `batch.BatchDecoder` can decode several sequences of this target at once:
+        its caches are KV caches (made ragged) and Gated DeltaNet states (rolled back per
+        sequence by `crop_each`); sliding windows are not batched."""
+        return all(k in ("offset", "tape") for k in self._kinds.values())
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether a cropped pass must be recorded (`record=True`): the target has recurrent states."""
+        return bool(self._gdn)
 
     def keep_rows(self, cache, rows: Sequence[int], width: int):
         """After a tree pass over `width` tokens, keep the K/V rows of tokens

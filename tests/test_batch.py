@@ -86,7 +86,7 @@ TEXTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n\nd
          "class Stack:\n    def __init__(self):", "Once upon a time"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
 @pytest.mark.parametrize("width", [1, 3, 8])
 def test_batched_greedy_equals_each_prompt_alone(pairs, baselines, family, width):
     """Every sequence of the batch decodes exactly what mlx-lm's greedy decoding gives for it
@@ -102,7 +102,7 @@ def test_batched_greedy_equals_each_prompt_alone(pairs, baselines, family, width
         assert out == plain_greedy(baselines[family], p, 24, eos=eos)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
 @pytest.mark.parametrize("width", [4, 8])
 def test_each_sequence_is_cropped_at_its_own_rejection(pairs, baselines, family, width):
     """Drafts of the target's own continuation, each sequence corrupted on its own schedule
@@ -137,7 +137,7 @@ def test_each_sequence_is_cropped_at_its_own_rejection(pairs, baselines, family,
     assert {a for acc in accepted.values() for a in acc} == set(range(width))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
 def test_the_width_may_change_every_cycle(pairs, baselines, family):
     """Plain batched steps and drafted cycles of any width alternate; the drafter still reads
     every committed token's taps (plain steps' included) and the output is plain greedy."""
@@ -191,7 +191,7 @@ def test_the_batch_width_is_the_fastest_measured_at_each_batch_size():
     assert run(1, 8 * RETRY)[-20:].count(2) >= 18
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
 def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines, family):
     """A batch keeps each finished sequence in the prompt cache, and a later batch's requests
     that extend those conversations start from it: fewer tokens prefilled, the same output."""
@@ -226,17 +226,14 @@ def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines,
     assert cache.cached_tokens >= sum(len(p) + len(a) - 1 for p, a in zip(first, answers))
 
 
-def test_targets_with_other_caches_are_not_batched(pairs):
-    """A hybrid target's recurrent state is not batched here: the server runs its requests one at
-    a time (`batch_width` None), and the decoder says why."""
-    from dflash_mlx.batch.engine import BatchDecoder, batch_width
-    from dflash_mlx.errors import DFlashError
+def test_the_batch_width_follows_the_block_size(pairs):
+    """`batch_width`: the widest cycle a server's batches run (hybrid targets too); None where the
+    target cannot be batched (sliding windows: tests/test_families.py checks which families batch)."""
+    from dflash_mlx.batch.engine import batch_width
 
-    assert batch_width(pairs["qwen3_5"], "auto") is None
     assert batch_width(pairs["qwen3"], "auto") == min(8, pairs["qwen3"].draft_source.block_size)
+    assert batch_width(pairs["qwen3_5"], "auto") == min(8, pairs["qwen3_5"].draft_source.block_size)
     assert batch_width(pairs["qwen3"], 3) == 3
-    with pytest.raises(DFlashError, match="KV caches"):
-        BatchDecoder(pairs["qwen3_5"], 4)
 
 
 def run_streams(pair, joining, widths, join_at=None, width=8):
@@ -310,3 +307,43 @@ def test_sampled_penalised_and_logprob_requests_in_a_batch_equal_each_alone(pair
             assert abs(lp - lp2) < 1e-3 and [t for t, _ in top] == [t for t, _ in top2]
     assert batched[5][-1].finish_reason == "stop" and len([t for ev in batched[5] for t in ev.tokens]) < n
     assert len({tuple(t for ev in mine for t in ev.tokens) for mine in batched}) == len(cases)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family):
+    """`stream_generate(hand_over=...)` stops a running request at a cycle boundary and
+    `BatchStreams.adopt` goes on with it beside a newcomer: greedy and seeded sampled
+    requests (a hybrid's recurrent state included) give the text they give alone."""
+    import dflash_mlx
+    from dflash_mlx.batch.engine import Asks
+    from dflash_mlx.batch.streams import BatchStreams, Joining
+    from dflash_mlx.sampling import SamplingParams
+
+    pair = pairs[family]
+    for params in (SamplingParams(), SamplingParams(temp=0.9, top_k=30, seed=3)):
+        want = [t for ev in dflash_mlx.stream_generate(pair, TEXTS[0], max_tokens=30, sampling=params)
+                for t in ev.tokens]
+        other = [t for ev in dflash_mlx.stream_generate(pair, TEXTS[1], max_tokens=20) for t in ev.tokens]
+        cache = dflash_mlx.PromptCache(pair)
+        asked = []
+        run = dflash_mlx.stream_generate(pair, TEXTS[0], max_tokens=30, sampling=params, prompt_cache=cache,
+                                         hand_over=lambda: len(asked.append(1) or asked) >= 3)
+        got = []
+        while True:
+            try:
+                got += next(run).tokens
+            except StopIteration as done:
+                handed = done.value
+                break
+        assert handed is not None and 0 < len(got) < 30
+        streams = BatchStreams(pair, 4, prompt_cache=cache)
+        uid = streams.adopt(handed)
+        (new, first), = streams.add_many([Joining(pair.tokenizer.encode(TEXTS[1]), 20, asks=Asks())])
+        theirs = list(first.tokens)
+        while len(streams):
+            for u, ev in streams.step():
+                if u == uid:
+                    got += ev.tokens
+                else:
+                    theirs += ev.tokens
+        assert got == want and theirs == other, (family, params)

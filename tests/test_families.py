@@ -126,6 +126,7 @@ def test_lossless_at_every_block_size(fams, family):
     kinds = set(pair.target._kinds.values())
     assert ("window" in kinds) == (family in SLIDING)
     assert ("tape" in kinds) == (family == "qwen3_next")
+    assert pair.target.batchable == (family not in SLIDING)
     # 6 and 44 tokens: the windows (8 rows, 24 with the slack) wrap while decoding
     # the first, and while prefilling the second.
     # "A": a one-token prompt, so the first blocks are cropped back below the window.
@@ -156,6 +157,25 @@ def test_rollback_at_every_block_position(fams, family, block_size):
     6-token prompt; 8-row windows, 24 with the slack)."""
     pair, base = fams.pair(family), fams.baseline(family)
     check_rollback_at_every_position(pair, base, pair.tokenizer.encode(PROMPTS[0]), block_size, n=40)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_batched_sequences_equal_each_alone(fams, family):
+    """The families that batch (a routed MoE; qwen3_next's Gated DeltaNet layout, rolled back
+    per sequence) decode several prompts together as each decodes alone."""
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair, base = fams.pair(family), fams.baseline(family)
+    prompts = [pair.tokenizer.encode(t) for t in PROMPTS[:3]]
+    dec = BatchDecoder(pair, 5)
+    out = {}
+    for first in dec.add_many(prompts, [30] * len(prompts)):
+        out[first.uid] = list(first.tokens)
+    widths = [5, 1, 3, 5, 2]
+    while len(dec):
+        for c in dec.step(widths[len(out[0]) % len(widths)]):
+            out[c.uid] += c.tokens
+    assert [out[uid] for uid in range(len(prompts))] == [greedy_ref(base, p, 30) for p in prompts]
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss", "qwen3_next"])

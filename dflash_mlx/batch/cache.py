@@ -15,7 +15,7 @@ columns past its own end. The positions RoPE sees (`offset`) are the ends.
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 STEP = 256  # columns the buffer grows by, as mlx-lm's KVCache: few reallocations, little waste
 
@@ -172,3 +172,17 @@ class RaggedKVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def batch_of(cache) -> object:
+    """One sequence's cache (one layer's) as the first of a batch: a `RaggedKVCache` for K/V,
+    mlx-lm's `ArraysCache` (its own `merge`, `extend`, `filter`, `extract`) for a recurrent state."""
+    return RaggedKVCache.merge([cache]) if isinstance(cache, KVCache) else ArraysCache.merge([cache])
+
+
+def add_to(batch, cache) -> None:
+    """Append one sequence's cache (one layer's) to the batch's."""
+    if isinstance(batch, RaggedKVCache):
+        batch.extend([cache])
+    else:
+        batch.extend(ArraysCache.merge([cache]))

@@ -19,14 +19,13 @@ from itertools import count
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs
 from ..decode.passes import PREFILL_STEP, caught_up, draft, joined, logprob_rows, prefill, token_logprobs
 from ..decode.request import HELD_TAPS
-from .cache import RaggedKVCache
+from .cache import RaggedKVCache, add_to, batch_of
 
 GREEDY = SamplingParams()
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
@@ -35,8 +34,8 @@ BATCH_PREFILL = 2048
 
 
 def can_batch(target) -> bool:
-    """Whether the target's caches can be batched here: all plain KV caches."""
-    return all(type(c) is KVCache for c in target.make_cache())
+    """Whether the target's caches can be batched here (the adapter's `batchable`)."""
+    return target.batchable
 
 
 def batch_width(pair, block_size) -> Optional[int]:
@@ -114,14 +113,14 @@ class BatchDecoder:
         self.prompt_cache = prompt_cache
         self.finished: list = []  # (sequence, its caches) of finished sequences, for `keep`
         if not can_batch(self.target):
-            raise DFlashError(f"Batched decoding needs a target whose caches are all KV caches; "
-                              f"'{self.target.model_type}' has others (sliding windows or recurrent states).")
+            raise DFlashError(f"Batched decoding needs a target whose caches are KV caches or Gated DeltaNet "
+                              f"states; '{self.target.model_type}' has others (sliding windows).")
         if width < 1:
             raise DFlashError(f"The batch's block width must be >= 1 (got {width}).")
         self.width = min(width, self.source.block_size)
         self.eos = set(pair.tokenizer.eos_token_ids)
         self.window = getattr(self.target.args, "max_position_embeddings", None)
-        self.cache: List[RaggedKVCache] = []
+        self.cache: list = []  # per layer: a `RaggedKVCache`, or an `ArraysCache` of recurrent states
         self.seqs: List[Running] = []
         self._uids = count()
 
@@ -168,7 +167,8 @@ class BatchDecoder:
                     out[i] = self.add(prompts[i], max_tokens[i], sources[i], asks[i])
                 return [out[i] for i in range(len(prompts))]
         lens = [len(p) for p in prompts]
-        if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0:
+        # A recurrent state would run through the padding: such prompts are prefilled alone.
+        if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0 or self.target.recurrent:
             return [self.add(*a) for a in zip(prompts, max_tokens, sources, asks)]
         if self.window and max(lens) > self.window:
             raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
@@ -242,9 +242,9 @@ class BatchDecoder:
         """Its caches' rows are copied into the batch's."""
         if self.cache:
             for batch, c in zip(self.cache, tcache):
-                batch.extend([c])
+                add_to(batch, c)
         else:
-            self.cache = [RaggedKVCache.merge([c]) for c in tcache]
+            self.cache = [batch_of(c) for c in tcache]
         self.seqs.append(seq)
 
     def step(self, width: Optional[int] = None) -> List[Committed]:
@@ -261,7 +261,7 @@ class BatchDecoder:
             block = mx.concatenate([lasts[:, None], drafts], axis=1)
         else:
             block = lasts[:, None]
-        logits, hidden = self.target(block, self.cache, taps=self.width > 1)
+        logits, hidden = self.target(block, self.cache, taps=self.width > 1, record=self.target.recurrent)
         picks, lps = self._pick(logits, drafts, noises)
         if w > 1:
             accepted = agreeing(drafts, picks)
@@ -290,8 +290,7 @@ class BatchDecoder:
                 keep.append(b)
                 seq.last = mx.array([tokens[-1]], mx.uint32)
                 seq.source.commit(seq.dstate, tokens)
-        for c in self.cache:
-            c.crop(drops)
+        self.target.crop_each(self.cache, [w - d for d in drops], w)
         if self.prompt_cache is not None:
             kept = set(keep)
             self.finished += [(s, [c.extract(b) for c in self.cache])
@@ -316,7 +315,9 @@ class BatchDecoder:
 
     def _keep_only(self, keep: List[int]) -> None:
         """Keep the sequences at indices `keep`; the others' rows are dropped."""
-        if len(keep) < len(self.seqs):
+        if not keep:
+            self.cache, self.seqs = [], []
+        elif len(keep) < len(self.seqs):
             for c in self.cache:
                 c.filter(keep)
             self.seqs = [self.seqs[b] for b in keep]

@@ -8,6 +8,7 @@ is needed: the deltas were recorded by `gdn_verify`.
 """
 
 from functools import partial
+from typing import Sequence
 
 import mlx.core as mx
 
@@ -100,3 +101,14 @@ def gdn_replay(state, k, g, delta, keep: int) -> mx.array:
     if run is None:
         return gdn_replay_reference(state, k, g, delta, keep)
     return run(state, k, g, delta, keep)
+
+
+def gdn_replay_each(state, k, g, delta, keeps: Sequence[int]) -> mx.array:
+    """`gdn_replay` with its own `keeps[b]` per sequence of a batched block: the steps
+    past a sequence's keep become identities (gate 1, delta 0), which leave its state
+    exactly as it was, so one replay to the longest keep serves every sequence."""
+    T = g.shape[1]
+    live = mx.arange(T)[None] < mx.array(keeps)[:, None]  # [B, T]
+    g = mx.where(live[..., None], g, mx.array(1, g.dtype))
+    delta = mx.where(live[..., None, None], delta, mx.array(0, delta.dtype))
+    return gdn_replay(state, k, g, delta, max(keeps)) if max(keeps) else state
