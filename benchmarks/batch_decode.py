@@ -6,7 +6,8 @@
 For each batch size B the first B prompts of the `code` suite are decoded greedily,
 `--max-tokens` each: by mlx-lm's `batch_generate` (its continuous batching, plain
 decoding) and by `dflash_mlx.batch.BatchDecoder` at each width (1: plain batched
-decoding through this package; above 1: batched speculation). Reported: aggregate
+decoding through this package; above 1: batched speculation, with `--apart` also
+each sequence drafting in a drafter pass of its own). Reported: aggregate
 decode tok/s (tokens after each sequence's first, over the time from the first
 batched cycle to the last), the ratio to mlx-lm's at the same B, tokens per cycle
 per sequence, and whether every output equals mlx-lm's. Settings run in a fresh
@@ -26,10 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def ours(pair, prompts, max_tokens, width):
+def ours(pair, prompts, max_tokens, width, apart=False):
     from dflash_mlx.batch.engine import BatchDecoder
 
     dec = BatchDecoder(pair, width)
+    if apart:
+        dec.poolable = None
     out, cycles = {}, 0
     for p in prompts:
         first = dec.add(p, max_tokens)
@@ -42,6 +45,11 @@ def ours(pair, prompts, max_tokens, width):
     seconds = time.perf_counter() - tic
     tokens = sum(len(t) - 1 for t in out.values())
     return [out[i] for i in range(len(prompts))], tokens / seconds, tokens / max(cycles, 1) / len(prompts)
+
+
+def width_of(setting):
+    """(width, apart) of a `--widths` entry (an int, or "W apart")."""
+    return (int(setting.split()[0]), True) if isinstance(setting, str) else (setting, False)
 
 
 def mlx_lm(model, tokenizer, prompts, max_tokens):
@@ -60,6 +68,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--apart", action="store_true", help="also draft each sequence in a pass of its own")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -74,6 +83,8 @@ def main(argv=None):
     model, tokenizer = load(str(pair_dir / "target"))
     batches = [int(b) for b in args.batch.split(",")]
     widths = [int(w) for w in args.widths.split(",")]
+    if args.apart:
+        widths += [f"{w} apart" for w in widths if w > 1]
     texts = load_prompts("code")["code"]
     prompts = [build_prompt(tokenizer, t) for t in texts[: max(batches)]]
     settings = [(b, "mlx-lm") for b in batches] + [(b, w) for b in batches for w in widths]
@@ -81,7 +92,7 @@ def main(argv=None):
     rng = random.Random(args.seed)
     for s in settings:  # warm-up
         b, w = s
-        mlx_lm(model, tokenizer, prompts[:b], 8) if w == "mlx-lm" else ours(pair, prompts[:b], 8, w)
+        mlx_lm(model, tokenizer, prompts[:b], 8) if w == "mlx-lm" else ours(pair, prompts[:b], 8, *width_of(w))
     for r in range(args.repeats):
         order = list(settings)
         rng.shuffle(order)
@@ -90,7 +101,7 @@ def main(argv=None):
                 ids, tps = mlx_lm(model, tokenizer, prompts[:b], args.max_tokens)
                 runs[(b, w)].append({"ids": ids, "tps": tps})
             else:
-                ids, tps, per = ours(pair, prompts[:b], args.max_tokens, w)
+                ids, tps, per = ours(pair, prompts[:b], args.max_tokens, *width_of(w))
                 runs[(b, w)].append({"ids": ids, "tps": tps, "tokens_per_cycle": per})
             print(f"repeat {r + 1}: B={b} {w}: {tps:.1f} tok/s", file=sys.stderr, flush=True)
     rows = []

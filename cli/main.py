@@ -69,7 +69,7 @@ TREE_HELP = (
 PROPOSAL_SCALE_HELP = (
     "When sampling: how much flatter (>1) or sharper (<1) than the drafter's own distribution its drafts are "
     "drawn (exact either way; 1: as z-lab's loop), or 'auto' to learn it per draft position from the "
-    "acceptance each scale would have had.")
+    "acceptance each scale would have had. A seeded request draws without them (`--seed`).")
 TIMEOUT_HELP = "Under mlx.launch: end the run when a rank makes no progress for this many seconds (0: never)."
 SHARDING_HELP = ("Under mlx.launch: mlx-lm's 'tensor' or 'pipeline' parallelism for the target (auto: tensor "
                  "where the family has it, else pipeline).")

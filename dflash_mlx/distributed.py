@@ -153,6 +153,9 @@ class WholeTaps:
     def add_context(self, state, hidden):
         self.inner.add_context(state, self.whole(hidden))
 
+    def pooled(self):
+        return None  # each hidden must be made whole first
+
     def propose(self, state, last, hidden, width):
         return self.inner.propose(state, last, self.whole(hidden), width)
 

@@ -57,6 +57,16 @@ class DraftSource:
     def commit(self, state, tokens: List[int]) -> None:
         """Token ids committed since the last call (the prompt's first)."""
 
+    def pooled(self) -> Optional["DFlashDraftSource"]:
+        """The DFlash source whose drafter can draft this source's blocks together with other
+        sequences' in one pass (`batch.drafts`), or None: each sequence drafts on its own."""
+        return None
+
+    def context(self, state) -> list:
+        """The drafter layers' `DraftCache`s of `state` (for a `pooled` source; the list
+        itself, so a batch can hand the context back in place)."""
+        raise NotImplementedError
+
     def propose_path(self, state, last, hidden, width, params, prefix=(), process=None, scales=None, noise=None):
         """For sources whose positions depend on the drafts before them (DFlash 2's
         selector): tokens [width - 1 - len(prefix)] after `prefix` and the log
@@ -146,6 +156,12 @@ class DFlashDraftSource(DraftSource):
     def rewind(self, state, n):
         for c in state:
             c.trim(n)
+
+    def pooled(self):
+        return self if self.drafter.batchable else None
+
+    def context(self, state):
+        return state
 
     def save(self, state):
         return [ContextRows(c) for c in state]

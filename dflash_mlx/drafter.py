@@ -117,6 +117,27 @@ class DraftCache:
         gaps = [max(a, lo) for a, b in ((0, self.start), *self.holes) if a < hi and b > lo]
         return min(gaps) if gaps else None
 
+    def block_mask(self, L: int, S: int, q_start: int, causal: bool, window: Optional[int]):
+        """[L, S] bool: which of the S rows (from `start`) each block row (from `q_start`) sees;
+        None: all of them."""
+        return visible(mx.arange(q_start, q_start + L), mx.arange(self.start, self.start + S), causal, window)
+
+
+def visible(q_pos: mx.array, k_pos: mx.array, causal: bool, window: Optional[int]) -> Optional[mx.array]:
+    """[..., Lq, Lk] bool: whether a query at each of `q_pos` [..., Lq] sees a key at each of
+    `k_pos` [Lk], in a layer with a causal mask and/or a window; None: every key."""
+    if not causal and window is None:
+        return None
+    q, k = q_pos[..., :, None], k_pos
+    seen = mx.ones(q.shape[:-1] + k.shape, dtype=mx.bool_)
+    if causal:
+        seen = seen & (k <= q)
+    if window is not None:
+        seen = seen & (q - k < window)
+        if not causal:
+            seen = seen & (k - q < window)
+    return seen
+
 
 class Attention(nn.Module):
     def __init__(self, args: DrafterConfig, layer_idx: int):
@@ -157,7 +178,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
         keys, values = cache.update_and_fetch(ctx_kv, self._kv(x, offset))
-        mask = self._mask(L, keys.shape[2], cache.start, offset)
+        mask = cache.block_mask(L, keys.shape[2], offset, self.is_causal, self.window)
         out = mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=self.scale, mask=mask
         )
@@ -179,20 +200,6 @@ class Attention(nn.Module):
         mask = block_mask(anchors, T, L, self.is_causal, self.window)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(K, L, -1))
-
-    def _mask(self, L: int, S: int, key_start: int, q_start: int):
-        if not self.is_causal and self.window is None:
-            return None
-        q_pos = mx.arange(q_start, q_start + L)[:, None]
-        k_pos = mx.arange(key_start, key_start + S)[None]
-        visible = mx.ones((L, S), dtype=mx.bool_)
-        if self.is_causal:
-            visible = visible & (k_pos <= q_pos)
-        if self.window is not None:
-            visible = visible & (q_pos - k_pos < self.window)
-            if not self.is_causal:
-                visible = visible & (k_pos - q_pos < self.window)
-        return visible
 
 
 def block_mask(anchors: mx.array, T: int, L: int, is_causal: bool, window=None) -> mx.array:
@@ -280,6 +287,12 @@ class DFlashDrafter(nn.Module):
         windows = [l.self_attn.window for l in self.layers]
         return None if None in windows else (0, max(windows))
 
+    @property
+    def batchable(self) -> bool:
+        """Whether blocks of several sequences can be drafted in one pass (`batch.drafts`): its
+        blocks see every row of the context their layers' masks allow (no `context_bound`)."""
+        return self.context_bound is None
+
     def make_cache(self) -> List[DraftCache]:
         return [DraftCache(layer.self_attn.window, self.context_bound) for layer in self.layers]
 
@@ -303,6 +316,28 @@ class DFlashDrafter(nn.Module):
         ctx_kv = self._context_kv(target_hidden, cache)
         offset = cache[0].length + (0 if target_hidden is None else target_hidden.shape[1])
         h = block_embeddings
+        for layer, c, kv in zip(self.layers, cache, ctx_kv):
+            h = layer(h, kv, c, offset)
+        return self.norm(h)
+
+    def ragged(self, block_embeddings: Optional[mx.array], target_hidden: Optional[mx.array],
+               counts: List[int], cache: list) -> Optional[mx.array]:
+        """`__call__` for B sequences at once (`batch.drafts.RaggedDraftCache`): sequence b
+        commits the first counts[b] rows of its `target_hidden` [B, R, D] (right-padded) as
+        context, then its block [B, L, D] (None: no block) sits right after its own context."""
+        ends = cache[0].offset
+        if target_hidden is None:
+            ctx_kv = [(None, None)] * len(self.layers)
+        else:
+            ctx = self.hidden_norm(self.fc(target_hidden))
+            ctx_kv = [l.self_attn.context_kv(ctx, ends) for l in self.layers]
+        for c in cache:
+            c.counts = counts
+        if block_embeddings is None:
+            for c, kv in zip(cache, ctx_kv):
+                c.update_and_fetch(kv, (None, None))
+            return None
+        h, offset = block_embeddings, ends + mx.array(counts)
         for layer, c, kv in zip(self.layers, cache, ctx_kv):
             h = layer(h, kv, c, offset)
         return self.norm(h)

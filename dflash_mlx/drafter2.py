@@ -219,6 +219,9 @@ class DFlash2DraftSource(DFlashDraftSource):
     and returns the tokens with the q each was drawn from.
     """
 
+    def pooled(self):
+        return None  # the selector walks each sequence's path on its own
+
     def draft_logits(self, state, last: mx.array, hidden: Optional[mx.array], width: int):
         """The drafter's hidden states [width - 1, D] and draft logits [width - 1, V]."""
         h = self.draft_states(state, last, hidden, width)

@@ -154,6 +154,12 @@ class WithLookup(DraftSource):
     def rewind(self, state, n):
         self.inner.rewind(state["inner"], n)
 
+    def pooled(self):
+        return self.inner.pooled()
+
+    def context(self, state):
+        return self.inner.context(state["inner"])
+
     def save(self, state):
         if state["index"] is not None:
             kept = [i for i in self._kept if i is not state["index"]] + [state["index"]]

@@ -347,3 +347,81 @@ def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family):
                 else:
                     theirs += ev.tokens
         assert got == want and theirs == other, (family, params)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_one_drafter_pass_drafts_what_each_sequence_drafts_alone(pairs, family):
+    """`DraftBatch` holds several sequences' drafter contexts side by side (different lengths,
+    each given a different number of new rows per pass) and drafts every block in one pass:
+    each sequence's draft logits are those of its own pass over its own context; a sequence
+    handed back (`extract`) goes on alone as if it had never been pooled."""
+    from dflash_mlx.batch.drafts import DraftBatch
+
+    pair = pairs[family]
+    source = pair.draft_source.pooled()
+    assert source is not None and source.drafter.batchable
+    D = len(pair.target.tap_ids) * pair.target.hidden_size
+    key = iter(mx.random.split(mx.random.key(4), 20))
+    alone = [source.new_state() for _ in range(3)]
+    for state, n in zip(alone, (7, 2, 13)):  # the contexts the sequences bring
+        source.add_context(state, mx.random.normal((1, n, D), key=next(key)))
+    pool = DraftBatch(source)
+    pool.join([source.context(s) for s in alone])
+    lasts = mx.array([5, 9, 3], dtype=mx.uint32)
+    for width, rows in ((4, (2, 0, 5)), (8, (1, 3, 1)), (3, (0, 0, 0))):
+        hiddens = [mx.random.normal((1, r, D), key=next(key)) if r else None for r in rows]
+        together = pool.propose(lasts, hiddens, width)
+        for b, state in enumerate(alone):
+            own = source.propose(state, lasts[b : b + 1], hiddens[b], width)
+            assert same(together[b], own), (width, b)
+        lasts = mx.argmax(together[:, -1], axis=-1).astype(mx.uint32)
+    back = pool.extract(1)
+    h = mx.random.normal((1, 2, D), key=next(key))
+    assert same(source.propose(back, lasts[1:2], h, 5), source.propose(alone[1], lasts[1:2], h, 5))
+
+
+def test_a_batch_drafts_in_one_pass_and_accepts_as_drafting_apart(pairs, baselines):
+    """The decoder pools its sequences' drafter contexts at their first drafted cycle (one
+    drafter pass per cycle) and accepts, cycle for cycle, what drafting each apart accepts.
+    A sequence with a source of its own sends the pool's contexts back to their sequences,
+    which go on drafting apart from exactly where they were (and pool again once it left)."""
+    from conftest import OracleSource, greedy_ref, plain_greedy
+
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair = pairs["qwen3"]
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    intruder = prompts[1]
+    oracle = OracleSource(intruder + greedy_ref(baselines["qwen3"], intruder, 12), pair.target.vocab_size,
+                          len(pair.target.tap_ids) * pair.target.hidden_size, lambda c, w: None)
+
+    def run(pooling, intrude_at=None):
+        dec = BatchDecoder(pair, 8)
+        if not pooling:
+            dec.poolable = None
+        out, accepted, pooled = {}, [], []
+        for first in dec.add_many(prompts, [24] * len(prompts)):
+            out[first.uid] = list(first.tokens)
+        cycle = 0
+        while len(dec):
+            if cycle == intrude_at:
+                first = dec.add(intruder, 12, oracle)
+                out[first.uid] = list(first.tokens)
+            committed = dec.step([8, 4, 1, 8][cycle % 4])
+            pooled.append(dec.pool is not None)
+            accepted.append(sorted((c.uid, c.accepted) for c in committed if c.uid < len(prompts)))
+            for c in committed:
+                out[c.uid] += c.tokens
+            cycle += 1
+        return out, accepted, pooled
+
+    together, acc_together, pooled = run(True)
+    apart, acc_apart, never = run(False)
+    assert together == apart and acc_together == acc_apart
+    assert pooled[0] and not any(never)
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    assert [together[i] for i in range(len(prompts))] == [plain_greedy(baselines["qwen3"], p, 24, eos=eos)
+                                                          for p in prompts]
+    mixed, acc_mixed, pooled = run(True, intrude_at=2)
+    assert pooled[:3] == [True] * 3 and not pooled[3]  # apart from the intruder's first drafted cycle on
+    assert acc_mixed == acc_together and all(mixed[i] == together[i] for i in range(len(prompts)))

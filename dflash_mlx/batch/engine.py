@@ -23,9 +23,11 @@ import mlx.core as mx
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs
-from ..decode.passes import PREFILL_STEP, caught_up, draft, joined, logprob_rows, prefill, token_logprobs
+from ..decode.passes import (PREFILL_STEP, caught_up, draft, joined, logprob_rows, pick_drafts, prefill,
+                             token_logprobs)
 from ..decode.request import HELD_TAPS
 from .cache import RaggedKVCache, add_to, batch_of
+from .drafts import DraftBatch
 
 GREEDY = SamplingParams()
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
@@ -121,6 +123,10 @@ class BatchDecoder:
         self.eos = set(pair.tokenizer.eos_token_ids)
         self.window = getattr(self.target.args, "max_position_embeddings", None)
         self.cache: list = []  # per layer: a `RaggedKVCache`, or an `ArraysCache` of recurrent states
+        # The drafter's contexts of the first len(pool) sequences, drafted in one pass (`batch.drafts`);
+        # a sequence joins it at its first drafted cycle. None: each sequence drafts on its own.
+        self.pool: Optional[DraftBatch] = None
+        self.poolable = self.source.pooled() if self.width > 1 else None
         self.seqs: List[Running] = []
         self._uids = count()
 
@@ -257,7 +263,10 @@ class BatchDecoder:
         noises = [s.noise(w) for s in self.seqs]
         drafts = None
         if w > 1:
-            drafts = mx.stack([self._draft(s, w, n) for s, n in zip(self.seqs, noises)])
+            if self._pooling():
+                drafts = self._draft_pooled(lasts, w, noises)
+            else:
+                drafts = mx.stack([self._draft(s, w, n) for s, n in zip(self.seqs, noises)])
             block = mx.concatenate([lasts[:, None], drafts], axis=1)
         else:
             block = lasts[:, None]
@@ -269,7 +278,7 @@ class BatchDecoder:
             accepted = mx.zeros((len(self.seqs),), mx.uint32)
         mx.eval(accepted, picks, block, lps)  # the cycle's one host synchronisation
         acc, pk, blk = accepted.tolist(), picks.tolist(), block.tolist()
-        out, keep, drops = [], [], []
+        out, keep, drops, held = [], [], [], False
         for b, seq in enumerate(self.seqs):
             a = acc[b]
             tokens = blk[b][1 : 1 + a] + [pk[b][a]]
@@ -284,17 +293,27 @@ class BatchDecoder:
             if self.width > 1 and rows:
                 seq.taps.append(hidden[b : b + 1, :rows])
                 if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
-                    seq.source.add_context(seq.dstate, joined(seq.taps))
-                    seq.taps = []
+                    if self.pool is not None and b < len(self.pool):
+                        held = True
+                    else:
+                        seq.source.add_context(seq.dstate, joined(seq.taps))
+                        seq.taps = []
             if c.finish is None:
                 keep.append(b)
                 seq.last = mx.array([tokens[-1]], mx.uint32)
                 seq.source.commit(seq.dstate, tokens)
         self.target.crop_each(self.cache, [w - d for d in drops], w)
+        if held:
+            pooled = self.seqs[: len(self.pool)]
+            self.pool.add_context([joined(s.taps) if s.taps else None for s in pooled])
+            for s in pooled:
+                s.taps = []
         if self.prompt_cache is not None:
             kept = set(keep)
-            self.finished += [(s, [c.extract(b) for c in self.cache])
-                              for b, s in enumerate(self.seqs) if b not in kept]
+            for b, s in enumerate(self.seqs):
+                if b not in kept:
+                    self._unpool_one(b, s)
+                    self.finished.append((s, [c.extract(b) for c in self.cache]))
         self._keep_only(keep)
         return out
 
@@ -316,11 +335,51 @@ class BatchDecoder:
     def _keep_only(self, keep: List[int]) -> None:
         """Keep the sequences at indices `keep`; the others' rows are dropped."""
         if not keep:
-            self.cache, self.seqs = [], []
+            self.cache, self.seqs, self.pool = [], [], None
         elif len(keep) < len(self.seqs):
             for c in self.cache:
                 c.filter(keep)
+            if self.pool is not None:
+                self.pool.filter([b for b in keep if b < len(self.pool)])
             self.seqs = [self.seqs[b] for b in keep]
+
+    def _pooling(self) -> bool:
+        """Whether this cycle drafts every sequence in one pass: every sequence drafts with the
+        pair's poolable source. Sequences not pooled yet join the pool (their held taps read
+        into their own context first, which is then copied in); where one cannot, the pool's
+        contexts go back to their sequences."""
+        if self.poolable is None or any(s.source.pooled() is not self.poolable for s in self.seqs):
+            if self.pool is not None:
+                for b, s in enumerate(self.seqs[: len(self.pool)]):
+                    self._unpool_one(b, s)
+                self.pool = None
+            return False
+        if self.pool is None:
+            self.pool = DraftBatch(self.poolable)
+        joining = self.seqs[len(self.pool) :]
+        for s in joining:
+            if s.taps:
+                s.source.add_context(s.dstate, joined(caught_up(s.source, s.dstate, s.taps)))
+                s.taps = []
+        if joining:
+            self.pool.join([s.source.context(s.dstate) for s in joining])
+        return True
+
+    def _unpool_one(self, b: int, seq: Running) -> None:
+        """Sequence b's drafter context, if the pool holds it, back into its own state."""
+        if self.pool is not None and b < len(self.pool):
+            seq.source.context(seq.dstate)[:] = self.pool.extract(b)
+
+    def _draft_pooled(self, lasts: mx.array, width: int, noises: list) -> mx.array:
+        """Every sequence's drafts [B, width - 1] from one drafter pass."""
+        hiddens = [joined(s.taps) if s.taps else None for s in self.seqs]
+        for s in self.seqs:
+            s.taps = []
+        logits = self.pool.propose(lasts, hiddens, width)
+        if all(s.params.greedy and not s.proc for s in self.seqs):
+            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        return mx.stack([pick_drafts(logits[b], s.params, s.proc or None, None if n is None else n[:-1])
+                         for b, (s, n) in enumerate(zip(self.seqs, noises))])
 
     def _draft(self, seq: Running, width: int, noise: Optional[mx.array]) -> mx.array:
         hidden = joined(caught_up(seq.source, seq.dstate, seq.taps)) if seq.taps else None

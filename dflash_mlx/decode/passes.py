@@ -145,6 +145,23 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
     return Draft(tokens, qs[0] if len(qs) == 1 else mx.concatenate(qs), alts)
 
 
+def pick_drafts(logits: mx.array, params: SamplingParams, proc: Optional[Processed] = None,
+                noise: Optional[mx.array] = None) -> mx.array:
+    """Draft tokens [n] from a drafter's logits [n, V]: the greedy argmax, or a seeded
+    request's draws (`noise`, `sampling.Draws` rows [n, V]); with logits processors,
+    each row processed after the drafts before it."""
+    if not proc:
+        return mx.argmax(logits, axis=-1).astype(mx.uint32) if params.greedy else choose(logits, params, noise)
+    tokens = []
+    for i in range(logits.shape[0]):
+        row = proc.row(logits[i : i + 1], mx.concatenate(tokens) if tokens else None)
+        if params.greedy:
+            tokens.append(mx.argmax(row, axis=-1).astype(mx.uint32))
+        else:
+            tokens.append(choose(row, params, noise[i : i + 1]))
+    return mx.concatenate(tokens)
+
+
 class Verified(NamedTuple):
     drafts: mx.array  # the tokens verified after `last`
     accepted: mx.array
