@@ -411,9 +411,8 @@ def serve(
         fail(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port.")
     err.print(f"serving {model} on http://{host}:{server.server_address[1]}/v1 (Ctrl-C to stop)")
     if server.engine.batch_width is None:
-        why = f"{g.size()} ranks" if sharded else f"this {pair.target.model_type} target has sliding windows"
-        err.print(f"note: requests run one at a time ({why}); concurrent requests are batched only on one "
-                  "machine, on targets without sliding-window layers")
+        why = f"{g.size()} ranks" if sharded else f"this {pair.target.model_type} target's caches"
+        err.print(f"note: requests run one at a time ({why}); concurrent requests are batched on one machine")
     _serve_until_stopped(server, spill=bool(disk_bytes), sharded=sharded)
 
 

@@ -603,9 +603,9 @@ class TargetAdapter:
     @property
     def batchable(self) -> bool:
         """Whether `batch.BatchDecoder` can decode several sequences of this target at once:
-        its caches are KV caches (made ragged) and Gated DeltaNet states (rolled back per
-        sequence by `crop_each`); sliding windows are not batched."""
-        return all(k in ("offset", "tape") for k in self._kinds.values())
+        KV caches and sliding windows (made ragged, `batch.cache`) and Gated DeltaNet states
+        (rolled back per sequence by `crop_each`); every kind the adapter rolls back."""
+        return all(k in ("offset", "window", "tape") for k in self._kinds.values())
 
     @property
     def recurrent(self) -> bool:

@@ -79,6 +79,28 @@ class WindowCache(cache_lib.RotatingKVCache):
     def capacity(self) -> int:
         return self.window + self.slack
 
+    @classmethod
+    def holding(cls, keys: mx.array, values: mx.array, start: int, window: int, slack: int) -> "WindowCache":
+        """A cache whose last rows are `keys`/`values` [B, H, n, D], of positions start..start+n-1
+        (n at most the capacity, and every position a query after them can see)."""
+        c = cls(window, slack)
+        c.offset = c._floor = start
+        if keys.shape[2]:
+            c.update_and_fetch(keys, values)
+        return c
+
+    def rows_from_zero(self):
+        """(keys, values) [B, H, offset, D]: column p holds position p where the ring still
+        has it (every position a later query can see), zeros before."""
+        kept = min(self.offset - self._floor, self.capacity, self.offset)
+        start = self.offset - kept
+        k, v = self._read(self.keys, start, kept), self._read(self.values, start, kept)
+        if start == 0:
+            return k, v
+        B, H, _, D = k.shape
+        return (mx.concatenate([mx.zeros((B, H, start, D), k.dtype), k], axis=2),
+                mx.concatenate([mx.zeros((B, H, start, v.shape[3]), v.dtype), v], axis=2))
+
     # -- layout -----------------------------------------------------------
 
     def _mode(self, n: int) -> str:

@@ -126,7 +126,7 @@ def test_lossless_at_every_block_size(fams, family):
     kinds = set(pair.target._kinds.values())
     assert ("window" in kinds) == (family in SLIDING)
     assert ("tape" in kinds) == (family == "qwen3_next")
-    assert pair.target.batchable == (family not in SLIDING)
+    assert pair.target.batchable
     # 6 and 44 tokens: the windows (8 rows, 24 with the slack) wrap while decoding
     # the first, and while prefilling the second.
     # "A": a one-token prompt, so the first blocks are cropped back below the window.
@@ -159,10 +159,11 @@ def test_rollback_at_every_block_position(fams, family, block_size):
     check_rollback_at_every_position(pair, base, pair.tokenizer.encode(PROMPTS[0]), block_size, n=40)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gemma4_text", "gpt_oss"])
 def test_batched_sequences_equal_each_alone(fams, family):
-    """The families that batch (a routed MoE; qwen3_next's Gated DeltaNet layout, rolled back
-    per sequence) decode several prompts together as each decodes alone."""
+    """Every family batches (a routed MoE; qwen3_next's Gated DeltaNet layout, rolled back per
+    sequence; sliding windows of 8, which the 6-token prompts and 30 tokens pass): several
+    prompts decoded together equal each decoded alone."""
     from dflash_mlx.batch.engine import BatchDecoder
 
     pair, base = fams.pair(family), fams.baseline(family)
@@ -176,6 +177,50 @@ def test_batched_sequences_equal_each_alone(fams, family):
         for c in dec.step(widths[len(out[0]) % len(widths)]):
             out[c.uid] += c.tokens
     assert [out[uid] for uid in range(len(prompts))] == [greedy_ref(base, p, 30) for p in prompts]
+
+
+def test_sliding_windows_batch_with_the_prompt_cache_and_hand_overs(fams):
+    """A sliding-window target's sequences leave a batch as window caches the prompt cache keeps
+    (a later batch's requests start from them), and a request running alone is handed over
+    into a batch with its window's rows: every output is the target's greedy decoding."""
+    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.batch.streams import BatchStreams
+
+    pair, base = fams.pair("gpt_oss"), fams.baseline("gpt_oss")
+    cache = dflash_mlx.PromptCache(pair)
+    first = [pair.tokenizer.encode(t) for t in PROMPTS[:2]]
+
+    def run(prompts, n):
+        dec = BatchDecoder(pair, 4, prompt_cache=cache)
+        out = {f.uid: list(f.tokens) for f in dec.add_many(prompts, [n] * len(prompts))}
+        while len(dec):
+            for c in dec.step():
+                out[c.uid] += c.tokens
+            dec.keep()
+        return [out[uid] for uid in sorted(out)]
+
+    answers = run(first, 20)
+    assert answers == [greedy_ref(base, p, 20) for p in first]
+    second = [p + a + pair.tokenizer.encode(" and") for p, a in zip(first, answers)]
+    assert run(second, 12) == [greedy_ref(base, p, 12) for p in second] and cache.hits == 2
+
+    prompt = pair.tokenizer.encode(PROMPTS[2])
+    asked = []
+    run_alone = dflash_mlx.stream_generate(pair, prompt, max_tokens=30, block_size=4,
+                                           hand_over=lambda: len(asked.append(1) or asked) > 4)
+    got = []
+    while True:
+        try:
+            got += next(run_alone).tokens
+        except StopIteration as done:
+            handed = done.value
+            break
+    assert handed is not None and len(prompt) + len(got) > 8  # past the window of 8
+    streams = BatchStreams(pair, 4)
+    uid = streams.adopt(handed)
+    while len(streams):
+        got += [t for u, ev in streams.step() if u == uid for t in ev.tokens]
+    assert got == greedy_ref(base, prompt, 30)
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss", "qwen3_next"])

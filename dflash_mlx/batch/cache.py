@@ -10,6 +10,10 @@ copies every cached row of every sequence, every cycle.
 sequence's new rows at its own end (one scatter per layer). Cropping a sequence
 moves its end back and copies nothing; the attention mask hides each sequence's
 columns past its own end. The positions RoPE sees (`offset`) are the ends.
+
+A sliding-window layer is held the same way, every row from position 0, and
+its mask also hides what the window does: crops stay free where a ring buffer
+would have to keep slack, at the memory of full attention while batched.
 """
 
 from typing import List, Optional, Sequence
@@ -17,15 +21,20 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from ..target_caches import WindowCache
+
 STEP = 256  # columns the buffer grows by, as mlx-lm's KVCache: few reallocations, little waste
 
 
 class RaggedKVCache:
     """One layer's keys and values for B sequences, sequence b in columns [0, ends[b])."""
 
-    def __init__(self, ends: Sequence[int] = (), keys: Optional[mx.array] = None, values: Optional[mx.array] = None):
+    def __init__(self, ends: Sequence[int] = (), keys: Optional[mx.array] = None, values: Optional[mx.array] = None,
+                 window: Optional[int] = None, slack: int = 0):
+        """`window` (and the slack its single-sequence `WindowCache` keeps): a sliding-window layer."""
         self.keys, self.values = keys, values
         self.ends: List[int] = list(ends)
+        self.window, self.slack = window, slack
         self._offset: Optional[mx.array] = None  # `ends` on the device, made once per change
 
     @classmethod
@@ -62,12 +71,15 @@ class RaggedKVCache:
             self.values = mx.concatenate([self.values, v], axis=2)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
-        """[B, 1, N, top] bool: new row j of sequence b sees its columns up to ends[b] + j."""
-        if window_size is not None:
-            raise ValueError("RaggedKVCache does not hold sliding-window layers")
+        """[B, 1, N, top] bool: new row j of sequence b sees its columns up to ends[b] + j (the
+        last `window_size` of them in a sliding-window layer)."""
         top = max(self.ends) + N
         limit = self.offset[:, None, None, None] + mx.arange(N)[None, None, :, None]
-        return mx.arange(top)[None, None, None, :] <= limit
+        columns = mx.arange(top)[None, None, None, :]
+        seen = columns <= limit
+        if window_size is not None:
+            seen = seen & (limit - columns < window_size)
+        return seen
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, _, N, _ = keys.shape
@@ -155,10 +167,16 @@ class RaggedKVCache:
         self.ends = self.ends + other.ends
         self._moved()
 
-    def extract(self, b: int) -> KVCache:
-        """Sequence b's rows as a single-sequence cache (a copy)."""
-        c = KVCache()
+    def extract(self, b: int):
+        """Sequence b's rows as a single-sequence cache (a copy): a `KVCache`, or for a
+        sliding-window layer a `WindowCache` holding the rows its window and slack keep."""
         n = self.ends[b]
+        if self.window is not None:
+            start = max(0, n - self.window - self.slack)
+            return WindowCache.holding(mx.contiguous(self.keys[b : b + 1, :, start:n]),
+                                       mx.contiguous(self.values[b : b + 1, :, start:n]), start,
+                                       self.window, self.slack)
+        c = KVCache()
         if n and self.keys is not None:
             c.keys = mx.contiguous(self.keys[b : b + 1, :, :n])
             c.values = mx.contiguous(self.values[b : b + 1, :, :n])
@@ -174,15 +192,37 @@ class RaggedKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+def _from_zero(cache):
+    """A single-sequence K/V cache as rows from position 0 (what `RaggedKVCache.extend` copies)."""
+    if not isinstance(cache, WindowCache) or cache.keys is None:
+        return cache
+    out = KVCache()
+    out.keys, out.values = cache.rows_from_zero()
+    out.offset = cache.offset
+    return out
+
+
+def ragged_like(cache, ends: Sequence[int] = ()) -> RaggedKVCache:
+    """An empty batch layer for sequences whose single-sequence cache is like `cache`."""
+    if isinstance(cache, WindowCache):
+        return RaggedKVCache(ends, window=cache.window, slack=cache.slack)
+    return RaggedKVCache(ends)
+
+
 def batch_of(cache) -> object:
-    """One sequence's cache (one layer's) as the first of a batch: a `RaggedKVCache` for K/V,
-    mlx-lm's `ArraysCache` (its own `merge`, `extend`, `filter`, `extract`) for a recurrent state."""
-    return RaggedKVCache.merge([cache]) if isinstance(cache, KVCache) else ArraysCache.merge([cache])
+    """One sequence's cache (one layer's) as the first of a batch: a `RaggedKVCache` for K/V
+    (a sliding window's too), mlx-lm's `ArraysCache` (its own `merge`, `extend`, `filter`,
+    `extract`) for a recurrent state."""
+    if isinstance(cache, ArraysCache):
+        return ArraysCache.merge([cache])
+    out = ragged_like(cache)
+    out.extend([_from_zero(cache)])
+    return out
 
 
 def add_to(batch, cache) -> None:
     """Append one sequence's cache (one layer's) to the batch's."""
     if isinstance(batch, RaggedKVCache):
-        batch.extend([cache])
+        batch.extend([_from_zero(cache)])
     else:
         batch.extend(ArraysCache.merge([cache]))

@@ -26,7 +26,7 @@ from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greed
 from ..decode.passes import (PREFILL_STEP, caught_up, draft, joined, logprob_rows, pick_drafts, prefill,
                              token_logprobs)
 from ..decode.request import HELD_TAPS
-from .cache import RaggedKVCache, add_to, batch_of
+from .cache import add_to, batch_of, ragged_like
 from .drafts import DraftBatch
 
 GREEDY = SamplingParams()
@@ -115,8 +115,7 @@ class BatchDecoder:
         self.prompt_cache = prompt_cache
         self.finished: list = []  # (sequence, its caches) of finished sequences, for `keep`
         if not can_batch(self.target):
-            raise DFlashError(f"Batched decoding needs a target whose caches are KV caches or Gated DeltaNet "
-                              f"states; '{self.target.model_type}' has others (sliding windows).")
+            raise DFlashError(f"'{self.target.model_type}' has caches batched decoding cannot hold together.")
         if width < 1:
             raise DFlashError(f"The batch's block width must be >= 1 (got {width}).")
         self.width = min(width, self.source.block_size)
@@ -180,7 +179,7 @@ class BatchDecoder:
             raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
         n, L = len(prompts), max(lens)
         block = mx.array([list(p) + [0] * (L - len(p)) for p in prompts])
-        cache = [RaggedKVCache([0] * n) for _ in self.target.make_cache()]
+        cache = [ragged_like(c, [0] * n) for c in self.target.make_cache()]
         if self.prompt_cache is not None:  # counted as the misses a fetch would count
             self.prompt_cache.misses += n
         logits, hidden = self.target(block, cache, taps=self.width > 1, rows=mx.array(lens) - 1)
