@@ -286,7 +286,8 @@ class Engine:
             return
         for job, (uid, event) in zip(joining, firsts):
             jobs[uid] = job
-            self._deliver(jobs, uid, event)
+            if event is not None:  # None: its prompt is prefilled between the batch's cycles
+                self._deliver(jobs, uid, event)
 
     def _deliver(self, jobs: dict, uid: int, event) -> None:
         job = jobs[uid]

@@ -425,3 +425,45 @@ def test_a_batch_drafts_in_one_pass_and_accepts_as_drafting_apart(pairs, baselin
     mixed, acc_mixed, pooled = run(True, intrude_at=2)
     assert pooled[:3] == [True] * 3 and not pooled[3]  # apart from the intruder's first drafted cycle on
     assert acc_mixed == acc_together and all(mixed[i] == together[i] for i in range(len(prompts)))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_long_prompt_joins_a_chunk_per_cycle(pairs, baselines, family, monkeypatch):
+    """A long prompt joining sequences that decode is prefilled a chunk per cycle: the others
+    commit tokens every cycle meanwhile, its first token comes once its last chunk is in, and
+    every output is plain greedy decoding (a cancelled one leaves without a trace)."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.batch import engine
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    monkeypatch.setattr(engine, "JOIN_CHUNK", 16)
+    pair = pairs[family]
+    short = [pair.tokenizer.encode(t) for t in TEXTS[:2]]
+    long = pair.tokenizer.encode(" ".join(TEXTS) * 3)
+    assert len(long) > 4 * 16
+    dec = BatchDecoder(pair, 4)
+    out = {f.uid: list(f.tokens) for f in dec.add_many(short, [40, 40], chunked=True)}
+    for c in dec.step():
+        out[c.uid] += c.tokens
+    joining = dec.add(long, 12, chunked=True)
+    gone = dec.add(long[:40], 12, chunked=True)
+    assert joining.filling and not joining.tokens and gone.filling and len(dec) == 4
+    fills = 0
+    while joining.uid not in out:
+        firsts = dec.fill()
+        dec.remove(gone.uid)
+        committed = dec.step(4)
+        assert {c.uid for c in committed} >= {u for u in out if u < 2 and len(out[u]) < 40}
+        for c in firsts + committed:
+            assert c.first == (c.uid not in out)
+            out.setdefault(c.uid, []).extend(c.tokens)
+        fills += 1
+    assert fills >= len(long) // 16 and gone.uid not in out
+    while len(dec):
+        for c in dec.fill() + dec.step():
+            out[c.uid] += c.tokens
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    base = baselines[family]
+    assert [out[u] for u in (0, 1)] == [plain_greedy(base, p, 40, eos=eos) for p in short]
+    assert out[joining.uid] == plain_greedy(base, long, 12, eos=eos)

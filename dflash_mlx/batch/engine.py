@@ -16,14 +16,14 @@ depend on the widths: a seeded request gets the text it gets alone.
 
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any, List, Optional, Sequence
+from typing import Any, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs
-from ..decode.passes import (PREFILL_STEP, caught_up, draft, joined, logprob_rows, pick_drafts, prefill,
+from ..decode.passes import (PREFILL_STEP, caught_up, draft, joined, logprob_rows, pick_drafts, prefill_steps,
                              token_logprobs)
 from ..decode.request import HELD_TAPS
 from .cache import add_to, batch_of, ragged_like
@@ -33,6 +33,10 @@ GREEDY = SamplingParams()
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
 # beyond, each is prefilled alone in mlx-lm's chunks, so a long prompt holds memory as it does alone.
 BATCH_PREFILL = 2048
+# A prompt that joins while others decode is prefilled this many tokens per cycle (`fill`): the
+# others' next tokens wait for one such chunk, not for the whole prompt (chunked prefill, as vLLM's
+# token budget per step; a few hundred tokens cost a few decode cycles of a full batch).
+JOIN_CHUNK = 512
 
 
 def can_batch(target) -> bool:
@@ -101,6 +105,22 @@ class Committed:
     finish: Optional[str] = None  # "stop" (EOS) or "length"
     accepted: int = 0  # draft tokens the target accepted
     logprobs: Optional[list] = None  # per token (log probability, [(token, log probability)] best first)
+    first: bool = False  # the sequence's first token (its prompt is prefilled)
+    filling: bool = False  # no token yet: the prompt is prefilled a chunk per cycle (`fill`)
+
+
+@dataclass
+class Filling:
+    """A sequence whose prompt is prefilled a chunk at a time, between the batch's cycles."""
+
+    uid: int
+    prompt: List[int]
+    max_tokens: int
+    source: Any
+    asks: Optional["Asks"]
+    tcache: list
+    dstate: Any
+    steps: Generator  # `passes.prefill_steps`: one chunk per `next`
 
 
 class BatchDecoder:
@@ -127,15 +147,19 @@ class BatchDecoder:
         self.pool: Optional[DraftBatch] = None
         self.poolable = self.source.pooled() if self.width > 1 else None
         self.seqs: List[Running] = []
+        self.filling: List[Filling] = []
         self._uids = count()
 
     def __len__(self) -> int:
-        return len(self.seqs)
+        """Sequences in the batch: decoding, or still prefilling (`fill`)."""
+        return len(self.seqs) + len(self.filling)
 
-    def add(self, prompt: Sequence[int], max_tokens: int, source=None, asks: Optional[Asks] = None) -> Committed:
-        """Prefill `prompt` alone, then join the batch; its first token (and whether it already ended).
+    def add(self, prompt: Sequence[int], max_tokens: int, source=None, asks: Optional[Asks] = None,
+            chunked: bool = False) -> Committed:
+        """Prefill `prompt`, then join the batch; its first token (and whether it already ended).
         `source`: the sequence's own draft source (default: the pair's drafter); `asks`: how its
-        tokens are picked (default: greedy)."""
+        tokens are picked (default: greedy). `chunked`, while others decode: a prompt longer than
+        `JOIN_CHUNK` is prefilled a chunk per cycle (`fill`), and its `Committed` says `filling`."""
         if not prompt:
             raise DFlashError("The prompt is empty.")
         if self.window and len(prompt) > self.window:
@@ -144,21 +168,49 @@ class BatchDecoder:
         tcache, dstate, reused = self.target.make_cache(), source.new_state(), 0
         if self.prompt_cache is not None:
             tcache, dstate, reused = self.prompt_cache.fetch(self.target, source, prompt)
-        logits, taps = prefill(self.target, source, dstate, mx.array(prompt[reused:]), tcache, PREFILL_STEP,
-                               taps=self.width > 1, skip=True, before=reused)
-        seq = self._running(prompt, max_tokens, source, dstate, taps, asks)
+        later = chunked and bool(self.seqs) and len(prompt) - reused > JOIN_CHUNK
+        steps = prefill_steps(self.target, source, dstate, mx.array(prompt[reused:]), tcache,
+                              JOIN_CHUNK if later else PREFILL_STEP, taps=self.width > 1, skip=True, before=reused)
+        f = Filling(next(self._uids), list(prompt), max_tokens, source, asks, tcache, dstate, steps)
+        if later:
+            self.filling.append(f)
+            return Committed(f.uid, [], filling=True)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return self._filled(f, *done.value)
+
+    def fill(self) -> List[Committed]:
+        """One prefill chunk of each sequence still prefilling; those done join the batch
+        (their first tokens, `first` set)."""
+        out = []
+        for f in list(self.filling):
+            try:
+                next(f.steps)
+            except StopIteration as done:
+                self.filling.remove(f)
+                out.append(self._filled(f, *done.value))
+                out[-1].first = True
+        return out
+
+    def _filled(self, f: Filling, logits: mx.array, taps: list) -> Committed:
+        """A prefilled sequence's first token; unless that ends it, it joins the batch."""
+        seq = self._running(f.prompt, f.max_tokens, f.source, f.dstate, taps, f.asks, f.uid)
         last, lps = seq.pick(logits[None], None, seq.noise(1))
-        mx.eval(last, lps, [c.state for c in tcache])
-        out = self._start(seq, prompt, last, lps)
+        mx.eval(last, lps, [c.state for c in f.tcache])
+        out = self._start(seq, f.prompt, last, lps)
         if out.finish is None:
-            self._join(seq, tcache)
+            self._join(seq, f.tcache)
         return out
 
     def add_many(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
-                 sources: Optional[Sequence] = None, asks: Optional[Sequence[Asks]] = None) -> List[Committed]:
+                 sources: Optional[Sequence] = None, asks: Optional[Sequence[Asks]] = None,
+                 chunked: bool = False) -> List[Committed]:
         """`add` for several prompts, prefilled in one target pass where they are short
         (`BATCH_PREFILL` tokens in all): right-padded to the longest, each sequence's
-        padding cropped after. Long prompts go one at a time, in chunks."""
+        padding cropped after. Long prompts go one at a time, in chunks (with `chunked`,
+        between the cycles of the sequences decoding)."""
         sources = list(sources or [None] * len(prompts))
         asks = list(asks or [None] * len(prompts))
         if self.prompt_cache is not None and len(prompts) > 1:  # a cached prefix beats a shared pass
@@ -167,14 +219,14 @@ class BatchDecoder:
             if any(cached):
                 fresh = [i for i, c in enumerate(cached) if not c]
                 out = dict(zip(fresh, self.add_many([prompts[i] for i in fresh], [max_tokens[i] for i in fresh],
-                                                    [sources[i] for i in fresh], [asks[i] for i in fresh])))
+                                                    [sources[i] for i in fresh], [asks[i] for i in fresh], chunked)))
                 for i in (i for i, c in enumerate(cached) if c):
-                    out[i] = self.add(prompts[i], max_tokens[i], sources[i], asks[i])
+                    out[i] = self.add(prompts[i], max_tokens[i], sources[i], asks[i], chunked)
                 return [out[i] for i in range(len(prompts))]
         lens = [len(p) for p in prompts]
         # A recurrent state would run through the padding: such prompts are prefilled alone.
         if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0 or self.target.recurrent:
-            return [self.add(*a) for a in zip(prompts, max_tokens, sources, asks)]
+            return [self.add(*a, chunked=chunked) for a in zip(prompts, max_tokens, sources, asks)]
         if self.window and max(lens) > self.window:
             raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
         n, L = len(prompts), max(lens)
@@ -210,13 +262,15 @@ class BatchDecoder:
             self.seqs += joined_seqs
         return out
 
-    def _running(self, prompt, max_tokens: int, source, dstate, taps: list, asks: Optional[Asks]) -> Running:
+    def _running(self, prompt, max_tokens: int, source, dstate, taps: list, asks: Optional[Asks],
+                 uid: Optional[int] = None) -> Running:
         """A sequence about to draw its first token; its budget stops at the model's window."""
         asks = asks or Asks()
         if self.window:
             max_tokens = min(max_tokens, self.window - len(prompt) + 1)
         draws = None if asks.params.greedy else Draws(asks.params.seed, len(prompt), self.target.vocab_size)
-        return Running(next(self._uids), max_tokens, source, dstate, None, taps, params=asks.params,
+        uid = next(self._uids) if uid is None else uid
+        return Running(uid, max_tokens, source, dstate, None, taps, params=asks.params,
                        proc=Processed(asks.processors, prompt), draws=draws, top=asks.logprobs)
 
     def _start(self, seq: Running, prompt, last: mx.array, lps) -> Committed:
@@ -329,6 +383,7 @@ class BatchDecoder:
 
     def remove(self, uid: int) -> None:
         """Drop a sequence before it finished (nothing if it is not in the batch)."""
+        self.filling = [f for f in self.filling if f.uid != uid]
         self._keep_only([b for b, s in enumerate(self.seqs) if s.uid != uid])
 
     def _keep_only(self, keep: List[int]) -> None:

@@ -3,7 +3,7 @@ stats, handed back as the same `GenerationEvent`s `stream_generate` gives."""
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..decode.events import GenerationEvent, GenerationStats
 from ..decode.request import HandOver, TextStream, check_prompt
@@ -43,20 +43,24 @@ class BatchStreams:
     def __len__(self) -> int:
         return len(self.decoder)
 
-    def add_many(self, requests: Sequence[Joining]) -> List[Tuple[int, GenerationEvent]]:
+    def add_many(self, requests: Sequence[Joining]) -> List[Tuple[int, Optional[GenerationEvent]]]:
         """Prefill the requests, together where short, and let them join; each one's uid and
-        first event (which may be its last)."""
+        first event (which may be its last). A long prompt joining requests that decode is
+        prefilled a chunk per `step` instead (`BatchDecoder.fill`): its event is None, and its
+        first comes from a later `step`."""
         for r in requests:
             check_prompt(r.prompt, self.pair.target)
         tic = time.perf_counter()
         firsts = self.decoder.add_many([r.prompt for r in requests], [r.max_tokens for r in requests],
-                                       asks=[r.asks for r in requests])
-        prompt_tps = sum(len(r.prompt) for r in requests) / (time.perf_counter() - tic)
+                                       asks=[r.asks for r in requests], chunked=True)
+        now = time.perf_counter()
+        prompt_tps = sum(len(r.prompt) for r, f in zip(requests, firsts) if not f.filling) / (now - tic)
         out = []
         for r, first in zip(requests, firsts):
-            stats = GenerationStats(prompt_tokens=len(r.prompt), prompt_tps=prompt_tps)
-            self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, r.stop), stats, time.perf_counter())
-            out.append((first.uid, self._event(first, 0, first=True)))
+            stats = GenerationStats(prompt_tokens=len(r.prompt), prompt_tps=0.0 if first.filling else prompt_tps)
+            self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, r.stop), stats, tic if first.filling
+                                              else now)
+            out.append((first.uid, None if first.filling else self._event(first, 0, first=True)))
         return out
 
     def adopt(self, h: HandOver) -> int:
@@ -67,8 +71,12 @@ class BatchStreams:
         return uid
 
     def step(self) -> List[Tuple[int, GenerationEvent]]:
-        """One cycle for every request; those it ends (EOS, budget, a stop string) have left."""
-        out, B = [], len(self.decoder)
+        """A prefill chunk of each request still prefilling (the first events of those done), then
+        one cycle for every request decoding; those it ends (EOS, budget, a stop string) have left."""
+        out = [(c.uid, self._first(c)) for c in self.decoder.fill()]
+        B = len(self.decoder.seqs)
+        if B == 0:
+            return out
         width = self.policy.choose(B)
         tic = time.perf_counter()
         committed = self.decoder.step(width)
@@ -90,6 +98,14 @@ class BatchStreams:
         """End a request early (its client left)."""
         self.decoder.remove(uid)
         self.streams.pop(uid, None)
+
+    def _first(self, c: Committed) -> GenerationEvent:
+        """The first event of a request whose prompt was prefilled chunk by chunk."""
+        s = self.streams[c.uid]
+        now = time.perf_counter()
+        s.stats.prompt_tps = s.stats.prompt_tokens / (now - s.tic)
+        s.tic = now
+        return self._event(c, 0, first=True)
 
     def _event(self, c: Committed, accepted: int, first: bool = False) -> GenerationEvent:
         s = self.streams[c.uid]

@@ -45,7 +45,21 @@ def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None,
 
 def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = PREFILL_STEP, hold: int = PREFILL_HOLD_BYTES,
             before_last=None, taps: bool = True, skip: bool = False, before: int = 0):
+    """`prefill_steps` run to the end: (the last position's logits, the held taps)."""
+    steps = prefill_steps(target, source, dstate, prompt, tcache, step, hold, before_last, taps, skip, before)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def prefill_steps(target, source, dstate, prompt: mx.array, tcache, step: int = PREFILL_STEP,
+                  hold: int = PREFILL_HOLD_BYTES, before_last=None, taps: bool = True, skip: bool = False,
+                  before: int = 0):
     """Run the prompt through the target: the first token waits for nothing else.
+    A generator that pauses after each chunk (a batch runs its cycles between them) and
+    returns what `prefill` does.
 
     As mlx-lm does, all but the last prompt token go through in chunks that
     evaluate only the caches, and the last token is one plain step; the taps
@@ -80,6 +94,7 @@ def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = PREFIL
         # Evaluate the caches per chunk; the held taps stay lazy (at most `hold` bytes of them).
         mx.eval([c.state for c in tcache], given)
         mx.clear_cache()
+        yield
     if before_last is not None:
         before_last(tcache)
     logits, hidden = target(prompt[None, -1:], tcache, taps=taps)
