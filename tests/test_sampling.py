@@ -227,6 +227,29 @@ def test_seeded_draws_follow_the_target_distribution_and_couple_the_drafts(small
     assert accept_rate > indep + 4 * sigma
 
 
+def test_batched_draws_follow_the_target_distribution(small_pair):
+    """Sequences sampled together (`batch.BatchDecoder`: one drafter pass and one verify pass
+    for 250 of them, each with its own seed) follow the target's exact distribution."""
+    from dflash_mlx.batch.engine import Asks, BatchDecoder
+
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0, top_k=4)
+    seqs, probs = exact_distribution(model, params)
+    counts, n = {}, 250
+    for start in range(10_000, 10_000 + SAMPLES, n):  # seeds the tests above do not use
+        dec = BatchDecoder(pair, BLOCK)
+        firsts = dec.add_many([PROMPT] * n, [N_TOKENS] * n,
+                              asks=[Asks(dataclasses.replace(params, seed=s)) for s in range(start, start + n)])
+        out = {f.uid: list(f.tokens) for f in firsts}
+        while len(dec):
+            for c in dec.step():
+                out[c.uid] += c.tokens
+        for toks in out.values():
+            counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    assert sum(counts.values()) == SAMPLES and all(len(t) == N_TOKENS for t in counts)
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temp=1.0, seed=7), SamplingParams(temp=0.7, top_p=0.9, top_k=3, seed=8),
                                     SamplingParams(temp=1.2, min_p=0.1, seed=9)])
 def test_a_seed_fixes_the_text_at_every_width(small_pair, params):

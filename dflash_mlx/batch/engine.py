@@ -139,7 +139,7 @@ class BatchDecoder:
         if width < 1:
             raise DFlashError(f"The batch's block width must be >= 1 (got {width}).")
         self.width = min(width, self.source.block_size)
-        self.eos = set(pair.tokenizer.eos_token_ids)
+        self.eos = set(pair.tokenizer.eos_token_ids) if pair.tokenizer is not None else set()
         self.window = getattr(self.target.args, "max_position_embeddings", None)
         self.cache: list = []  # per layer: a `RaggedKVCache`, or an `ArraysCache` of recurrent states
         # The drafter's contexts of the first len(pool) sequences, drafted in one pass (`batch.drafts`);
