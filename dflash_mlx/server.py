@@ -228,7 +228,8 @@ class Engine:
         """Decode the batchable jobs at the head of `waiting` together (and `adopted`, a job
         `stream_generate` handed over), letting in those that queue up while it runs, until
         the batch is empty; a job that cannot join waits for it (arrival order is kept)."""
-        batch = BatchStreams(self.pair, self.batch_width, self.batch_policy, self.prompt_cache)
+        batch = BatchStreams(self.pair, self.batch_width, self.batch_policy, self.prompt_cache,
+                             lookup=self.block_size == "auto")
         jobs = {}
         if adopted is not None:
             jobs[batch.adopt(adopted[1])] = adopted[0]

@@ -467,3 +467,34 @@ def test_a_long_prompt_joins_a_chunk_per_cycle(pairs, baselines, family, monkeyp
     base = baselines[family]
     assert [out[u] for u in (0, 1)] == [plain_greedy(base, p, 40, eos=eos) for p in short]
     assert out[joining.uid] == plain_greedy(base, long, 12, eos=eos)
+
+
+def test_lookup_copies_in_a_batch(pairs, baselines, monkeypatch):
+    """With `lookup`, each sequence's sizer run copies as much of its n-gram lookup's offer
+    into a drafted cycle's first positions as it expects to pay (learning from the offers it
+    scored): on text that repeats, fewer cycles than the drafter alone, the same tokens."""
+    from conftest import plain_greedy
+    from test_adaptive import install_curve
+
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair, base = pairs["qwen3"], baselines["qwen3"]
+    install_curve(monkeypatch, pair, [[1.0 + 0.05 * (k - 1) for k in range(1, pair.draft_source.block_size + 1)]])
+    prompts = [pair.tokenizer.encode(t * 6) for t in ("a b c d e f ", "x = x + 1\n", "one two three ")]
+    eos = tuple(pair.tokenizer.eos_token_ids)
+
+    def run(lookup):
+        dec = BatchDecoder(pair, 8, lookup=lookup)
+        out = {f.uid: list(f.tokens) for f in dec.add_many(prompts, [60] * len(prompts))}
+        cycles = 0  # summed over the sequences
+        while len(dec):
+            for c in dec.step(8):
+                out[c.uid] += c.tokens
+                cycles += 1
+        return [out[u] for u in sorted(out)], cycles
+
+    copied, with_lookup = run(True)
+    assert pair.learned.greedy.shared_lookup  # the offers were scored
+    drafted, without = run(False)
+    assert copied == drafted == [plain_greedy(base, p, 60, eos=eos) for p in prompts]
+    assert with_lookup < 0.8 * without, (with_lookup, without)

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
+from ..policy.plan import Plan
 from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs
 from ..decode.passes import (PREFILL_STEP, caught_up, draft, joined, logprob_rows, pick_drafts, prefill_steps,
                              token_logprobs)
@@ -78,6 +79,7 @@ class Running:
     proc: Processed = field(default_factory=lambda: Processed([], ()))
     draws: Optional[Draws] = None  # a sampled sequence's draws
     top: Optional[int] = None  # `Asks.logprobs`
+    run: Any = None  # its run of the pair's sizer (`policy.sizer.SizerRun`): how much of a lookup offer to copy
 
     def noise(self, n: int) -> Optional[mx.array]:
         return None if self.draws is None else self.draws.noise(n)
@@ -128,11 +130,13 @@ class BatchDecoder:
     decoding). Above 1 the target's taps of every committed token reach each sequence's
     drafter, so any cycle may draft."""
 
-    def __init__(self, pair, width: int, prompt_cache=None):
+    def __init__(self, pair, width: int, prompt_cache=None, lookup: bool = False):
         """With a `prompt_cache`, each sequence starts from the longest prefix it holds and
-        what a finished sequence computed is kept there (`keep`)."""
+        what a finished sequence computed is kept there (`keep`). With `lookup`, a drafted
+        cycle's first positions may be copied from each sequence's n-gram lookup, as much
+        as the pair's sizer (`pair.auto_sizer`, at the sequence's settings) expects to pay."""
         self.pair, self.target, self.source = pair, pair.target, pair.draft_source
-        self.prompt_cache = prompt_cache
+        self.prompt_cache, self.lookup = prompt_cache, lookup
         self.finished: list = []  # (sequence, its caches) of finished sequences, for `keep`
         if not can_batch(self.target):
             raise DFlashError(f"'{self.target.model_type}' has caches batched decoding cannot hold together.")
@@ -271,7 +275,12 @@ class BatchDecoder:
         draws = None if asks.params.greedy else Draws(asks.params.seed, len(prompt), self.target.vocab_size)
         uid = next(self._uids) if uid is None else uid
         return Running(uid, max_tokens, source, dstate, None, taps, params=asks.params,
-                       proc=Processed(asks.processors, prompt), draws=draws, top=asks.logprobs)
+                       proc=Processed(asks.processors, prompt), draws=draws, top=asks.logprobs,
+                       run=self._run(asks.params))
+
+    def _run(self, params: SamplingParams):
+        """A sequence's sizer run, where lookups are used."""
+        return self.pair.auto_sizer(params).start() if self.lookup and self.width > 1 else None
 
     def _start(self, seq: Running, prompt, last: mx.array, lps) -> Committed:
         """The sequence's first token `last` (evaluated, and its log probabilities): its `Committed`."""
@@ -293,7 +302,7 @@ class BatchDecoder:
         if draws is None and not params.greedy:
             draws = Draws(None, len(history), self.target.vocab_size)
         seq = Running(next(self._uids), max_tokens, source, dstate, last, list(taps), generated, list(history),
-                      params, proc or Processed([], ()), draws, top)
+                      params, proc or Processed([], ()), draws, top, self._run(params))
         self._join(seq, tcache)
         return seq.uid
 
@@ -314,12 +323,13 @@ class BatchDecoder:
         w = self.width if width is None else max(1, min(width, self.width))
         lasts = mx.concatenate([s.last for s in self.seqs])
         noises = [s.noise(w) for s in self.seqs]
-        drafts = None
+        drafts, copies = None, [[] for _ in self.seqs]
         if w > 1:
+            copies = [self._copies(s, w) for s in self.seqs]
             if self._pooling():
-                drafts = self._draft_pooled(lasts, w, noises)
+                drafts = self._draft_pooled(lasts, w, noises, copies)
             else:
-                drafts = mx.stack([self._draft(s, w, n) for s, n in zip(self.seqs, noises)])
+                drafts = mx.stack([self._draft(s, w, n, c) for s, n, c in zip(self.seqs, noises, copies)])
             block = mx.concatenate([lasts[:, None], drafts], axis=1)
         else:
             block = lasts[:, None]
@@ -343,6 +353,8 @@ class BatchDecoder:
             rows = a + 1 if c.finish is None else len(c.tokens)
             drops.append(w - rows)
             seq.commit(c.tokens)
+            if seq.run is not None:
+                seq.run.record(Plan(w, len(copies[b])), a, c.tokens)
             if self.width > 1 and rows:
                 seq.taps.append(hidden[b : b + 1, :rows])
                 if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
@@ -424,21 +436,37 @@ class BatchDecoder:
         if self.pool is not None and b < len(self.pool):
             seq.source.context(seq.dstate)[:] = self.pool.extract(b)
 
-    def _draft_pooled(self, lasts: mx.array, width: int, noises: list) -> mx.array:
-        """Every sequence's drafts [B, width - 1] from one drafter pass."""
+    def _copies(self, seq: Running, width: int) -> List[int]:
+        """The lookup tokens a drafted cycle of `width` copies for `seq` (first positions)."""
+        if seq.run is None:
+            return []
+        offer = seq.source.offer(seq.dstate, width - 1)
+        return list(offer[: seq.run.copies(offer, width)])
+
+    def _draft_pooled(self, lasts: mx.array, width: int, noises: list, copies: List[List[int]]) -> mx.array:
+        """Every sequence's drafts [B, width - 1] from one drafter pass, each sequence's
+        `copies` in its first positions."""
         hiddens = [joined(s.taps) if s.taps else None for s in self.seqs]
         for s in self.seqs:
             s.taps = []
         logits = self.pool.propose(lasts, hiddens, width)
         if all(s.params.greedy and not s.proc for s in self.seqs):
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        return mx.stack([pick_drafts(logits[b], s.params, s.proc or None, None if n is None else n[:-1])
-                         for b, (s, n) in enumerate(zip(self.seqs, noises))])
+            drafts = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        else:
+            drafts = mx.stack([pick_drafts(logits[b], s.params, s.proc or None, None if n is None else n[:-1])
+                               for b, (s, n) in enumerate(zip(self.seqs, noises))])
+        if any(copies):
+            n = width - 1
+            copied = mx.array([c + [0] * (n - len(c)) for c in copies], dtype=mx.uint32)
+            drafts = mx.where(mx.arange(n)[None] < mx.array([len(c) for c in copies])[:, None], copied, drafts)
+        return drafts
 
-    def _draft(self, seq: Running, width: int, noise: Optional[mx.array]) -> mx.array:
+    def _draft(self, seq: Running, width: int, noise: Optional[mx.array], copies: Sequence[int] = ()) -> mx.array:
+        if len(copies) == width - 1:  # no drafter pass: its taps wait for the next one
+            return mx.array(copies, dtype=mx.uint32)
         hidden = joined(caught_up(seq.source, seq.dstate, seq.taps)) if seq.taps else None
         seq.taps = []
-        return draft(seq.source, seq.dstate, seq.last, hidden, width, seq.params, proc=seq.proc or None,
+        return draft(seq.source, seq.dstate, seq.last, hidden, width, seq.params, copies, proc=seq.proc or None,
                      noise=None if noise is None else noise[:-1]).tokens
 
     def _pick(self, logits: mx.array, drafts: Optional[mx.array], noises: list):

@@ -32,11 +32,12 @@ class _Stream:
 class BatchStreams:
     """Requests decoded together (`BatchDecoder`), each event tagged with its request's uid."""
 
-    def __init__(self, pair, width: int, policy=None, prompt_cache=None):
+    def __init__(self, pair, width: int, policy=None, prompt_cache=None, lookup: bool = False):
         """`width`: the widest cycle; `policy` (`policy.batch.BatchWidths`, default) picks each
-        cycle's; with a `prompt_cache`, requests start from it and are kept in it (`keep`)."""
+        cycle's; with a `prompt_cache`, requests start from it and are kept in it (`keep`);
+        `lookup`: drafts may copy from each request's n-gram lookup (`BatchDecoder`)."""
         self.pair = pair
-        self.decoder = BatchDecoder(pair, width, prompt_cache)
+        self.decoder = BatchDecoder(pair, width, prompt_cache, lookup)
         self.policy = policy or BatchWidths(self.decoder.width)
         self.streams: Dict[int, _Stream] = {}
 

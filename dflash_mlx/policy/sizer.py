@@ -492,6 +492,28 @@ class SizerRun:
         self.held = max(hold - 1, 0)
         return plan
 
+    def copies(self, offer: Sequence[int], width: int) -> int:
+        """How many of a lookup `offer` (its `order`, if it has one, the n-gram order of the
+        match) a cycle of `width` set by others (a batch's) copies before the drafter's
+        guesses: the count with the most expected accepted drafts. The offer is scored
+        against the tokens committed next (`record`), as `choose`'s are."""
+        order = getattr(offer, "order", 0)
+        if offer and not self.pending:
+            self.pending, self.pending_order = list(offer[: self.max_width - 1]), order
+        m = min(len(offer), width - 1)
+        if m == 0:
+            return 0
+        look, alphas = self.lookup_alphas(order), self.alphas()
+
+        def expected(k: int) -> float:
+            run, total = 1.0, 0.0
+            for i in range(min(width - 1, len(alphas))):
+                run *= look[i] if i < k else alphas[i]
+                total += run
+            return total
+
+        return max(range(m + 1), key=expected)
+
     def drafter_pays(self, first: int, last: int) -> bool:
         """Whether a cycle that runs the drafter could beat plain decoding anywhere from
         context `first` to `last` even if every draft were accepted (`_could_pay`); if
