@@ -191,6 +191,26 @@ def test_the_batch_width_is_the_fastest_measured_at_each_batch_size():
     assert run(1, 8 * RETRY)[-20:].count(2) >= 18
 
 
+def test_with_the_sequences_acceptance_a_width_is_rated_by_its_expected_tokens_per_second():
+    """Given the tokens the batch expects each width to commit (its sequences' statistics), the
+    choice is those over each width's measured seconds per cycle, so a cycle whose drafts were
+    unluckily rejected does not turn it away from a width that pays."""
+    from dflash_mlx.policy.batch import TRIES, BatchWidths
+
+    seconds = {1: 1.0, 2: 1.2, 4: 1.6, 8: 3.0}
+    gains = {1: 8.0, 2: 13.0, 4: 18.0, 8: 20.0}  # per second: 8, 10.8, 11.25, 6.7
+    p = BatchWidths(16)
+    chosen = []
+    for cycle in range(4 * TRIES + 20):
+        w = p.choose(8, gains)
+        chosen.append(w)
+        luck = 0.3 if (cycle % 3 == 0 and w == 4) else 1.0  # width 4's drafts often all rejected
+        p.update(8, w, seconds[w], int(8 + (gains[w] - 8) * luck))
+    assert chosen[: 4 * TRIES] == [w for w in (1, 2, 4, 8) for _ in range(TRIES)]
+    assert chosen[4 * TRIES :].count(4) >= 18
+    assert BatchWidths(16).choose(8, None) == 1  # without statistics: the measured climb
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
 def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines, family):
     """A batch keeps each finished sequence in the prompt cache, and a later batch's requests
@@ -245,7 +265,7 @@ def run_streams(pair, joining, widths, join_at=None, width=8):
     class Scripted(FixedBatchWidth):
         cycle = 0
 
-        def choose(self, batch):
+        def choose(self, batch, gains=None):
             self.cycle += 1
             return widths[self.cycle % len(widths)]
 

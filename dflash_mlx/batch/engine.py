@@ -382,6 +382,13 @@ class BatchDecoder:
         self._keep_only(keep)
         return out
 
+    def gains(self, widths: Sequence[int]) -> Optional[dict]:
+        """The tokens the sequences expect a cycle of each width to commit, in all, from their
+        sizer runs' acceptance statistics (None unless every sequence has one)."""
+        if not widths or not self.seqs or any(s.run is None for s in self.seqs):
+            return None
+        return {w: sum(s.run.expected_tokens(min(w, s.run.max_width)) for s in self.seqs) for w in widths}
+
     def keep(self) -> None:
         """Hand what finished sequences computed to the prompt cache (after their answers are out):
         the caches hold every committed token but the last, the drafter has read their taps."""

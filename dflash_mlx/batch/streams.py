@@ -78,7 +78,7 @@ class BatchStreams:
         B = len(self.decoder.seqs)
         if B == 0:
             return out
-        width = self.policy.choose(B)
+        width = self.policy.choose(B, self.decoder.gains(self.policy.widths))
         tic = time.perf_counter()
         committed = self.decoder.step(width)
         self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed))

@@ -5,14 +5,17 @@ hardware's spare compute, and a batch of B sequences already fills B rows, so
 the width that commits the most tokens per second falls as the batch grows (on
 a 2-core CPU: width 4 pays up to 4 sequences and loses at 8, where plain
 batched decoding is best). `BatchWidths` learns it online: per batch size it
-keeps each candidate width's committed tokens per second over the batch's own
-cycles, tries the candidates from the narrowest up while each beats the one
-below it, then runs the best, retrying its neighbours now and then as the
-text and the contexts change. Greedy output does
-not depend on the widths, so trying costs speed only.
+keeps each candidate width's seconds per cycle and committed tokens per second
+over the batch's own cycles, tries the candidates from the narrowest up while
+each beats the one below it, then runs the best, retrying its neighbours now
+and then as the text and the contexts change. Where the batch's sequences
+carry acceptance statistics (their sizer runs), a width is worth the tokens
+they expect it to commit over its measured seconds per cycle: the cost is
+measured, the acceptance is each sequence's own, and one cycle's luck moves
+neither much. Output does not depend on the widths, so trying costs speed only.
 """
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 WIDTHS = (1, 2, 4, 8)  # the candidates: a few, so that each is measured often enough
 TRIES = 3  # cycles each candidate runs at a batch size before the best is chosen on the figures
@@ -39,17 +42,23 @@ class BatchWidths:
     def __init__(self, max_width: int, widths: Sequence[int] = WIDTHS):
         self.widths: List[int] = sorted({min(w, max_width) for w in widths if w >= 1})
         self.rates: Dict[Tuple[int, int], float] = {}  # (batch size, width) -> tokens per second
+        self.seconds: Dict[Tuple[int, int], float] = {}  # (batch size, width) -> seconds per cycle
         self.runs: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> cycles measured
         self.last: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> the cycle it last ran
         self.cycle = 0
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
         """The width of the next cycle of `batch` sequences: climbing the candidates from the
         narrowest while each beats the one below it, then the best, with its neighbours
-        retried every `RETRY` cycles (tokens per second rise with the width, then fall)."""
+        retried every `RETRY` cycles (tokens per second rise with the width, then fall).
+        `gains`: the tokens the batch's sequences expect each width to commit, in all; a
+        width is then rated by them over its seconds per cycle."""
         self.cycle += 1
         b, ws = bucket(batch), self.widths
-        rate = lambda w: self.rates[(b, w)]  # noqa: E731
+        if gains is None:
+            rate = lambda w: self.rates[(b, w)]  # noqa: E731
+        else:
+            rate = lambda w: gains[w] / self.seconds[(b, w)]  # noqa: E731
         known = [w for w in ws if self.runs.get((b, w), 0) >= TRIES]
         k = len(known)
         if k < len(ws) and known == ws[:k] and (k < 2 or rate(ws[k - 1]) > rate(ws[k - 2])):
@@ -69,6 +78,7 @@ class BatchWidths:
         n = self.runs.get(key, 0)
         keep = n / (n + 1) if n < TRIES else DECAY  # the first tries count alike, then recent cycles more
         self.rates[key] = keep * self.rates.get(key, 0.0) + (1 - keep) * rate
+        self.seconds[key] = keep * self.seconds.get(key, 0.0) + (1 - keep) * seconds
         self.runs[key] = n + 1
         self.last[key] = self.cycle
 
@@ -76,10 +86,12 @@ class BatchWidths:
 class FixedBatchWidth:
     """A fixed `--block-size`: every batched cycle at that width."""
 
+    widths: Tuple[int, ...] = ()  # no candidates to weigh
+
     def __init__(self, width: int):
         self.width = width
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
         return self.width
 
     def update(self, batch: int, width: int, seconds: float, tokens: int) -> None:
