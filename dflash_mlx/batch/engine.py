@@ -112,6 +112,16 @@ class Committed:
 
 
 @dataclass
+class Proposal:
+    """What a cycle verifies."""
+
+    block: mx.array  # [B, width]: each sequence's last token, then its drafts
+    drafts: Optional[mx.array]  # [B, width - 1] (None for a plain step)
+    noises: list  # per sequence, its draws' noise rows [width, V] (None when greedy)
+    copies: List[List[int]]  # per sequence, the lookup tokens in its first draft positions
+
+
+@dataclass
 class Filling:
     """A sequence whose prompt is prefilled a chunk at a time, between the batch's cycles."""
 
@@ -321,58 +331,66 @@ class BatchDecoder:
         if not self.seqs:
             return []
         w = self.width if width is None else max(1, min(width, self.width))
-        lasts = mx.concatenate([s.last for s in self.seqs])
-        noises = [s.noise(w) for s in self.seqs]
-        drafts, copies = None, [[] for _ in self.seqs]
-        if w > 1:
-            copies = [self._copies(s, w) for s in self.seqs]
-            if self._pooling():
-                drafts = self._draft_pooled(lasts, w, noises, copies)
-            else:
-                drafts = mx.stack([self._draft(s, w, n, c) for s, n, c in zip(self.seqs, noises, copies)])
-            block = mx.concatenate([lasts[:, None], drafts], axis=1)
-        else:
-            block = lasts[:, None]
-        logits, hidden = self.target(block, self.cache, taps=self.width > 1, record=self.target.recurrent)
-        picks, lps = self._pick(logits, drafts, noises)
-        if w > 1:
-            accepted = agreeing(drafts, picks)
-        else:
-            accepted = mx.zeros((len(self.seqs),), mx.uint32)
-        mx.eval(accepted, picks, block, lps)  # the cycle's one host synchronisation
-        acc, pk, blk = accepted.tolist(), picks.tolist(), block.tolist()
-        out, keep, drops, held = [], [], [], False
+        p = self._propose(w)
+        logits, hidden = self.target(p.block, self.cache, taps=self.width > 1, record=self.target.recurrent)
+        picks, lps = self._pick(logits, p.drafts, p.noises)
+        accepted = agreeing(p.drafts, picks) if w > 1 else mx.zeros((len(self.seqs),), mx.uint32)
+        mx.eval(accepted, picks, p.block, lps)  # the cycle's one host synchronisation
+        acc, pk, blk = accepted.tolist(), picks.tolist(), p.block.tolist()
+        out, kept_rows = [], []
         for b, seq in enumerate(self.seqs):
             a = acc[b]
-            tokens = blk[b][1 : 1 + a] + [pk[b][a]]
-            c = Committed(seq.uid, tokens, accepted=a, logprobs=lps[b] and logprob_rows(lps[b], a + 1))
+            c = Committed(seq.uid, blk[b][1 : 1 + a] + [pk[b][a]], accepted=a,
+                          logprobs=lps[b] and logprob_rows(lps[b], a + 1))
             c.finish = self._finish(seq, c)
             out.append(c)
             # The caches keep [last, accepted drafts]: a row per committed token but the newest;
             # a finished sequence's, a row per token it committed (its history but the last token).
-            rows = a + 1 if c.finish is None else len(c.tokens)
-            drops.append(w - rows)
-            seq.commit(c.tokens)
-            if seq.run is not None:
-                seq.run.record(Plan(w, len(copies[b])), a, c.tokens)
-            if self.width > 1 and rows:
-                seq.taps.append(hidden[b : b + 1, :rows])
-                if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
-                    if self.pool is not None and b < len(self.pool):
-                        held = True
-                    else:
-                        seq.source.add_context(seq.dstate, joined(seq.taps))
-                        seq.taps = []
-            if c.finish is None:
-                keep.append(b)
-                seq.last = mx.array([tokens[-1]], mx.uint32)
-                seq.source.commit(seq.dstate, tokens)
-        self.target.crop_each(self.cache, [w - d for d in drops], w)
-        if held:
-            pooled = self.seqs[: len(self.pool)]
-            self.pool.add_context([joined(s.taps) if s.taps else None for s in pooled])
-            for s in pooled:
-                s.taps = []
+            kept_rows.append(a + 1 if c.finish is None else len(c.tokens))
+            taps = None if hidden is None else hidden[b : b + 1, : kept_rows[-1]]
+            self._advance(b, seq, c, Plan(w, len(p.copies[b])), taps)
+        self.target.crop_each(self.cache, kept_rows, w)
+        self._leave([b for b, c in enumerate(out) if c.finish is None])
+        return out
+
+    def _propose(self, width: int) -> "Proposal":
+        """Every sequence's block for a cycle of `width`: its last token, then its drafts."""
+        lasts = mx.concatenate([s.last for s in self.seqs])
+        noises = [s.noise(width) for s in self.seqs]
+        if width == 1:
+            return Proposal(lasts[:, None], None, noises, [[] for _ in self.seqs])
+        copies = [self._copies(s, width) for s in self.seqs]
+        if self._pooling():
+            drafts = self._draft_pooled(lasts, width, noises, copies)
+        else:
+            drafts = mx.stack([self._draft(s, width, n, c) for s, n, c in zip(self.seqs, noises, copies)])
+        return Proposal(mx.concatenate([lasts[:, None], drafts], axis=1), drafts, noises, copies)
+
+    def _advance(self, b: int, seq: Running, c: Committed, plan: Plan, taps: Optional[mx.array]) -> None:
+        """Sequence b past its committed tokens: its processors, draws, sizer run, lookup
+        index and the taps its drafter will read (`taps`: its rows the caches keep; None
+        where no cycle drafts)."""
+        seq.commit(c.tokens)
+        if seq.run is not None:
+            seq.run.record(plan, c.accepted, c.tokens)
+        if taps is not None and taps.shape[1]:
+            seq.taps.append(taps)
+            if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
+                if self.pool is not None and b < len(self.pool):
+                    pooled = self.seqs[: len(self.pool)]
+                    self.pool.add_context([joined(s.taps) if s.taps else None for s in pooled])
+                    for s in pooled:
+                        s.taps = []
+                else:
+                    seq.source.add_context(seq.dstate, joined(seq.taps))
+                    seq.taps = []
+        if c.finish is None:
+            seq.last = mx.array([c.tokens[-1]], mx.uint32)
+            seq.source.commit(seq.dstate, c.tokens)
+
+    def _leave(self, keep: List[int]) -> None:
+        """The sequences not in `keep` leave; with a prompt cache, what they computed is held
+        for `keep` (its drafter context handed back from the pool first)."""
         if self.prompt_cache is not None:
             kept = set(keep)
             for b, s in enumerate(self.seqs):
@@ -380,7 +398,6 @@ class BatchDecoder:
                     self._unpool_one(b, s)
                     self.finished.append((s, [c.extract(b) for c in self.cache]))
         self._keep_only(keep)
-        return out
 
     def gains(self, widths: Sequence[int]) -> Optional[dict]:
         """The tokens the sequences expect a cycle of each width to commit, in all, from their
