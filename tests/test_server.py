@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx.cli.main import app
-from dflash_mlx.server import make_server
+from dflash_mlx.http_server import make_server
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny-qwen3"
@@ -711,9 +711,9 @@ def test_stream_usage_chunk_and_prompts_over_the_window(served, client, monkeypa
 
 def test_a_body_shorter_than_its_length_times_out(served, monkeypatch):
     """A client that sends less than its Content-Length gets a 408 once the read times out,
-    and the handler thread is free again."""
+    and the connection is closed."""
     url = served[1]
-    monkeypatch.setattr(ENGINES["server"].RequestHandlerClass, "timeout", 1)
+    monkeypatch.setattr(ENGINES["server"].settings, "read_timeout_s", 1)
     host, port = url[7:].split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
