@@ -1,10 +1,11 @@
 """The HTTP API as a Starlette app: OpenAI's chat and text completions, Anthropic's Messages API,
 the model list, health and Prometheus metrics.
 
-Starlette routes requests, bounds their bodies (`max_body_size`: 413), runs blocking work on its
+Starlette routes requests, checks API keys (with the backend here), runs blocking work on its
 thread pool, streams server-sent events and notices a streaming client that hangs up; uvicorn
-(`http_server`) speaks HTTP. Written here: the API keys, each API's error shapes, reading a body
-within the read timeout (408), and the bridge from the engine's thread to the event loop.
+(`http_server`) speaks HTTP and frames bodies by their Content-Length. Written here: each API's
+error shapes, the body's bound (413) and read timeout (408), and the bridge from the engine's
+thread to the event loop.
 
 A request is parsed and tokenized on a worker thread (the engine may hold the tokenizer's lock) and
 refused, if it must be, before any byte of its answer, streamed or not. A client that hangs up,
@@ -64,7 +65,7 @@ def create_app(settings: Settings) -> Starlette:
         Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
     ]
     auth = Middleware(AuthenticationMiddleware, backend=_APIKey(settings), on_error=_unauthorised)
-    app = Starlette(routes=routes, middleware=[auth], max_body_size=MAX_BODY,
+    app = Starlette(routes=routes, middleware=[auth],
                     exception_handlers={HTTPException: _http_error, Exception: _crashed})
     app.state.settings = settings
     return app
@@ -98,14 +99,12 @@ def _refusal(e: Exception) -> APIError:
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
-    """Starlette's own refusals (no route, a method a route does not take, a body over MAX_BODY)."""
+    """Starlette's own refusals (no route, a method a route does not take)."""
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     if exc.status_code == 404:
         e = APIError(404, f"No route {path}.", code="not_found")
     elif exc.status_code == 405:
         e = APIError(405, f"{request.method} is not allowed on {request.url.path}.")
-    elif exc.status_code == 413:
-        e = APIError(413, f"The request body is over {MAX_BODY} bytes.")
     else:
         e = APIError(exc.status_code, exc.detail)
     response = _error(e, _anthropic(request))
@@ -159,9 +158,12 @@ async def models(request: Request) -> Response:
 
 
 async def _read_json(request: Request) -> Any:
-    """The request's JSON body; APIError if it is chunked, does not arrive in time or is not JSON."""
-    if "content-length" not in request.headers and "transfer-encoding" in request.headers:
+    """The request's JSON body; APIError if it is chunked, too long, does not arrive in time or is not JSON."""
+    length = request.headers.get("content-length")  # uvicorn has checked that it is a number
+    if length is None and "transfer-encoding" in request.headers:
         raise APIError(411, "Send the request body with a Content-Length header, not chunked.")
+    if length is not None and int(length) > MAX_BODY:
+        raise APIError(413, f"The request body is over {MAX_BODY} bytes.")
     timeout = request.app.state.settings.read_timeout_s
     parts, stream = [], request.stream()
     try:
@@ -169,7 +171,7 @@ async def _read_json(request: Request) -> Any:
             parts.append(part)
     except asyncio.TimeoutError:
         raise APIError(408, f"The request body did not arrive within {timeout:g} s "
-                            f"(Content-Length {request.headers.get('content-length')}); send all of it.")
+                            f"(Content-Length {length}); send all of it.")
     try:
         return json.loads(b"".join(parts) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -194,8 +196,6 @@ async def messages_count_tokens(request: Request) -> Response:
         n = await run_in_threadpool(count_tokens, engine, body)
     except ClientDisconnect:
         return Response()  # no one to answer
-    except HTTPException:
-        raise
     except Exception as e:
         return _error(_refusal(e), True)
     return _JSON({"input_tokens": n})
@@ -210,8 +210,6 @@ async def generate(request: Request, api: str) -> Response:
         job, stream = await run_in_threadpool(parse, engine, await _read_json(request))
     except ClientDisconnect:
         return Response()  # no one to answer
-    except HTTPException:
-        raise
     except Exception as e:
         return _error(_refusal(e), anthropic)
     engine.submit(job)

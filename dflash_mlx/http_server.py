@@ -6,6 +6,7 @@ thread it installs no signal handlers, so Ctrl-C reaches the caller as KeyboardI
 """
 
 import json
+import logging
 import socket
 import threading
 from typing import Optional
@@ -52,24 +53,33 @@ class HTTPServer:
                                 access_log=False, backlog=BACKLOG, timeout_keep_alive=READ_TIMEOUT_S,
                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         self.uvicorn = uvicorn.Server(config)
-        self._thread: Optional[threading.Thread] = None
+        self._serving: Optional[threading.Thread] = None
+        self._stopped = threading.Event()
 
     def serve_forever(self) -> None:
         """Serve until `shutdown` (or, on the main thread, until Ctrl-C)."""
-        self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]}, daemon=True,
-                                        name="dflash-http")
-        self._thread.start()
-        self._thread.join()
+        self._serving = threading.Thread(target=self._serve, daemon=True, name="dflash-http")
+        self._serving.start()
+        self._stopped.wait()  # not Thread.join: one that Ctrl-C interrupts leaves the thread marked stopped
+
+    def _serve(self) -> None:
+        try:
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
 
     def shutdown(self) -> None:
         """Stop serving and wait until stopped: answers in flight get SHUTDOWN_GRACE_S to finish."""
         self.uvicorn.should_exit = True
-        if self._thread is not None:
-            self._thread.join()
+        if self._serving is not None:
+            self._stopped.wait()
 
     def server_close(self) -> None:
-        """Stop accepting connections, without waiting (the process is about to leave)."""
-        self.uvicorn.should_exit = True
+        """Stop at once, answers in flight cut short and their jobs cancelled (the process is about to leave)."""
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # each cut, a traceback otherwise
+        self.uvicorn.should_exit = self.uvicorn.force_exit = True
+        if self._serving is not None:
+            self._stopped.wait()
         self.socket.close()
 
 
