@@ -164,28 +164,26 @@ async def _read_json(request: Request) -> Any:
         raise APIError(411, "Send the request body with a Content-Length header, not chunked.")
     if length is not None and int(length) > MAX_BODY:
         raise APIError(413, f"The request body is over {MAX_BODY} bytes.")
-    timeout = request.app.state.settings.read_timeout_s
-    parts, stream = [], request.stream()
     try:
-        async for part in _each_within(stream, timeout):
-            parts.append(part)
-    except asyncio.TimeoutError:
-        raise APIError(408, f"The request body did not arrive within {timeout:g} s "
-                            f"(Content-Length {length}); send all of it.")
-    try:
-        return json.loads(b"".join(parts) or b"null")
+        return json.loads(await _read(request, length) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}.")
 
 
-async def _each_within(stream: AsyncIterator[bytes], timeout: float) -> AsyncIterator[bytes]:
-    """The stream's items, each within `timeout` seconds of the one before (asyncio.TimeoutError if not)."""
-    async with aclosing(stream):
+async def _read(request: Request, length: Optional[str]) -> bytes:
+    """The body, each part within the read timeout of the one before (a client that stalls: 408)."""
+    timeout = request.app.state.settings.read_timeout_s
+    parts, stream = [], request.stream()
+    try:
         while True:
-            try:
-                yield await asyncio.wait_for(stream.__anext__(), timeout)
-            except StopAsyncIteration:
-                return
+            parts.append(await asyncio.wait_for(anext(stream), timeout))
+    except StopAsyncIteration:
+        return b"".join(parts)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g} s "
+                            f"(Content-Length {length}); send all of it.")
+    finally:
+        await stream.aclose()
 
 
 async def messages_count_tokens(request: Request) -> Response:
