@@ -1,19 +1,19 @@
 """The serving engine over DFlash, and the parsing of API requests into its jobs.
 
-Requests are parsed and validated on the HTTP layer's threads (`http_app`);
-one worker thread owns the model and takes jobs in arrival order, so all MLX work stays on one thread. A
-job that finds nothing else waiting runs alone; jobs that queue up behind
-others are decoded together (`batch.BatchStreams`), each with its own
-caches, sampling settings, logits processors and log probabilities. A
-client that disconnects, streaming or not, cancels its job; the worker stops
-it at the next cycle.
+Requests are parsed and validated on the HTTP layer's worker threads
+(`http_app`); one worker thread owns the model and takes jobs in arrival
+order, so all MLX work stays on one thread. A job that finds nothing else
+waiting runs alone; jobs that queue up behind others are decoded together
+(`batch.BatchStreams`), each with its own caches, sampling settings, logits
+processors and log probabilities. A client that disconnects, streaming or
+not, cancels its job; the worker stops it at the next cycle.
 
 The tokenizer is shared by request parsing (chat templating, encoding), the
-HTTP layer (log probabilities, tool calls) and the worker (detokenising inside `stream_generate`). Hugging Face fast
-tokenizers are not thread-safe (concurrent use fails with "RuntimeError:
-Already borrowed"), so every use of it goes through one lock: the worker's
-pair holds a `_Locked` view of the tokenizer, and request parsing tokenizes
-under the same lock.
+HTTP layer (log probabilities, tool calls) and the worker (detokenising
+inside `stream_generate`). Hugging Face fast tokenizers are not thread-safe
+(concurrent use fails with "RuntimeError: Already borrowed"), so every use
+of it goes through one lock: the worker's pair holds a `_Locked` view of the
+tokenizer, and request parsing tokenizes under the same lock.
 """
 
 import copy
