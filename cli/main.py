@@ -373,7 +373,7 @@ def serve(
     serves HTTP and the other ranks run every request with it."""
     import dflash_mlx
     from dflash_mlx import distributed
-    from dflash_mlx.server import make_server
+    from dflash_mlx.http_server import make_server
 
     sharding = _sharding(sharding)
     cache_bytes = _bytes(prompt_cache_bytes, "--prompt-cache-bytes")

@@ -1,35 +1,29 @@
-"""An OpenAI-compatible HTTP server over DFlash.
+"""The serving engine over DFlash, and the parsing of API requests into its jobs.
 
-Handler threads parse and validate requests; one worker thread owns the
-model and takes jobs in arrival order, so all MLX work stays on one thread. A
-job that finds nothing else waiting runs alone; jobs that queue up behind
-others are decoded together (`batch.BatchStreams`), each with its own
-caches, sampling settings, logits processors and log probabilities. A
-client that disconnects, streaming or not, cancels its job; the worker stops
-it at the next cycle.
+Requests are parsed and validated on the HTTP layer's worker threads
+(`http_app`); one worker thread owns the model and takes jobs in arrival
+order, so all MLX work stays on one thread. A job that finds nothing else
+waiting runs alone; jobs that queue up behind others are decoded together
+(`batch.BatchStreams`), each with its own caches, sampling settings, logits
+processors and log probabilities. A client that disconnects, streaming or
+not, cancels its job; the worker stops it at the next cycle.
 
-The tokenizer is shared by the handler threads (chat templating, encoding)
-and the worker (detokenising inside `stream_generate`). Hugging Face fast
-tokenizers are not thread-safe (concurrent use fails with "RuntimeError:
-Already borrowed"), so every use of it goes through one lock: the worker's
-pair holds a `_Locked` view of the tokenizer, and handlers tokenize under the
-same lock.
+The tokenizer is shared by request parsing (chat templating, encoding), the
+HTTP layer (log probabilities, tool calls) and the worker (detokenising
+inside `stream_generate`). Hugging Face fast tokenizers are not thread-safe
+(concurrent use fails with "RuntimeError: Already borrowed"), so every use
+of it goes through one lock: the worker's pair holds a `_Locked` view of the
+tokenizer, and request parsing tokenizes under the same lock.
 """
 
 import copy
 import dataclasses
-import json
 import os
 import queue
-import select
-import socket
 import threading
-import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import mlx.core as mx
 
@@ -42,14 +36,8 @@ from .errors import DFlashError
 from .prompt import build_chat_prompt
 from .sampling import SamplingParams, make_processors
 from . import messages_api
-from .tools import ToolError, check_tools, splitter, template_messages, tool_choice
+from .tools import ToolError, check_tools, template_messages, tool_choice
 
-MAX_BODY = 4 * 1024 * 1024
-# Seconds a connection may stay silent while the server reads from it (a request line, headers,
-# a body shorter than its Content-Length, an idle keep-alive): a stalled client must not hold a
-# handler thread for good. Generation never waits on the client's reads.
-READ_TIMEOUT_S = 30
-POLL_S = 0.05  # how often a waiting handler checks that its client is still there
 MAX_STOP = 4  # stop strings per request: OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and completions' logprobs)
 # Requests decoded together at most: mlx-lm's BatchGenerator's default completion batch is 32;
@@ -78,11 +66,6 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-class ClientGone(Exception):
-    """The client closed its connection while its request was being served."""
-
-
-_TICK = object()
 _PLAIN = (str, bytes, int, float, bool, type(None), list, tuple, dict, set, frozenset)
 
 
@@ -632,369 +615,22 @@ def _processor_args(body, engine: Engine) -> dict:
     return dict(penalties, logit_bias=parsed or None)
 
 
-class Handler(BaseHTTPRequestHandler):
-    timeout = READ_TIMEOUT_S  # on every read of the connection (socketserver's StreamRequestHandler)
-    engine: Engine = None
-    api_key: Optional[str] = None
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, fmt, *args):
-        pass
-
-    def _send_json(self, status: int, obj):
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:  # say so, or a keep-alive client reuses a socket we are about to close
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _authorised(self) -> bool:
-        if not self.api_key:
-            return True
-        if (self.headers.get("Authorization", "") == f"Bearer {self.api_key}"
-                or self.headers.get("x-api-key", "") == self.api_key):  # Anthropic's clients send x-api-key
-            return True
-        self._send_json(401, APIError(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
-                                      "authentication_error", code="invalid_api_key").body())
-        return False
-
-    def do_GET(self):
-        if self.path == "/health":
-            pc = self.engine.prompt_cache
-            cache = {} if pc is None else {"prompt_cache": {"entries": len(pc), "bytes": pc.nbytes, "hits": pc.hits,
-                                                            "misses": pc.misses, "cached_tokens": pc.cached_tokens}}
-            if pc is not None and pc.disk is not None:
-                cache["prompt_cache"]["disk"] = {"entries": len(pc.disk), "bytes": pc.disk.nbytes,
-                                                 "hits": pc.disk.hits, "folder": str(pc.disk.folder)}
-            return self._send_json(200, {"status": "ok", **self.engine.stats, "queued": self.engine.queued(),
-                                         **cache})
-        if self.path == "/metrics":
-            body = self.engine.metrics().encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            return
-        if not self._authorised():
-            return
-        if self.path == "/v1/models":
-            return self._send_json(200, {"object": "list", "data": [
-                {"id": self.engine.model_id, "object": "model", "created": 0, "owned_by": "dflash-mlx"}]})
-        self._send_json(404, APIError(404, f"No route {self.path}.", code="not_found").body())
-
-    def _body(self):
-        """The request's JSON body; APIError if it is not JSON or does not arrive in time."""
-        length = self._body_length()
-        try:
-            data = self.rfile.read(length)
-        except TimeoutError:
-            raise APIError(408, f"The request body did not arrive within {READ_TIMEOUT_S} s "
-                                f"(Content-Length {length}); send all of it.")
-        if len(data) < length:
-            raise APIError(400, f"The request body ended after {len(data)} of its {length} bytes.")
-        try:
-            return json.loads(data or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"The request body is not valid JSON: {e}.")
-
-    def _count_tokens(self):
-        """Anthropic's token count: the prompt a Messages request would run, in tokens."""
-        try:
-            body = self._body()
-            if isinstance(body, dict):
-                body = {**body, "max_tokens": 1}  # not part of a count request
-            try:
-                chat = messages_api.to_chat(body)
-            except messages_api.BadRequest as e:
-                raise APIError(400, str(e), param=e.param)
-            tools = check_tools(chat["tools"]) if chat.get("tools") else None
-            prompt = _tokenize(self.engine, chat, True, tools)
-        except APIError as e:
-            self.close_connection = True
-            return self._send_error(e, True)
-        except (ToolError, DFlashError) as e:
-            self.close_connection = True
-            return self._send_error(APIError(400, str(e)), True)
-        self._send_json(200, {"input_tokens": len(prompt)})
-
-    def _body_length(self) -> int:
-        raw = self.headers.get("Content-Length")
-        if raw is None:
-            if self.headers.get("Transfer-Encoding"):
-                raise APIError(411, "Send the request body with a Content-Length header, not chunked.")
-            return 0
-        raw = raw.strip()
-        if not (raw.isascii() and raw.isdigit()):  # int() would also take "-5", "+5", " 5 " and "1_000"
-            raise APIError(400, f"Invalid Content-Length header {raw!r}: it must be a non-negative integer.")
-        length = int(raw)
-        if length > MAX_BODY:
-            raise APIError(413, f"The request body is over {MAX_BODY} bytes.")
-        return length
-
-    def do_POST(self):
-        if not self._authorised():
-            return
-        if self.path == "/v1/messages/count_tokens":
-            return self._count_tokens()
-        messages = self.path == "/v1/messages"  # Anthropic's Messages API
-        chat = self.path == "/v1/chat/completions" or messages
-        if not chat and self.path != "/v1/completions":
-            return self._send_json(404, APIError(404, f"No route {self.path}.", code="not_found").body())
-        try:
-            body = self._body()
-            if messages:
-                try:
-                    body = messages_api.to_chat(body)
-                except messages_api.BadRequest as e:
-                    raise APIError(400, str(e), param=e.param)
-            job, stream = parse_request(self.engine, body, chat)
-        except APIError as e:
-            self.close_connection = True
-            return self._send_error(e, messages)
-        except DFlashError as e:
-            self.close_connection = True
-            return self._send_error(APIError(400, str(e)), messages)
-        except Exception as e:  # a bug, not the client's fault: still an answer, not a dropped connection
-            self.close_connection = True
-            return self._send_error(APIError(500, f"The request could not be handled: {e}", "server_error"),
-                                    messages)
-        self.engine.submit(job)
-        try:
-            if messages:
-                self._messages(job, stream)
-            elif stream:
-                self._stream(job, chat)
-            else:
-                self._complete(job, chat)
-        except (ClientGone, BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
-            self.close_connection = True
-            job.cancelled.set()
-            while not job.ended:  # drain until the engine lets go of the job
-                job.ended = job.events.get() is None
-
-    def _client_gone(self) -> bool:
-        """Whether the client has closed its end: the socket reads as EOF (or fails).
-
-        A client waiting for its answer sends nothing, so a readable socket with
-        no bytes to peek means it hung up (a half-close counts as gone too).
-        """
-        try:
-            if hasattr(select, "poll"):  # select() fails on descriptors past FD_SETSIZE (1024)
-                poller = select.poll()
-                poller.register(self.connection, select.POLLIN)
-                events = poller.poll(0)
-                if any(e & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, e in events):
-                    return True
-                readable = bool(events)
-            else:
-                readable = bool(select.select([self.connection], [], [], 0)[0])
-            return readable and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    def _events(self, job):
-        """The job's events; raises ClientGone as soon as the client hangs up, event or not."""
-        checked = time.monotonic()
-        while True:
-            try:
-                event = job.events.get(timeout=POLL_S)
-            except queue.Empty:
-                event = _TICK  # no event yet: a chance to check the client
-            if event is None:
-                job.ended = True
-                return
-            now = time.monotonic()
-            if now - checked >= POLL_S:
-                checked = now
-                if self._client_gone():
-                    raise ClientGone()
-            if event is not _TICK:
-                yield event
-                if getattr(event, "finish_reason", None) is not None:
-                    return  # the answer is whole: the engine may still be keeping its caches
-
-    def _complete(self, job: Job, chat: bool):
-        text, stats, finish, tokens, lps = [], None, None, [], []
-        for event in self._events(job):
-            if isinstance(event, APIError):
-                return self._send_json(event.status, event.body())
-            text.append(event.text)
-            stats, finish = event.stats, event.finish_reason
-            tokens += event.tokens
-            lps += event.logprobs or []
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        content = "".join(text)
-        logprobs = None if job.logprobs is None else self._logprobs(tokens, lps, chat)
-        message = {"role": "assistant", "content": content}
-        split = splitter(self.engine.tokenizer, job.tools)
-        if split is not None:
-            content, calls = split.feed(content, final=True)
-            if calls:
-                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                finish = "tool_calls" if finish == "stop" else finish
-        choice = ({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-                  if chat else {"index": 0, "text": content, "finish_reason": finish, "logprobs": logprobs})
-        self._send_json(200, {
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.engine.model_id, "choices": [choice], "usage": _usage(stats),
-        })
-
-    def _start_events(self):
-        """Headers of a server-sent event stream (the connection closes at its end)."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-
-    def _stream(self, job: Job, chat: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        self._start_events()
-
-        def chunk(delta_text, finish, first=False, usage=None, logprobs=None, calls=()):
-            if chat:
-                delta = {"content": delta_text} if delta_text or not first else {"role": "assistant", "content": ""}
-                if calls:
-                    delta = dict(delta if delta_text else {}, tool_calls=calls)
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                       "model": self.engine.model_id, "choices": [choice]}
-            else:
-                obj = {"id": rid, "object": "text_completion", "created": created, "model": self.engine.model_id,
-                       "choices": [{"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": logprobs}]}
-            if usage is not None:
-                obj["usage"] = usage
-            self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
-            self.wfile.flush()
-
-        if chat:
-            chunk("", None, first=True)
-        tokens, lps = [], []  # held until a chunk carries them (text may lag its tokens)
-        split = splitter(self.engine.tokenizer, job.tools) if chat else None
-        for event in self._events(job):
-            if isinstance(event, APIError):
-                self.wfile.write(f"data: {json.dumps(event.body())}\n\n".encode())
-                break
-            tokens += event.tokens
-            lps += event.logprobs or []
-            text, calls, finish = event.text, [], event.finish_reason
-            if split is not None:
-                text, calls = split.feed(text, final=finish is not None)
-                calls = [dict(c, index=split.calls - len(calls) + i) for i, c in enumerate(calls)]
-                if finish == "stop" and split.calls:
-                    finish = "tool_calls"
-            if text or calls or finish:
-                logprobs = None if job.logprobs is None or not tokens else self._logprobs(tokens, lps, chat)
-                usage = _usage(event.stats) if finish and not job.usage_chunk else None
-                chunk(text, finish, usage=usage, logprobs=logprobs, calls=calls)
-                tokens, lps = [], []
-            if finish and job.usage_chunk:  # OpenAI's form: one more chunk, its choices empty
-                obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                       "created": created, "model": self.engine.model_id, "choices": [],
-                       "usage": _usage(event.stats)}
-                self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+def parse_messages(engine: Engine, body: Any):
+    """An Anthropic Messages API request as the equivalent chat request's job (`parse_request`)."""
+    try:
+        chat = messages_api.to_chat(body)
+    except messages_api.BadRequest as e:
+        raise APIError(400, str(e), param=e.param)
+    return parse_request(engine, chat, True)
 
 
-    def _send_error(self, e: APIError, anthropic: bool):
-        if not anthropic:
-            return self._send_json(e.status, e.body())
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
-        if e.status >= 500:
-            kind = "api_error"
-        self._send_json(e.status, {"type": "error", "error": {"type": kind, "message": e.message}})
-
-    def _messages(self, job: Job, stream: bool):
-        """Anthropic's Messages API: one message, or its stream of events."""
-        split = splitter(self.engine.tokenizer, job.tools)
-        model = self.engine.model_id
-        if not stream:
-            text, stats, finish = [], None, None
-            for event in self._events(job):
-                if isinstance(event, APIError):
-                    return self._send_error(event, True)
-                text.append(event.text)
-                stats, finish = event.stats, event.finish_reason
-            content, calls = split.feed("".join(text), final=True) if split else ("".join(text), [])
-            return self._send_json(200, messages_api.message(model, content, calls, finish,
-                                                             stats.stop_sequence if stats else None, stats))
-        self._start_events()
-
-        def send(events):
-            for name, obj in events:
-                self.wfile.write(f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode())
-            self.wfile.flush()
-
-        out = messages_api.EventStream(model)
-        send(out.start())
-        for event in self._events(job):
-            if isinstance(event, APIError):
-                send([("error", {"type": "error", "error": {"type": "api_error", "message": event.message}})])
-                return
-            text, calls = split.feed(event.text, final=event.finish_reason is not None) if split else (event.text, [])
-            send(out.text(text))
-            for call in calls:
-                send(out.call(call))
-            if event.finish_reason is not None:
-                send(out.end(event.finish_reason, event.stats.stop_sequence, event.stats))
-
-    def _logprobs(self, tokens, lps, chat: bool):
-        """OpenAI's logprobs object: chat's `content` list, or the completions API's parallel lists."""
-        tok = self.engine.tokenizer
-        text = [tok.decode([t]) for t in tokens]
-        if chat:
-            def entry(s, lp):
-                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-
-            return {"content": [dict(entry(s, lp), top_logprobs=[entry(tok.decode([i]), v) for i, v in top])
-                                for s, (lp, top) in zip(text, lps)], "refusal": None}
-        offsets, at = [], 0
-        for s in text:
-            offsets.append(at)
-            at += len(s)
-        return {"tokens": text, "token_logprobs": [lp for lp, _ in lps],
-                "top_logprobs": [{tok.decode([i]): v for i, v in top} for _, top in lps], "text_offset": offsets}
-
-
-def _usage(stats) -> Dict[str, Any]:
-    if stats is None:
-        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generation_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generation_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
-        "dflash": {"mean_acceptance_length": round(stats.mean_acceptance, 3), "cycles": stats.cycles,
-                   "generation_tps": round(stats.generation_tps, 2)},
-    }
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128  # socketserver's default listen backlog of 5 is small for bursts of clients
-
-
-def make_server(pair, model_id: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
-                block_size: Optional[int] = None, enable_thinking: Optional[bool] = None,
-                max_prompt_tokens: int = 32768, default_temp: float = 0.0, max_tokens_limit: int = 32768,
-                default_max_tokens: int = 256, prompt_cache_bytes: int = 4 << 30, prompt_cache_disk_bytes: int = 0,
-                prompt_cache_dir: Optional[str] = None, channel=None) -> ThreadingHTTPServer:
-    """`max_prompt_tokens` and `max_tokens_limit` bound every request (over them: a 400);
-    `default_max_tokens` is what a request that names no limit gets; the prompt
-    cache holds at most `prompt_cache_bytes` (0: none) in memory and
-    `prompt_cache_disk_bytes` (0: none) on disk under `prompt_cache_dir`. With a
-    `channel` (distributed.JobChannel), the other ranks mirror every request."""
-    engine = Engine(pair, model_id, block_size, enable_thinking, max_prompt_tokens, default_temp,
-                    max_tokens_limit, default_max_tokens, prompt_cache_bytes, prompt_cache_disk_bytes,
-                    prompt_cache_dir, channel)
-    handler = type("DFlashHandler", (Handler,), {"engine": engine, "api_key": api_key})
-    server = _HTTPServer((host, port), handler)
-    server.engine = engine
-    return server
+def count_tokens(engine: Engine, body: Any) -> int:
+    """The prompt tokens a Messages API request would run (Anthropic's count_tokens)."""
+    if isinstance(body, dict):
+        body = {**body, "max_tokens": 1}  # not part of a count request
+    try:
+        chat = messages_api.to_chat(body)
+    except messages_api.BadRequest as e:
+        raise APIError(400, str(e), param=e.param)
+    tools = check_tools(chat["tools"]) if chat.get("tools") else None
+    return len(_tokenize(engine, chat, True, tools))

@@ -512,7 +512,7 @@ def test_a_server_answers_a_damaged_entrys_prefix_as_a_cold_server(pairs, target
     import http.client
 
     from dflash_mlx.prompt_store import PromptStoreWarning
-    from dflash_mlx.server import make_server
+    from dflash_mlx.http_server import make_server
 
     model = str(targets["qwen3"])
 

@@ -222,7 +222,7 @@ def test_a_restarted_server_reuses_the_prefix_from_disk(pairs, targets, drafters
     import subprocess
     import sys
 
-    from dflash_mlx.server import make_server
+    from dflash_mlx.http_server import make_server
 
     model = str(targets["qwen3"])
     exe = shutil.which("dflash-mlx")

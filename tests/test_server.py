@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx.cli.main import app
-from dflash_mlx.server import make_server
+from dflash_mlx.http_server import make_server
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny-qwen3"
@@ -711,9 +711,9 @@ def test_stream_usage_chunk_and_prompts_over_the_window(served, client, monkeypa
 
 def test_a_body_shorter_than_its_length_times_out(served, monkeypatch):
     """A client that sends less than its Content-Length gets a 408 once the read times out,
-    and the handler thread is free again."""
+    and the connection is closed."""
     url = served[1]
-    monkeypatch.setattr(ENGINES["server"].RequestHandlerClass, "timeout", 1)
+    monkeypatch.setattr(ENGINES["server"].settings, "read_timeout_s", 1)
     host, port = url[7:].split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -737,3 +737,84 @@ def test_anthropic_count_tokens(served):
     assert got == 200 and counted == {"input_tokens": answer["usage"]["input_tokens"]}
     got, err = raw_post(url, "/v1/messages/count_tokens", {"model": MODEL, "messages": []})
     assert got == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_over_the_limit_gets_a_413_before_it_is_read(served):
+    """A Content-Length over the server's bound is refused before the body is read, in each API's shape."""
+    from dflash_mlx.http_app import MAX_BODY
+
+    head = f"Host: x\r\nContent-Type: application/json\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n"
+    status, err = raw_exchange(served[1], "POST /v1/completions HTTP/1.1\r\n" + head, b'{"prompt": ')
+    assert status == 413 and f"over {MAX_BODY} bytes" in err["error"]["message"]
+    status, err = raw_exchange(served[1], "POST /v1/messages HTTP/1.1\r\n" + head, b'{"messages": ')
+    assert status == 413 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+
+
+def test_no_route_and_a_wrong_method_get_json_errors(served):
+    url = served[1]
+    conn = http.client.HTTPConnection(url[7:], timeout=30)
+    conn.request("GET", "/v1/nothing?x=1")
+    reply = conn.getresponse()
+    assert reply.status == 404 and json.loads(reply.read())["error"] == {
+        "message": "No route /v1/nothing?x=1.", "type": "invalid_request_error", "param": None, "code": "not_found"}
+    conn.request("GET", "/v1/chat/completions")
+    reply = conn.getresponse()
+    assert reply.status == 405 and reply.getheader("Allow") == "POST"
+    assert "GET is not allowed" in json.loads(reply.read())["error"]["message"]
+
+
+def test_a_body_that_trickles_in_is_read(served, monkeypatch):
+    """The read timeout bounds each silence, not the whole body."""
+    monkeypatch.setattr(ENGINES["server"].settings, "read_timeout_s", 1)
+    host, port = served[1][7:].split(":")
+    body = json.dumps({"model": MODEL, "prompt": "import math", "max_tokens": 2}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode())
+        for i in range(0, len(body), len(body) // 3 + 1):
+            time.sleep(0.6)
+            sock.sendall(body[i: i + len(body) // 3 + 1])
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_stream_whose_client_leaves_while_queued_is_cancelled(served, client, monkeypatch):
+    """Starlette notices a streaming client that hangs up before its first event: its job is cancelled
+    while it waits in the queue, never runs, and no thread is left waiting on its events."""
+    url, engine = served[1], ENGINES["served"]
+    monkeypatch.setattr(engine, "batch_width", None)  # the second request waits in the queue
+    jobs = []
+    monkeypatch.setattr(engine, "submit", lambda job: jobs.append(job) or type(engine).submit(engine, job))
+    before, running = start_long_request(url)
+    queued = send_raw_request(url, {**LONG, "prompt": "import math", "stream": True})
+    wait_for(url, lambda h: h["queued"] == 1)
+    queued.close()
+    deadline = time.time() + 30
+    while not jobs[-1].cancelled.is_set() and time.time() < deadline:
+        time.sleep(0.05)
+    assert jobs[-1].cancelled.is_set() and health(url)["queued"] == 1 and not jobs[0].cancelled.is_set()
+    running.close()
+    h = wait_for(url, lambda h: h["cancelled"] == before["cancelled"] + 2 and h["active"] == 0)
+    assert h["cancelled"] == before["cancelled"] + 2 and h["completed"] == before["completed"]
+    deadline = time.time() + 30
+    while any(t.name == "dflash-events" for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "dflash-events" for t in threading.enumerate())
+
+
+def test_the_event_loop_is_free_while_a_request_waits_for_the_tokenizer(served):
+    """Parsing runs on a worker thread: while the tokenizer's lock is held elsewhere, other requests are answered."""
+    url, engine = served[1], ENGINES["served"]
+    result = {}
+
+    def ask():
+        result["status"] = raw_post(url, "/v1/completions", {"model": MODEL, "prompt": "import os", "max_tokens": 2})[0]
+
+    with engine.tokenizer_lock:
+        asking = threading.Thread(target=ask)
+        asking.start()
+        time.sleep(0.3)
+        tic = time.monotonic()
+        assert health(url)["status"] == "ok" and time.monotonic() - tic < 5
+        assert "status" not in result  # still waiting for the lock
+    asking.join(60)
+    assert result["status"] == 200

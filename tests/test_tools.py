@@ -16,7 +16,7 @@ import tiny
 from mlx.utils import tree_flatten
 
 import dflash_mlx
-from dflash_mlx.server import make_server
+from dflash_mlx.http_server import make_server
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny-tools"
