@@ -85,7 +85,10 @@ def test_sliding_layer_is_causal_and_windowed(pairs):
     attn0, attn1 = (l.self_attn for l in pairs["llama"].drafter.layers)
     assert attn0.is_causal and attn0.window == 6
     assert not attn1.is_causal and attn1.window is None
-    mask = attn0._mask(3, 10, key_start=5, q_start=12)
+    from dflash_mlx.drafter import visible
+
+    mask = visible(mx.arange(12, 15), mx.arange(5, 15), attn0.is_causal, attn0.window)
+    assert visible(mx.arange(3), mx.arange(5), attn1.is_causal, attn1.window) is None  # sees every key
     # query 12 sees keys 7..12 (window 6, causal); query 14 sees 9..14
     assert mask[0].tolist() == [False, False, True, True, True, True, True, True, False, False]
     assert mask[2].tolist() == [False] * 4 + [True] * 6
