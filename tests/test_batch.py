@@ -329,9 +329,10 @@ def test_sampled_penalised_and_logprob_requests_in_a_batch_equal_each_alone(pair
     assert len({tuple(t for ev in mine for t in ev.tokens) for mine in batched}) == len(cases)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family):
-    """`stream_generate(hand_over=...)` stops a running request at a cycle boundary and
+@pytest.mark.parametrize("family, after", [("qwen3", 1), ("qwen3", 3), ("qwen3_5", 1), ("qwen3_5", 3)])
+def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family, after):
+    """`stream_generate(hand_over=...)` stops a running request at a cycle boundary (`after`
+    1: right after its first token, before its first drafted cycle is launched) and
     `BatchStreams.adopt` goes on with it beside a newcomer: greedy and seeded sampled
     requests (a hybrid's recurrent state included) give the text they give alone."""
     import dflash_mlx
@@ -347,7 +348,7 @@ def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family):
         cache = dflash_mlx.PromptCache(pair)
         asked = []
         run = dflash_mlx.stream_generate(pair, TEXTS[0], max_tokens=30, sampling=params, prompt_cache=cache,
-                                         hand_over=lambda: len(asked.append(1) or asked) >= 3)
+                                         hand_over=lambda: len(asked.append(1) or asked) >= after)
         got = []
         while True:
             try:
@@ -355,7 +356,7 @@ def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family):
             except StopIteration as done:
                 handed = done.value
                 break
-        assert handed is not None and 0 < len(got) < 30
+        assert handed is not None and 0 < len(got) < 30 and (after > 1 or len(got) == 1)
         streams = BatchStreams(pair, 4, prompt_cache=cache)
         uid = streams.adopt(handed)
         (new, first), = streams.add_many([Joining(pair.tokenizer.encode(TEXTS[1]), 20, asks=Asks())])

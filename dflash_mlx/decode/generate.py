@@ -92,9 +92,9 @@ def stream_generate(
         if event.finish_reason is not None:
             req.finish(cycle)
             return
-        if deferred:
-            cycle = req.launch(plan)
         if hand_over is not None and hand_over():
+            if deferred:  # nothing in flight yet: hand the request over as it is
+                return req.hand_over()
             out = cycle.settle(also=req.learning())
             req.absorb(cycle, plan, out)
             event = req.event(out, req.commit(out))
@@ -103,6 +103,8 @@ def stream_generate(
                 req.finish(None)
                 return None
             return req.hand_over()
+        if deferred:
+            cycle = req.launch(plan)
 
         ahead = req.step_ahead(cycle)
         out = cycle.settle(also=req.learning())

@@ -364,11 +364,10 @@ class Request:
             self.pair.keep_rates()  # what the pair's sizers learnt outlives the process, as its cost curve does
 
     def hand_over(self) -> HandOver:
-        """Its state for another loop, with nothing in flight; what it computed so far goes to
-        the prompt cache first (the caches are not copied: the next loop copies their rows)."""
-        if self.prompt_cache is not None:
-            self.keep_caches(None)
-            self.taps = []  # the drafter has read them
+        """Its state for another loop, with nothing in flight (the caches are not copied: the
+        next loop copies their rows; the taps the drafter has not read go along, lazy). The
+        other loop keeps what it computed in the prompt cache once it ends, so nothing here
+        stands between the requests waiting for it and their first tokens."""
         d = self.d
         return HandOver(d.tcache, d.source, d.dstate, self.last, self.taps, self.max_tokens,
                         self.stats.generation_tokens, self.text, self.stats, self.tic, self.history,
