@@ -82,6 +82,27 @@ def test_a_ragged_batch_pass_equals_each_sequence_alone(baselines, family):
         assert kept.offset == alone[b][0].offset and same(kept.keys, alone[b][0].keys[..., : kept.offset, :])
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 0, 2), (1, 2, 0)])
+def test_sequences_with_and_without_rows_join_in_any_order(baselines, order):
+    """A batch layer built from single-sequence caches, some still empty (a prompt nothing is
+    cached for), in any order: each sequence holds exactly its own rows, and a pass over all
+    of them equals each one's own pass."""
+    from mlx_lm.models.cache import KVCache
+
+    model = baselines["qwen3"]
+    alone = [single(model, PROMPTS[0]), [KVCache() for _ in model.layers], single(model, PROMPTS[2])]
+    copies = [single(model, PROMPTS[0]), [KVCache() for _ in model.layers], single(model, PROMPTS[2])]
+    batch = [RaggedKVCache() for _ in model.layers]
+    for i in order:
+        for layer, c in enumerate(batch):
+            c.extend([copies[i][layer]])
+    assert batch[0].ends == [[len(PROMPTS[0]), 0, len(PROMPTS[2])][i] for i in order]
+    blocks = [[1, 2], [3, 4], [5, 6]]
+    out = model(mx.array([blocks[i] for i in order]), cache=batch)
+    for b, i in enumerate(order):
+        assert same(out[b], model(mx.array([blocks[i]]), cache=alone[i])[0]), (order, i)
+
+
 TEXTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n\ndef main():",
          "class Stack:\n    def __init__(self):", "Once upon a time"]
 

@@ -129,18 +129,18 @@ class RaggedKVCache:
 
     def extend(self, caches: Sequence[KVCache]) -> None:
         """Append single-sequence caches (one layer's) as new sequences; their rows are copied once."""
-        filled = [c for c in caches if c.keys is not None]
-        if not filled:
-            self.ends += [0] * len(caches)
+        lengths = [c.offset if c.keys is not None else 0 for c in caches]
+        ref = self if self.keys is not None else next((c for c in caches if c.keys is not None), None)
+        if ref is None:  # no rows anywhere yet
+            self.ends += lengths
             self._moved()
             return
-        ref = filled[0]
-        lengths = [c.offset if c.keys is not None else 0 for c in caches]
-        columns = max(self.capacity, -(-max(lengths) // STEP) * STEP)
-        B, H, D, M = len(caches), ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
+        before = 0 if self.keys is not None else len(self.ends)  # sequences already here without rows
+        columns = max(self.capacity, -(-max(lengths + [1]) // STEP) * STEP)
+        B, H, D, M = before + len(caches), ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
         k = mx.zeros((B, H, columns, D), ref.keys.dtype)
         v = mx.zeros((B, H, columns, M), ref.values.dtype)
-        for i, (c, n) in enumerate(zip(caches, lengths)):
+        for i, (c, n) in enumerate(zip(caches, lengths), start=before):
             if n:
                 k[i : i + 1, :, :n] = c.keys[..., :n, :]
                 v[i : i + 1, :, :n] = c.values[..., :n, :]

@@ -27,7 +27,7 @@ from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greed
 from ..decode.passes import (PREFILL_STEP, caught_up, draft, joined, logprob_rows, pick_drafts, prefill_steps,
                              token_logprobs)
 from ..decode.request import HELD_TAPS
-from .cache import add_to, batch_of, ragged_like
+from .cache import add_to, batch_of
 from .drafts import DraftBatch
 
 GREEDY = SamplingParams()
@@ -179,9 +179,7 @@ class BatchDecoder:
         if self.window and len(prompt) > self.window:
             raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {self.window}.")
         source = source or self.source
-        tcache, dstate, reused = self.target.make_cache(), source.new_state(), 0
-        if self.prompt_cache is not None:
-            tcache, dstate, reused = self.prompt_cache.fetch(self.target, source, prompt)
+        tcache, dstate, reused = self._fetch(prompt, source)
         later = chunked and bool(self.seqs) and len(prompt) - reused > JOIN_CHUNK
         steps = prefill_steps(self.target, source, dstate, mx.array(prompt[reused:]), tcache,
                               JOIN_CHUNK if later else PREFILL_STEP, taps=self.width > 1, skip=True, before=reused)
@@ -194,6 +192,12 @@ class BatchDecoder:
                 next(steps)
             except StopIteration as done:
                 return self._filled(f, *done.value)
+
+    def _fetch(self, prompt: Sequence[int], source):
+        """(target caches, draft state, tokens reused): from the prompt cache's longest prefix, or fresh."""
+        if self.prompt_cache is None:
+            return self.target.make_cache(), source.new_state(), 0
+        return self.prompt_cache.fetch(self.target, source, prompt)
 
     def fill(self) -> List[Committed]:
         """One prefill chunk of each sequence still prefilling; those done join the batch
@@ -221,41 +225,40 @@ class BatchDecoder:
     def add_many(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
                  sources: Optional[Sequence] = None, asks: Optional[Sequence[Asks]] = None,
                  chunked: bool = False) -> List[Committed]:
-        """`add` for several prompts, prefilled in one target pass where they are short
-        (`BATCH_PREFILL` tokens in all): right-padded to the longest, each sequence's
-        padding cropped after. Long prompts go one at a time, in chunks (with `chunked`,
-        between the cycles of the sequences decoding)."""
-        sources = list(sources or [None] * len(prompts))
+        """`add` for several prompts, prefilled in one target pass where what the prompt cache
+        does not hold of them is short (`BATCH_PREFILL` tokens in all): each from its cached
+        prefix, the rests right-padded to the longest, each sequence's padding cropped after.
+        Long prompts go one at a time, in chunks (with `chunked`, between the cycles of the
+        sequences decoding)."""
+        sources = [s or self.source for s in (sources or [None] * len(prompts))]
         asks = list(asks or [None] * len(prompts))
-        if self.prompt_cache is not None and len(prompts) > 1:  # a cached prefix beats a shared pass
-            cached = [self.prompt_cache.reach(self.target, s or self.source, p) > 0
-                      for p, s in zip(prompts, sources)]
-            if any(cached):
-                fresh = [i for i, c in enumerate(cached) if not c]
-                out = dict(zip(fresh, self.add_many([prompts[i] for i in fresh], [max_tokens[i] for i in fresh],
-                                                    [sources[i] for i in fresh], [asks[i] for i in fresh], chunked)))
-                for i in (i for i, c in enumerate(cached) if c):
-                    out[i] = self.add(prompts[i], max_tokens[i], sources[i], asks[i], chunked)
-                return [out[i] for i in range(len(prompts))]
         lens = [len(p) for p in prompts]
+        held = [0] * len(prompts)
+        if self.prompt_cache is not None:
+            held = [self.prompt_cache.reach(self.target, s, p) for p, s in zip(prompts, sources)]
         # A recurrent state would run through the padding: such prompts are prefilled alone.
-        if len(prompts) < 2 or sum(lens) > BATCH_PREFILL or min(lens) == 0 or self.target.recurrent:
+        if (len(prompts) < 2 or sum(lens) - sum(held) > BATCH_PREFILL or min(lens) == 0
+                or self.target.recurrent):
             return [self.add(*a, chunked=chunked) for a in zip(prompts, max_tokens, sources, asks)]
         if self.window and max(lens) > self.window:
             raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
-        n, L = len(prompts), max(lens)
-        block = mx.array([list(p) + [0] * (L - len(p)) for p in prompts])
-        cache = [ragged_like(c, [0] * n) for c in self.target.make_cache()]
-        if self.prompt_cache is not None:  # counted as the misses a fetch would count
-            self.prompt_cache.misses += n
-        logits, hidden = self.target(block, cache, taps=self.width > 1, rows=mx.array(lens) - 1)
+        # Each starts from its cached prefix (rows of its own in the ragged caches); the rest of
+        # every prompt goes through in one right-padded pass.
+        starts = [self._fetch(p, s) for p, s in zip(prompts, sources)]
+        rest = [n - reused for n, (_, _, reused) in zip(lens, starts)]
+        L = max(rest)
+        block = mx.array([list(p[len(p) - r :]) + [0] * (L - r) for p, r in zip(prompts, rest)])
+        cache = [batch_of(c) for c in starts[0][0]]
+        for tcache, _, _ in starts[1:]:
+            for batch, c in zip(cache, tcache):
+                add_to(batch, c)
+        logits, hidden = self.target(block, cache, taps=self.width > 1, rows=mx.array(rest) - 1)
         for c in cache:
-            c.crop([L - k for k in lens])
+            c.crop([L - r for r in rest])
         seqs, picked = [], []
         for b, (p, m, source, a) in enumerate(zip(prompts, max_tokens, sources, asks)):
-            source = source or self.source
-            taps = [hidden[b : b + 1, : lens[b]]] if self.width > 1 else []
-            seqs.append(self._running(p, m, source, source.new_state(), taps, a))
+            taps = [hidden[b : b + 1, : rest[b]]] if self.width > 1 else []
+            seqs.append(self._running(p, m, source, starts[b][1], taps, a))
             picked.append(seqs[-1].pick(logits[b], None, seqs[-1].noise(1)))
         mx.eval(picked, [c.state for c in cache])
         out, keep, joined_seqs = [], [], []
