@@ -1,7 +1,7 @@
 """Batched decoding: aggregate decode tokens/s of B sequences decoded together.
 
     python benchmarks/batch_decode.py --pair ~/.cache/dflash-mlx/peers/pairs/widened --batch 1,2,4,8 \
-        --widths 1,4,8 --max-tokens 64 --out benchmarks/results/batch-decode-widened-linux-cpu-openblas.json
+        --widths 1,2,4 --apart --max-tokens 64 --out benchmarks/results/batch-decode-pooled-widened-linux-cpu-openblas.json
 
 For each batch size B the first B prompts of the `code` suite are decoded greedily,
 `--max-tokens` each: by mlx-lm's `batch_generate` (its continuous batching, plain
