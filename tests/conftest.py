@@ -256,6 +256,20 @@ def build_small_pair(drafter_cls, source_cls, drafter_config, init=None):
     return DFlashPair(adapter, drafter, None, source_cls(drafter, adapter), None, None), target
 
 
+def handed_over(pair, prompt, after: int, **kwargs):
+    """`stream_generate` asked to hand over at its `after`-th check: (the tokens it gave, its `HandOver`)."""
+    import dflash_mlx
+
+    asked = []
+    run = dflash_mlx.stream_generate(pair, prompt, hand_over=lambda: len(asked.append(1) or asked) >= after, **kwargs)
+    got = []
+    while True:
+        try:
+            got += next(run).tokens
+        except StopIteration as done:
+            return got, done.value
+
+
 class ScriptedWidths:
     """A block-size policy (the object form `stream_generate(block_size=...)` takes):
     each request's run plays `widths` in turn (a width, or a `Plan` copying from

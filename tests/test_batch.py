@@ -356,6 +356,8 @@ def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family, afte
     1: right after its first token, before its first drafted cycle is launched) and
     `BatchStreams.adopt` goes on with it beside a newcomer: greedy and seeded sampled
     requests (a hybrid's recurrent state included) give the text they give alone."""
+    from conftest import handed_over
+
     import dflash_mlx
     from dflash_mlx.batch.engine import Asks
     from dflash_mlx.batch.streams import BatchStreams, Joining
@@ -367,16 +369,7 @@ def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family, afte
                 for t in ev.tokens]
         other = [t for ev in dflash_mlx.stream_generate(pair, TEXTS[1], max_tokens=20) for t in ev.tokens]
         cache = dflash_mlx.PromptCache(pair)
-        asked = []
-        run = dflash_mlx.stream_generate(pair, TEXTS[0], max_tokens=30, sampling=params, prompt_cache=cache,
-                                         hand_over=lambda: len(asked.append(1) or asked) >= after)
-        got = []
-        while True:
-            try:
-                got += next(run).tokens
-            except StopIteration as done:
-                handed = done.value
-                break
+        got, handed = handed_over(pair, TEXTS[0], after, max_tokens=30, sampling=params, prompt_cache=cache)
         assert handed is not None and 0 < len(got) < 30 and (after > 1 or len(got) == 1)
         streams = BatchStreams(pair, 4, prompt_cache=cache)
         uid = streams.adopt(handed)

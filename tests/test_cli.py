@@ -90,6 +90,8 @@ def test_verbose_sampling_shows_the_learned_proposal_scales(targets, drafters):
     assert fixed.exit_code == 0 and "proposal scales" not in fixed.stderr
     seeded = run_cli(*args, "--seed", "3")
     assert seeded.exit_code == 0 and "proposal scales" not in seeded.stderr
+    both = run_cli(*args, "--seed", "3", "--proposal-scale", "1.5")
+    assert both.exit_code == 1 and "Drop --seed or --proposal-scale" in both.stderr
 
 
 def test_bad_top_p_is_one_clear_line(targets, drafters):

@@ -9,7 +9,7 @@ import json
 
 import mlx.core as mx
 import pytest
-from conftest import ScriptedWidths, check_rollback_at_every_position, greedy_ref, plain_greedy
+from conftest import ScriptedWidths, check_rollback_at_every_position, greedy_ref, handed_over, plain_greedy
 from test_lossless import PROMPTS
 
 import dflash_mlx
@@ -205,16 +205,7 @@ def test_sliding_windows_batch_with_the_prompt_cache_and_hand_overs(fams):
     assert run(second, 12) == [greedy_ref(base, p, 12) for p in second] and cache.hits == 2
 
     prompt = pair.tokenizer.encode(PROMPTS[2])
-    asked = []
-    run_alone = dflash_mlx.stream_generate(pair, prompt, max_tokens=30, block_size=4,
-                                           hand_over=lambda: len(asked.append(1) or asked) > 4)
-    got = []
-    while True:
-        try:
-            got += next(run_alone).tokens
-        except StopIteration as done:
-            handed = done.value
-            break
+    got, handed = handed_over(pair, prompt, 5, max_tokens=30, block_size=4)
     assert handed is not None and len(prompt) + len(got) > 8  # past the window of 8
     streams = BatchStreams(pair, 4)
     uid = streams.adopt(handed)

@@ -101,6 +101,9 @@ def check_options(max_tokens: int, params: SamplingParams, tree: Optional[int], 
     if (proposal_scale != "auto" if isinstance(proposal_scale, str)
             else isinstance(proposal_scale, (int, float)) and not proposal_scale > 0):
         raise DFlashError(f"--proposal-scale must be 'auto' or a number > 0 (got {proposal_scale}).")
+    if proposal_scale != "auto" and params.seed is not None and not params.greedy:
+        raise DFlashError("--proposal-scale shapes unseeded sampling; a seeded request draws its drafts with "
+                          "its seed's noise. Drop --seed or --proposal-scale.")
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be >= 1 (got {max_tokens}).")
 
