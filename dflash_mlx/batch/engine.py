@@ -162,6 +162,8 @@ class BatchDecoder:
         self.poolable = self.source.pooled() if self.width > 1 else None
         self.seqs: List[Running] = []
         self.filling: List[Filling] = []
+        # A plain step launched from the last one's tokens before the host read them: (tokens, taps).
+        self._ahead: Optional[tuple] = None
         self._uids = count()
 
     def __len__(self) -> int:
@@ -271,6 +273,7 @@ class BatchDecoder:
         if keep:
             for c in cache:
                 c.filter(keep)
+            self._drop_ahead()
             if self.cache:
                 for batch, c in zip(self.cache, cache):
                     batch.join(c)
@@ -321,6 +324,7 @@ class BatchDecoder:
 
     def _join(self, seq: "Running", tcache: list) -> None:
         """Its caches' rows are copied into the batch's."""
+        self._drop_ahead()
         if self.cache:
             for batch, c in zip(self.cache, tcache):
                 add_to(batch, c)
@@ -334,6 +338,9 @@ class BatchDecoder:
         if not self.seqs:
             return []
         w = self.width if width is None else max(1, min(width, self.width))
+        if w == 1 and self._can_pipeline():
+            return self._plain_step()
+        self._drop_ahead()
         p = self._propose(w)
         logits, hidden = self.target(p.block, self.cache, taps=self.width > 1, record=self.target.recurrent)
         picks, lps = self._pick(logits, p.drafts, p.noises)
@@ -355,6 +362,48 @@ class BatchDecoder:
         self.target.crop_each(self.cache, kept_rows, w)
         self._leave([b for b, c in enumerate(out) if c.finish is None])
         return out
+
+    def _can_pipeline(self) -> bool:
+        """Whether plain steps may run one ahead: greedy sequences with nothing to process and no
+        log probabilities, on a target whose caches crop for free (no recurrent state)."""
+        return not self.target.recurrent and all(
+            s.params.greedy and not s.proc and s.top is None for s in self.seqs)
+
+    def _launch_plain(self, lasts: mx.array) -> tuple:
+        """A plain step from `lasts` [B] (on the device): its tokens and taps, launched."""
+        logits, hidden = self.target(lasts[:, None], self.cache, taps=self.width > 1)
+        tokens = mx.argmax(greedy_log_probs(logits[:, -1]), axis=-1).astype(mx.uint32)
+        mx.async_eval(tokens)
+        return tokens, hidden
+
+    def _plain_step(self) -> List[Committed]:
+        """A plain batched step, as mlx-lm's: the next one is launched from this one's tokens on
+        the device before the host reads them. It is dropped (its row cropped, no copy) where
+        the batch changes before it runs: a sequence ends, joins or leaves, or a cycle drafts."""
+        if self._ahead is None:
+            self._ahead = self._launch_plain(mx.concatenate([s.last for s in self.seqs]))
+        tokens, hidden = self._ahead
+        self._ahead = self._launch_plain(tokens)
+        picked = tokens.tolist()  # the cycle's one host synchronisation
+        out = []
+        for b, seq in enumerate(self.seqs):
+            c = Committed(seq.uid, [picked[b]])
+            c.finish = self._finish(seq, c)
+            out.append(c)
+        kept_rows = [1 if c.finish is None else len(c.tokens) for c in out]
+        if any(c.finish for c in out):
+            self._drop_ahead()
+            self.target.crop_each(self.cache, kept_rows, 1)
+        for b, (seq, c) in enumerate(zip(self.seqs, out)):
+            self._advance(b, seq, c, Plan(1), None if hidden is None else hidden[b : b + 1, : kept_rows[b]])
+        self._leave([b for b, c in enumerate(out) if c.finish is None])
+        return out
+
+    def _drop_ahead(self) -> None:
+        """Undo the plain step launched ahead, if any: every sequence's row of it is cropped."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.target.crop_each(self.cache, [0] * len(self.seqs), 1)
 
     def _propose(self, width: int) -> "Proposal":
         """Every sequence's block for a cycle of `width`: its last token, then its drafts."""
@@ -427,6 +476,8 @@ class BatchDecoder:
 
     def _keep_only(self, keep: List[int]) -> None:
         """Keep the sequences at indices `keep`; the others' rows are dropped."""
+        if len(keep) < len(self.seqs):
+            self._drop_ahead()
         if not keep:
             self.cache, self.seqs, self.pool = [], [], None
         elif len(keep) < len(self.seqs):
