@@ -533,3 +533,36 @@ def test_lookup_copies_in_a_batch(pairs, baselines, monkeypatch):
     drafted, without = run(False)
     assert copied == drafted == [plain_greedy(base, p, 60, eos=eos) for p in prompts]
     assert with_lookup < 0.8 * without, (with_lookup, without)
+
+
+def test_plain_steps_run_one_ahead_and_drop_it_when_the_batch_changes(pairs, baselines):
+    """Plain batched steps launch the next before the host reads the current (as mlx-lm's);
+    the step in flight is dropped when a sequence ends, leaves or joins, or a cycle drafts:
+    every output is still plain greedy decoding."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair, base = pairs["qwen3"], baselines["qwen3"]
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    dec = BatchDecoder(pair, 4)
+    firsts = dec.add_many(prompts[:3], [30, 12, 30])
+    out = {f.uid: list(f.tokens) for f in firsts}
+    ahead, cycle = [], 0
+    while len(dec):
+        if cycle == 5:
+            dec.remove(firsts[2].uid)
+            out.pop(firsts[2].uid)
+        if cycle == 8:
+            late = dec.add(prompts[3], 20)
+            out[late.uid] = list(late.tokens)
+        for c in dec.step(4 if cycle == 15 else 1):
+            out[c.uid] += c.tokens
+        ahead.append(dec._ahead is not None)
+        cycle += 1
+    assert sum(ahead) > 10  # mostly a step in flight
+    want = {firsts[0].uid: plain_greedy(base, prompts[0], 30, eos=eos),
+            firsts[1].uid: plain_greedy(base, prompts[1], 12, eos=eos),
+            late.uid: plain_greedy(base, prompts[3], 20, eos=eos)}
+    assert out == want
