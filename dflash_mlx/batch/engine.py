@@ -24,8 +24,8 @@ from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.plan import Plan
 from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs
-from ..decode.passes import (PREFILL_STEP, caught_up, draft, joined, logprob_rows, pick_drafts, prefill_steps,
-                             token_logprobs)
+from ..decode.passes import (PREFILL_STEP, caught_up, draft, drained, joined, logprob_rows, pick_drafts,
+                             prefill_steps, token_logprobs)
 from ..decode.request import HELD_TAPS
 from .cache import add_to, batch_of
 from .drafts import DraftBatch
@@ -93,7 +93,8 @@ class Running:
 
     def commit(self, tokens: List[int]) -> None:
         self.history += tokens
-        self.proc.commit(mx.array(tokens))
+        if self.proc:
+            self.proc.commit(mx.array(tokens))
         if self.draws is not None:
             self.draws.advance(len(tokens))
 
@@ -189,11 +190,7 @@ class BatchDecoder:
         if later:
             self.filling.append(f)
             return Committed(f.uid, [], filling=True)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return self._filled(f, *done.value)
+        return self._filled(f, *drained(steps))
 
     def _fetch(self, prompt: Sequence[int], source):
         """(target caches, draft state, tokens reused): from the prompt cache's longest prefix, or fresh."""
@@ -456,7 +453,12 @@ class BatchDecoder:
         sizer runs' acceptance statistics (None unless every sequence has one)."""
         if not widths or not self.seqs or any(s.run is None for s in self.seqs):
             return None
-        return {w: sum(s.run.expected_tokens(min(w, s.run.max_width)) for s in self.seqs) for w in widths}
+        gains = dict.fromkeys(widths, 0.0)
+        for s in self.seqs:
+            alphas = s.run.alphas()
+            for w in widths:
+                gains[w] += s.run.expected_tokens(min(w, s.run.max_width), alphas)
+        return gains
 
     def keep(self) -> None:
         """Hand what finished sequences computed to the prompt cache (after their answers are out):

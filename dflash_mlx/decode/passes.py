@@ -46,7 +46,11 @@ def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None,
 def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = PREFILL_STEP, hold: int = PREFILL_HOLD_BYTES,
             before_last=None, taps: bool = True, skip: bool = False, before: int = 0):
     """`prefill_steps` run to the end: (the last position's logits, the held taps)."""
-    steps = prefill_steps(target, source, dstate, prompt, tcache, step, hold, before_last, taps, skip, before)
+    return drained(prefill_steps(target, source, dstate, prompt, tcache, step, hold, before_last, taps, skip, before))
+
+
+def drained(steps):
+    """What a generator (`prefill_steps`) returns once run to its end."""
     while True:
         try:
             next(steps)
