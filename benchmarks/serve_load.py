@@ -4,13 +4,15 @@
         --concurrency 1,2,4,8 --max-tokens 128 --out benchmarks/results/serve-load-widened-linux-cpu-openblas.json
 
 Starts `dflash-mlx serve` on the pair and mlx-lm's own server (`mlx_lm.server`, batched
-plain decoding) on its target, one after the other, and drives each through the
-official openai client: at each concurrency N, N threads send N distinct prompts of the
-`code` suite at once (chat completions, streamed, temperature 0, `--max-tokens` each,
-EOS ignored by neither). Reported per server and N: aggregate tokens/s (all tokens over
-the wall time from the first request sent to the last token received), time to first
-token per request (median, max), and whether every answer equals that server's answer
-to the same prompt sent alone. Each N runs `--repeats` times; figures are medians.
+plain decoding) on its target, both at once, and drives each through the official
+openai client: at each concurrency N, N threads send N distinct prompts of the `code`
+suite at once (chat completions, streamed, temperature 0, `--max-tokens` each, EOS
+ignored by neither). The servers take turns, one load each per repeat, while the other
+idles, so that a shared machine's drift falls on both alike. Reported per server and N:
+aggregate tokens/s (all tokens over the wall time from the first request sent to the
+last token received), time to first token per request (median, max), and whether every
+answer equals that server's answer to the same prompt sent alone. Each N runs
+`--repeats` times; figures are medians.
 """
 
 import argparse
@@ -116,29 +118,40 @@ def main(argv=None):
     prompts = load_prompts("code")["code"]
     if max(levels) > len(prompts):
         prompts = [f"{p}\n# variant {i}" for i in range(-(-max(levels) // len(prompts))) for p in prompts]
-    rows = []
-    for kind in args.servers.split(","):
-        with open(f"/tmp/serve-load-{kind}.log", "w") as log:
-            proc, url = start(kind, pair, log)
-            try:
-                client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
-                model = client.models.list().data[0].id if kind == "dflash-mlx" else "default_model"
-                alone = {}
-                for p in prompts[: max(levels)]:
-                    ask(client, p, 8, model)  # warm-up (and, for ours, the cost curve)
-                    alone[p] = ask(client, p, args.max_tokens, model)[0]
-                for n in levels:
-                    runs = [load(client, prompts[:n], args.max_tokens, model) for _ in range(args.repeats)]
-                    ttft = [t for r in runs for t in r[2]]
-                    row = {"server": kind, "clients": n, "tps": statistics.median(r[1] for r in runs),
-                           "ttft_median": statistics.median(ttft), "ttft_max": max(ttft),
-                           "identical": all(a == alone[p] for r in runs for a, p in zip(r[0], prompts[:n]))}
-                    rows.append(row)
-                    print(f"{kind} x{n}: {row['tps']:.1f} tok/s, ttft {row['ttft_median']:.2f} / "
-                          f"{row['ttft_max']:.2f} s, identical {row['identical']}", file=sys.stderr, flush=True)
-            finally:
-                proc.terminate()
-                proc.wait(60)
+    kinds = args.servers.split(",")
+    servers, logs = {}, {}
+    try:
+        for kind in kinds:
+            logs[kind] = open(f"/tmp/serve-load-{kind}.log", "w")
+            proc, url = start(kind, pair, logs[kind])
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+            model = client.models.list().data[0].id if kind == "dflash-mlx" else "default_model"
+            servers[kind] = proc, client, model
+        alone = {kind: {} for kind in kinds}
+        for kind, (_, client, model) in servers.items():
+            for p in prompts[: max(levels)]:
+                ask(client, p, 8, model)  # warm-up (and, for ours, the cost curve)
+                alone[kind][p] = ask(client, p, args.max_tokens, model)[0]
+        rows = []
+        for n in levels:
+            runs = {kind: [] for kind in kinds}
+            for _ in range(args.repeats):
+                for kind, (_, client, model) in servers.items():
+                    runs[kind].append(load(client, prompts[:n], args.max_tokens, model))
+            for kind in kinds:
+                ttft = [t for r in runs[kind] for t in r[2]]
+                row = {"server": kind, "clients": n, "tps": statistics.median(r[1] for r in runs[kind]),
+                       "ttft_median": statistics.median(ttft), "ttft_max": max(ttft),
+                       "identical": all(a == alone[kind][p] for r in runs[kind] for a, p in zip(r[0], prompts[:n]))}
+                rows.append(row)
+                print(f"{kind} x{n}: {row['tps']:.1f} tok/s, ttft {row['ttft_median']:.2f} / "
+                      f"{row['ttft_max']:.2f} s, identical {row['identical']}", file=sys.stderr, flush=True)
+    finally:
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(60)
+        for log in logs.values():
+            log.close()
     base = {r["clients"]: r["tps"] for r in rows if r["server"] == "mlx-lm"}
     ours1 = next((r["tps"] for r in rows if r["server"] == "dflash-mlx" and r["clients"] == 1), None)
     print("| server | clients | aggregate tok/s | vs mlx-lm | vs 1 client | TTFT median / max | answers = alone |")
