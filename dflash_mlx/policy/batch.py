@@ -8,7 +8,9 @@ batched decoding is best). `BatchWidths` learns it online: per batch size it
 keeps each candidate width's seconds per cycle and committed tokens per second
 over the batch's own cycles, tries the candidates from the narrowest up while
 each beats the one below it, then runs the best, retrying its neighbours now
-and then as the text and the contexts change. Where the batch's sequences
+and then as the text and the contexts change: a close one often, one far behind
+rarely (a drafted cycle that loses costs several plain ones), and a figure
+counts less the older it is, so one retry is enough to show a change. Where the batch's sequences
 carry acceptance statistics (their sizer runs), a width is worth the tokens
 they expect it to commit over its measured seconds per cycle: the cost is
 measured, the acceptance is each sequence's own, and one cycle's luck moves
@@ -22,7 +24,11 @@ TRIES = 3  # cycles each candidate runs at a batch size before the best is chose
 # Each new cycle's rate counts this much against what came before: a few dozen cycles of memory,
 # so the choice follows a batch whose texts or contexts change.
 DECAY = 0.9
-RETRY = 32  # cycles between tries of the candidate measured least recently
+# Cycles between retries of a neighbour of the best width, times the square of how far behind it is
+# (best rate / its rate): a width 10% behind is retried about every 40 cycles, one 4x behind (a
+# drafted width in a large batch of a weak pair) every 512, where its tries cost under 1%.
+RETRY = 32
+MAX_RETRY = 1024  # at least this often, however far behind: the text may come to repeat
 # A drafting width must beat plain batched decoding (width 1) by this much to be chosen: drafted
 # cycles make a batch's sequences finish apart, so a wave of requests leaves smaller, slower
 # batches behind, a cost a cycle's own rate does not show (widened pair, 8 clients: widths 1-4
@@ -50,7 +56,7 @@ class BatchWidths:
     def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
         """The width of the next cycle of `batch` sequences: climbing the candidates from the
         narrowest while each beats the one below it, then the best, with its neighbours
-        retried every `RETRY` cycles (tokens per second rise with the width, then fall).
+        retried the more often the closer they are (tokens per second rise with the width, then fall).
         `gains`: the tokens the batch's sequences expect each width to commit, in all; a
         width is then rated by them over its seconds per cycle."""
         self.cycle += 1
@@ -67,8 +73,14 @@ class BatchWidths:
         if best != ws[0] and rate(best) < DRAFT_MARGIN * rate(ws[0]):
             best = ws[0]
         i = ws.index(best)
-        stale = min(ws[max(i - 1, 0) : i + 2], key=lambda w: self.last.get((b, w), 0))
-        return stale if self.cycle - self.last.get((b, stale), 0) >= RETRY else best
+        top = rate(best)
+
+        def overdue(w: int) -> float:
+            behind = top / rate(w) if rate(w) > 0 else float("inf")
+            return (self.cycle - self.last.get((b, w), 0)) / min(RETRY * behind**2, MAX_RETRY)
+
+        stale = max((w for w in ws[max(i - 1, 0) : i + 2] if w != best), key=overdue, default=best)
+        return stale if stale != best and overdue(stale) >= 1 else best
 
     def update(self, batch: int, width: int, seconds: float, tokens: int) -> None:
         """A cycle of `batch` sequences at `width` took `seconds` and committed `tokens` in all."""
@@ -76,7 +88,11 @@ class BatchWidths:
             return
         key, rate = (bucket(batch), width), tokens / seconds
         n = self.runs.get(key, 0)
-        keep = n / (n + 1) if n < TRIES else DECAY  # the first tries count alike, then recent cycles more
+        # The first tries count alike, then recent cycles more: the figure so far keeps `DECAY` per
+        # run, or per `RETRY` cycles since its last where that is less, so that a retry after a long
+        # pause outweighs a stale figure.
+        age = self.cycle - self.last.get(key, self.cycle)
+        keep = n / (n + 1) if n < TRIES else DECAY ** max(age / RETRY, 1.0)
         self.rates[key] = keep * self.rates.get(key, 0.0) + (1 - keep) * rate
         self.seconds[key] = keep * self.seconds.get(key, 0.0) + (1 - keep) * seconds
         self.runs[key] = n + 1
