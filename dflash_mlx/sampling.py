@@ -128,6 +128,11 @@ def _gumbel_rows(V: int):
     return mx.vmap(lambda key: mx.random.gumbel((V,), key=key))
 
 
+def gumbel_rows(keys: mx.array, V: int) -> mx.array:
+    """A Gumbel row [V] per key of `keys` [n, 2] (`Draws.key`s; several requests' in one call)."""
+    return _gumbel_rows(V)(keys)
+
+
 class Draws:
     """A request's random draws, fixed by its seed and each token's position.
 
@@ -155,13 +160,17 @@ class Draws:
             self.word = int.from_bytes(digest, "little")
         self.at = at
 
-    def keys(self, n: int) -> mx.array:
-        """The keys [n, 2] of the next n positions."""
-        return mx.array([[self.word, (self.at + i) & 0xFFFFFFFF] for i in range(n)], dtype=mx.uint32)
+    def key(self, i: int) -> list:
+        """The key of the position `i` after the next one."""
+        return [self.word, (self.at + i) & 0xFFFFFFFF]
 
-    def noise(self, n: int) -> mx.array:
-        """Gumbel rows [n, V] for the next n positions (lazy)."""
-        return _gumbel_rows(self.vocab_size)(self.keys(n))
+    def keys(self, n: int, skip: int = 0) -> mx.array:
+        """The keys [n, 2] of the n positions after the next `skip`."""
+        return mx.array([self.key(skip + i) for i in range(n)], dtype=mx.uint32)
+
+    def noise(self, n: int, skip: int = 0) -> mx.array:
+        """Gumbel rows [n, V] for the n positions after the next `skip` (lazy)."""
+        return gumbel_rows(self.keys(n, skip), self.vocab_size)
 
     def advance(self, n: int) -> None:
         """n tokens were committed."""

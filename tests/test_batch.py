@@ -330,17 +330,23 @@ def run_streams(pair, joining, widths, join_at=None, width=8):
     return [events[i] for i in range(len(joining))]
 
 
-def test_sampled_penalised_and_logprob_requests_in_a_batch_equal_each_alone(pairs):
+@pytest.mark.parametrize("family, widths", [
+    ("qwen3", [1, 4, 2, 8, 3, 1, 1, 6]),  # the width changes every cycle
+    ("qwen3", [1, 1, 1, 1, 1, 1, 1, 4]),  # mostly plain steps, each launched before the last is read
+    ("qwen3_5", [1, 1, 1, 3]),  # recurrent state: plain steps one at a time
+])
+def test_sampled_penalised_and_logprob_requests_in_a_batch_equal_each_alone(pairs, family, widths):
     """Greedy and sampled requests, with penalties, logit bias, log probabilities and stop
-    strings, decoded together while the width changes every cycle and requests join late:
-    each gets the tokens (and log probabilities) it gets from `stream_generate` alone. A
-    sampled request's draws follow its seed and its positions only (`sampling.Draws`)."""
+    strings, decoded together while requests join late: each gets the tokens (and log
+    probabilities) it gets from `stream_generate` alone. A sampled request's draws follow its
+    seed and its positions only (`sampling.Draws`), also in a plain step launched before the
+    one it follows is read (its processors see that step's token, its draws are a position on)."""
     import dflash_mlx
     from dflash_mlx.batch.engine import Asks
     from dflash_mlx.batch.streams import Joining
     from dflash_mlx.sampling import SamplingParams, make_processors
 
-    pair = pairs["qwen3"]
+    pair = pairs[family]
     penalty = {"repetition_penalty": 1.3, "repetition_context_size": 16}
     bias = {"logit_bias": {"17": 4.0, 23: -100.0}}
     cases = [  # (text, params, processor arguments, logprobs, stop)
@@ -359,7 +365,7 @@ def test_sampled_penalised_and_logprob_requests_in_a_batch_equal_each_alone(pair
                                                      stop=list(stop))))
     joining = [Joining(pair.tokenizer.encode(text), n, list(stop), Asks(params, make_processors(procs), top))
                for text, params, procs, top, stop in cases]
-    batched = run_streams(pair, joining, widths=[1, 4, 2, 8, 3, 1, 1, 6], join_at={3: 2, 4: 5, 5: 5})
+    batched = run_streams(pair, joining, widths=widths, join_at={3: 2, 4: 5, 5: 5})
     for (text, params, *_), mine, own in zip(cases, batched, alone):
         tokens = [t for ev in mine for t in ev.tokens]
         assert tokens == [t for ev in own for t in ev.tokens], (text, params)

@@ -23,7 +23,7 @@ import mlx.core as mx
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.plan import Plan
-from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs
+from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs, gumbel_rows, log_probs
 from ..decode.passes import (PREFILL_STEP, caught_up, draft, drained, joined, logprob_rows, pick_drafts,
                              prefill_steps, token_logprobs)
 from ..decode.request import HELD_TAPS
@@ -118,8 +118,17 @@ class Proposal:
 
     block: mx.array  # [B, width]: each sequence's last token, then its drafts
     drafts: Optional[mx.array]  # [B, width - 1] (None for a plain step)
-    noises: list  # per sequence, its draws' noise rows [width, V] (None when greedy)
+    noises: list  # per sequence, its draws' noise rows [width, V] (None when greedy; none for a plain step)
     copies: List[List[int]]  # per sequence, the lookup tokens in its first draft positions
+
+
+@dataclass
+class Ahead:
+    """A plain step launched before the host read the one it follows."""
+
+    tokens: mx.array  # [B] each sequence's next token (on the device)
+    hidden: Optional[mx.array]  # its taps
+    logprobs: list  # per sequence, its `token_logprobs` (None where not asked)
 
 
 @dataclass
@@ -164,7 +173,7 @@ class BatchDecoder:
         self.seqs: List[Running] = []
         self.filling: List[Filling] = []
         # A plain step launched from the last one's tokens before the host read them: (tokens, taps).
-        self._ahead: Optional[tuple] = None
+        self._ahead: Optional[Ahead] = None
         self._uids = count()
 
     def __len__(self) -> int:
@@ -335,12 +344,16 @@ class BatchDecoder:
         if not self.seqs:
             return []
         w = self.width if width is None else max(1, min(width, self.width))
-        if w == 1 and self._can_pipeline():
+        if w == 1 and not self.target.recurrent:
             return self._plain_step()
         self._drop_ahead()
         p = self._propose(w)
         logits, hidden = self.target(p.block, self.cache, taps=self.width > 1, record=self.target.recurrent)
-        picks, lps = self._pick(logits, p.drafts, p.noises)
+        if w == 1:
+            picks, lps = self._pick_next(logits[:, -1], None)
+            picks = picks[:, None]
+        else:
+            picks, lps = self._pick(logits, p.drafts, p.noises)
         accepted = agreeing(p.drafts, picks) if w > 1 else mx.zeros((len(self.seqs),), mx.uint32)
         mx.eval(accepted, picks, p.block, lps)  # the cycle's one host synchronisation
         acc, pk, blk = accepted.tolist(), picks.tolist(), p.block.tolist()
@@ -360,31 +373,29 @@ class BatchDecoder:
         self._leave([b for b, c in enumerate(out) if c.finish is None])
         return out
 
-    def _can_pipeline(self) -> bool:
-        """Whether plain steps may run one ahead: greedy sequences with nothing to process and no
-        log probabilities, on a target whose caches crop for free (no recurrent state)."""
-        return not self.target.recurrent and all(
-            s.params.greedy and not s.proc and s.top is None for s in self.seqs)
-
-    def _launch_plain(self, lasts: mx.array) -> tuple:
-        """A plain step from `lasts` [B] (on the device): its tokens and taps, launched."""
+    def _launch_plain(self, lasts: mx.array, pending: bool) -> Ahead:
+        """A plain step from `lasts` [B] (on the device), launched; `pending`: they are the
+        tokens of the step before, which the host has not committed yet."""
         logits, hidden = self.target(lasts[:, None], self.cache, taps=self.width > 1)
-        tokens = mx.argmax(greedy_log_probs(logits[:, -1]), axis=-1).astype(mx.uint32)
-        mx.async_eval(tokens)
-        return tokens, hidden
+        tokens, lps = self._pick_next(logits[:, -1], lasts if pending else None)
+        mx.async_eval(tokens, [lp for lp in lps if lp is not None])
+        return Ahead(tokens, hidden, lps)
 
     def _plain_step(self) -> List[Committed]:
         """A plain batched step, as mlx-lm's: the next one is launched from this one's tokens on
         the device before the host reads them. It is dropped (its row cropped, no copy) where
-        the batch changes before it runs: a sequence ends, joins or leaves, or a cycle drafts."""
+        the batch changes before it runs: a sequence ends, joins or leaves, or a cycle drafts.
+        Only where caches crop for free: a recurrent state would need the dropped step's tape."""
         if self._ahead is None:
-            self._ahead = self._launch_plain(mx.concatenate([s.last for s in self.seqs]))
-        tokens, hidden = self._ahead
-        self._ahead = self._launch_plain(tokens)
-        picked = tokens.tolist()  # the cycle's one host synchronisation
+            self._ahead = self._launch_plain(mx.concatenate([s.last for s in self.seqs]), pending=False)
+        step = self._ahead
+        self._ahead = self._launch_plain(step.tokens, pending=True)
+        picked = step.tokens.tolist()  # the cycle's one host synchronisation
+        hidden = step.hidden
         out = []
         for b, seq in enumerate(self.seqs):
-            c = Committed(seq.uid, [picked[b]])
+            lps = step.logprobs[b]
+            c = Committed(seq.uid, [picked[b]], logprobs=lps and logprob_rows(lps, 1))
             c.finish = self._finish(seq, c)
             out.append(c)
         kept_rows = [1 if c.finish is None else len(c.tokens) for c in out]
@@ -405,9 +416,9 @@ class BatchDecoder:
     def _propose(self, width: int) -> "Proposal":
         """Every sequence's block for a cycle of `width`: its last token, then its drafts."""
         lasts = mx.concatenate([s.last for s in self.seqs])
-        noises = [s.noise(width) for s in self.seqs]
         if width == 1:
-            return Proposal(lasts[:, None], None, noises, [[] for _ in self.seqs])
+            return Proposal(lasts[:, None], None, [], [[] for _ in self.seqs])
+        noises = [s.noise(width) for s in self.seqs]
         copies = [self._copies(s, width) for s in self.seqs]
         if self._pooling():
             drafts = self._draft_pooled(lasts, width, noises, copies)
@@ -548,6 +559,36 @@ class BatchDecoder:
         seq.taps = []
         return draft(seq.source, seq.dstate, seq.last, hidden, width, seq.params, copies, proc=seq.proc or None,
                      noise=None if noise is None else noise[:-1]).tokens
+
+    def _pick_next(self, logits: mx.array, pending: Optional[mx.array]):
+        """Each sequence's next token [B] from its row of `logits` [B, V], and per sequence its
+        log probabilities (or None). Sequences drawing from the same distribution are picked in
+        one op, their draws' noise made in one call. `pending` [B]: tokens not committed yet that
+        the rows follow (a step launched ahead): processors see them, draws are a position on."""
+        B = len(self.seqs)
+        if any(s.proc for s in self.seqs):
+            logits = mx.concatenate([
+                s.proc.row(logits[b : b + 1], None if pending is None else pending[b : b + 1]) if s.proc
+                else logits[b : b + 1] for b, s in enumerate(self.seqs)])
+        groups = {}
+        for b, s in enumerate(self.seqs):
+            groups.setdefault(s.params.key, []).append(b)
+        parts, order = [], []
+        for members in groups.values():
+            params = self.seqs[members[0]].params
+            rows = logits if len(members) == B else logits[mx.array(members)]
+            if params.greedy:
+                parts.append(mx.argmax(greedy_log_probs(rows), axis=-1))
+            else:
+                skip = 0 if pending is None else 1
+                keys = mx.array([self.seqs[b].draws.key(skip) for b in members], dtype=mx.uint32)
+                parts.append(mx.argmax(log_probs(rows, params) + gumbel_rows(keys, rows.shape[-1]), axis=-1))
+            order += members
+        tokens = parts[0] if len(parts) == 1 else mx.concatenate(parts)[mx.argsort(mx.array(order))]
+        tokens = tokens.astype(mx.uint32)
+        lps = [None if s.top is None else token_logprobs(logits[b : b + 1], tokens[b : b + 1], s.top)
+               for b, s in enumerate(self.seqs)]
+        return tokens, lps
 
     def _pick(self, logits: mx.array, drafts: Optional[mx.array], noises: list):
         """Each sequence's tokens after each row of `logits` [B, w, V] (and per sequence its
