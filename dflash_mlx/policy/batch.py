@@ -10,7 +10,7 @@ over the batch's own cycles, tries the candidates from the narrowest up while
 each beats the one below it, then runs the best, retrying its neighbours now
 and then as the text and the contexts change: a close one often, one far behind
 rarely (a drafted cycle that loses costs several plain ones), and a figure
-counts less the older it is, so one retry is enough to show a change. Where the batch's sequences
+counts less the older it is, so one retry is enough to show a large change. Where the batch's sequences
 carry acceptance statistics (their sizer runs), a width is worth the tokens
 they expect it to commit over its measured seconds per cycle: the cost is
 measured, the acceptance is each sequence's own, and one cycle's luck moves
@@ -29,6 +29,7 @@ DECAY = 0.9
 # drafted width in a large batch of a weak pair) every 512, where its tries cost under 1%.
 RETRY = 32
 MAX_RETRY = 1024  # at least this often, however far behind: the text may come to repeat
+STALE_KEEP = 0.5  # what a figure keeps, at least, of itself when a retry after a long pause updates it
 # A drafting width must beat plain batched decoding (width 1) by this much to be chosen: drafted
 # cycles make a batch's sequences finish apart, so a wave of requests leaves smaller, slower
 # batches behind, a cost a cycle's own rate does not show (widened pair, 8 clients: widths 1-4
@@ -90,9 +91,9 @@ class BatchWidths:
         n = self.runs.get(key, 0)
         # The first tries count alike, then recent cycles more: the figure so far keeps `DECAY` per
         # run, or per `RETRY` cycles since its last where that is less, so that a retry after a long
-        # pause outweighs a stale figure.
+        # pause counts as much as the stale figure (not more: one cycle's timing is noisy).
         age = self.cycle - self.last.get(key, self.cycle)
-        keep = n / (n + 1) if n < TRIES else DECAY ** max(age / RETRY, 1.0)
+        keep = n / (n + 1) if n < TRIES else max(DECAY ** max(age / RETRY, 1.0), STALE_KEEP)
         self.rates[key] = keep * self.rates.get(key, 0.0) + (1 - keep) * rate
         self.seconds[key] = keep * self.seconds.get(key, 0.0) + (1 - keep) * seconds
         self.runs[key] = n + 1
