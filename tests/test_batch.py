@@ -212,26 +212,29 @@ def test_the_batch_width_is_the_fastest_measured_at_each_batch_size():
     assert run(1, 8 * RETRY)[-20:].count(2) >= 18
 
 
-def test_a_width_far_behind_is_retried_rarely_and_one_retry_shows_a_change():
-    """A neighbour of the best width is retried the more often the closer it is, and a retry after a
-    long pause outweighs its stale figure: a drafted width 4x behind costs few cycles, yet the
-    choice moves to it on the retry after it starts to pay."""
-    from dflash_mlx.policy.batch import RETRY, BatchWidths
+def test_a_costly_retry_is_rare_and_one_retry_shows_a_large_change():
+    """A neighbour of the best width is retried the more rarely the more a retry loses: a drafted
+    width whose cycle takes 4 plain steps and commits less than one costs few cycles, a width a
+    little behind is retried often; and a retry after a long pause counts as much as the stale
+    figure, so the choice moves to a width on the retry after it starts to pay."""
+    from dflash_mlx.policy.batch import RETRY_BUDGET, BatchWidths
 
-    def run(p, speed, cycles):
+    def run(p, seconds, speed, cycles):
         chosen = []
         for _ in range(cycles):
             w = p.choose(8)
             chosen.append(w)
-            p.update(8, w, 1.0, speed[w])
+            p.update(8, w, seconds[w], speed[w] * seconds[w])
         return chosen
 
     close, far = BatchWidths(16), BatchWidths(16)
-    near_speed, far_speed = {1: 60.0, 2: 55.0, 4: 50.0, 8: 30.0}, {1: 60.0, 2: 15.0, 4: 10.0, 8: 5.0}
-    assert run(close, near_speed, 1000)[20:].count(2) >= 15  # 1.09x behind: about every 38 cycles
-    assert run(far, far_speed, 1000)[20:].count(2) <= 3  # 4x behind: about every 512
-    far_speed[2] = 120.0  # the text starts to repeat: width 2 pays
-    after = run(far, far_speed, RETRY * 4**2 + 48)  # its next retry comes within RETRY * 4**2 cycles
+    same = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+    near_speed = {1: 60.0, 2: 55.0, 4: 50.0, 8: 30.0}
+    costly, far_speed = {1: 1.0, 2: 4.0, 4: 5.0, 8: 6.0}, {1: 60.0, 2: 15.0, 4: 10.0, 8: 5.0}
+    assert run(close, same, near_speed, 1000)[20:].count(2) >= 15  # a retry loses 1/12 of a cycle: every 32
+    assert run(far, costly, far_speed, 1000)[20:].count(2) <= 6  # one loses 3 cycles: every 192
+    far_speed[2] = 200.0  # the text starts to repeat: width 2 pays
+    after = run(far, costly, far_speed, 3 * RETRY_BUDGET + 48)  # its next retry comes within 192 cycles
     retry = after.index(2)
     assert after[retry : retry + 40].count(1) <= 1 and after[-20:].count(2) >= 18  # from that retry on
 

@@ -8,8 +8,8 @@ batched decoding is best). `BatchWidths` learns it online: per batch size it
 keeps each candidate width's seconds per cycle and committed tokens per second
 over the batch's own cycles, tries the candidates from the narrowest up while
 each beats the one below it, then runs the best, retrying its neighbours now
-and then as the text and the contexts change: a close one often, one far behind
-rarely (a drafted cycle that loses costs several plain ones), and a figure
+and then as the text and the contexts change: often where a retry costs little,
+rarely where it costs several plain steps, and a figure
 counts less the older it is, so one retry is enough to show a large change. Where the batch's sequences
 carry acceptance statistics (their sizer runs), a width is worth the tokens
 they expect it to commit over its measured seconds per cycle: the cost is
@@ -24,10 +24,14 @@ TRIES = 3  # cycles each candidate runs at a batch size before the best is chose
 # Each new cycle's rate counts this much against what came before: a few dozen cycles of memory,
 # so the choice follows a batch whose texts or contexts change.
 DECAY = 0.9
-# Cycles between retries of a neighbour of the best width, times the square of how far behind it is
-# (best rate / its rate): a width 10% behind is retried about every 40 cycles, one 4x behind (a
-# drafted width in a large batch of a weak pair) every 512, where its tries cost under 1%.
+# A neighbour of the best width is retried every RETRY cycles, or where one retry loses more than
+# 1/RETRY_BUDGET of a best cycle (its seconds less the time the best takes for the tokens it commits),
+# RETRY_BUDGET times that loss: retries cost at most about 1/RETRY_BUDGET of the time. A drafted width
+# 4x slower per token in a large batch of a weak pair (demo pair, 8 sequences: a cycle 4.7x a plain
+# step) is retried every 200 cycles; one a few percent behind (widened pair) every 32, often enough
+# that its acceptance statistics, which only a try can show, stay current.
 RETRY = 32
+RETRY_BUDGET = 64
 MAX_RETRY = 1024  # at least this often, however far behind: the text may come to repeat
 STALE_KEEP = 0.5  # what a figure keeps, at least, of itself when a retry after a long pause updates it
 # A drafting width must beat plain batched decoding (width 1) by this much to be chosen: drafted
@@ -77,8 +81,12 @@ class BatchWidths:
         top = rate(best)
 
         def overdue(w: int) -> float:
-            behind = top / rate(w) if rate(w) > 0 else float("inf")
-            return (self.cycle - self.last.get((b, w), 0)) / min(RETRY * behind**2, MAX_RETRY)
+            """Cycles since w last ran, over the cycles between its retries."""
+            interval = RETRY
+            if self.runs.get((b, w), 0):
+                lost = self.seconds[(b, w)] * max(0.0, 1 - rate(w) / top) / self.seconds[(b, best)]
+                interval = min(max(RETRY, RETRY_BUDGET * lost), MAX_RETRY)
+            return (self.cycle - self.last.get((b, w), 0)) / interval
 
         stale = max((w for w in ws[max(i - 1, 0) : i + 2] if w != best), key=overdue, default=best)
         return stale if stale != best and overdue(stale) >= 1 else best
