@@ -568,6 +568,30 @@ def test_lookup_copies_in_a_batch(pairs, baselines, monkeypatch):
     assert with_lookup < 0.8 * without, (with_lookup, without)
 
 
+def test_batch_gains_count_the_lookup_offers(pairs, monkeypatch):
+    """What the batch expects a width to commit counts each sequence's lookup offer, copied as
+    its cycle would copy it: on text that repeats, the cycles with offers expect more than the
+    drafter's statistics alone (a random drafter), and they do commit more."""
+    from test_adaptive import install_curve
+
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair = pairs["qwen3"]
+    install_curve(monkeypatch, pair, [[1.0 + 0.05 * (k - 1) for k in range(1, pair.draft_source.block_size + 1)]])
+    prompts = [pair.tokenizer.encode(t * 6) for t in ("a b c d e f ", "x = x + 1\n", "one two three ")]
+    dec = BatchDecoder(pair, 8, lookup=True)
+    dec.add_many(prompts, [200] * len(prompts))
+    for _ in range(10):
+        dec.step(8)
+    offered, not_offered = [], []
+    for _ in range(20):
+        extra = dec.gains([8])[8] - sum(s.run.expected_tokens(8) for s in dec.seqs)
+        committed = sum(len(c.tokens) for c in dec.step(8))
+        (offered if extra > 1 else not_offered).append(committed)
+    assert len(offered) >= 3 and not_offered
+    assert sum(offered) / len(offered) > 1.2 * sum(not_offered) / len(not_offered), (offered, not_offered)
+
+
 def test_plain_steps_run_one_ahead_and_drop_it_when_the_batch_changes(pairs, baselines):
     """Plain batched steps launch the next before the host reads the current (as mlx-lm's);
     the step in flight is dropped when a sequence ends, leaves or joins, or a cycle drafts:

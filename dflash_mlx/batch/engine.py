@@ -461,14 +461,18 @@ class BatchDecoder:
 
     def gains(self, widths: Sequence[int]) -> Optional[dict]:
         """The tokens the sequences expect a cycle of each width to commit, in all, from their
-        sizer runs' acceptance statistics (None unless every sequence has one)."""
+        sizer runs' acceptance statistics and their lookup offers, copied as `_copies` would
+        (None unless every sequence has a run)."""
         if not widths or not self.seqs or any(s.run is None for s in self.seqs):
             return None
         gains = dict.fromkeys(widths, 0.0)
         for s in self.seqs:
+            offer = s.source.offer(s.dstate, max(widths) - 1)
+            order = getattr(offer, "order", 0)
             alphas = s.run.alphas()
+            look = s.run.lookup_alphas(order) if offer else None
             for w in widths:
-                gains[w] += s.run.expected_tokens(min(w, s.run.max_width), alphas)
+                gains[w] += 1 + s.run.best_copies(len(offer), order, min(w, s.run.max_width), alphas, look)[1]
         return gains
 
     def keep(self) -> None:

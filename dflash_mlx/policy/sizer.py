@@ -500,10 +500,17 @@ class SizerRun:
         order = getattr(offer, "order", 0)
         if offer and not self.pending:
             self.pending, self.pending_order = list(offer[: self.max_width - 1]), order
-        m = min(len(offer), width - 1)
-        if m == 0:
+        if min(len(offer), width - 1) == 0:
             return 0
-        look, alphas = self.lookup_alphas(order), self.alphas()
+        return self.best_copies(len(offer), order, width)[0]
+
+    def best_copies(self, offered: int, order: int, width: int, alphas: Optional[List[float]] = None,
+                    look: Optional[List[float]] = None) -> Tuple[int, float]:
+        """Of a lookup offer of `offered` tokens (n-gram `order`), how many a cycle of `width`
+        copies before the drafter's guesses, and the accepted drafts it then expects (the count
+        with the most). `alphas`, `look`: this run's drafter and lookup rates, if already read."""
+        alphas = self.alphas() if alphas is None else alphas
+        look = self.lookup_alphas(order) if look is None and offered else look
 
         def expected(k: int) -> float:
             run, total = 1.0, 0.0
@@ -512,7 +519,8 @@ class SizerRun:
                 total += run
             return total
 
-        return max(range(m + 1), key=expected)
+        best = max(range(min(offered, width - 1) + 1), key=expected)
+        return best, expected(best)
 
     def drafter_pays(self, first: int, last: int) -> bool:
         """Whether a cycle that runs the drafter could beat plain decoding anywhere from
