@@ -172,7 +172,7 @@ class BatchDecoder:
         self.poolable = self.source.pooled() if self.width > 1 else None
         self.seqs: List[Running] = []
         self.filling: List[Filling] = []
-        # A plain step launched from the last one's tokens before the host read them: (tokens, taps).
+        # A plain step launched from the last one's tokens before the host read them.
         self._ahead: Optional[Ahead] = None
         self._uids = count()
 
@@ -577,14 +577,13 @@ class BatchDecoder:
         groups = {}
         for b, s in enumerate(self.seqs):
             groups.setdefault(s.params.key, []).append(b)
-        parts, order = [], []
+        parts, order, skip = [], [], 0 if pending is None else 1
         for members in groups.values():
             params = self.seqs[members[0]].params
             rows = logits if len(members) == B else logits[mx.array(members)]
             if params.greedy:
                 parts.append(mx.argmax(greedy_log_probs(rows), axis=-1))
             else:
-                skip = 0 if pending is None else 1
                 keys = mx.array([self.seqs[b].draws.key(skip) for b in members], dtype=mx.uint32)
                 parts.append(mx.argmax(log_probs(rows, params) + gumbel_rows(keys, rows.shape[-1]), axis=-1))
             order += members

@@ -9,8 +9,8 @@ keeps each candidate width's seconds per cycle and committed tokens per second
 over the batch's own cycles, tries the candidates from the narrowest up while
 each beats the one below it, then runs the best, retrying its neighbours now
 and then as the text and the contexts change: often where a retry costs little,
-rarely where it costs several plain steps, and a figure
-counts less the older it is, so one retry is enough to show a large change. Where the batch's sequences
+rarely where it costs several plain steps; a figure counts less the older it
+is, so one retry is enough to show a large change. Where the batch's sequences
 carry acceptance statistics (their sizer runs), a width is worth the tokens
 they expect it to commit over its measured seconds per cycle: the cost is
 measured, the acceptance is each sequence's own, and one cycle's luck moves
@@ -61,7 +61,7 @@ class BatchWidths:
     def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
         """The width of the next cycle of `batch` sequences: climbing the candidates from the
         narrowest while each beats the one below it, then the best, with its neighbours
-        retried the more often the closer they are (tokens per second rise with the width, then fall).
+        retried the more rarely the more a retry loses (tokens per second rise with the width, then fall).
         `gains`: the tokens the batch's sequences expect each width to commit, in all; a
         width is then rated by them over its seconds per cycle."""
         self.cycle += 1
