@@ -623,3 +623,79 @@ def test_plain_steps_run_one_ahead_and_drop_it_when_the_batch_changes(pairs, bas
             firsts[1].uid: plain_greedy(base, prompts[1], 12, eos=eos),
             late.uid: plain_greedy(base, prompts[3], 20, eos=eos)}
     assert out == want
+
+
+class _Counted:
+    """A target that counts its passes."""
+
+    def __init__(self, target):
+        self._target, self.passes = target, 0
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def __call__(self, *args, **kwargs):
+        self.passes += 1
+        return self._target(*args, **kwargs)
+
+
+def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs, baselines):
+    """Told the next cycle's width (`then`), a plain step launches the next plain step ahead only
+    where it will run: a batch whose plain steps and drafted cycles alternate runs one target
+    pass per cycle, none computed to be dropped, and its output is plain greedy decoding.
+    `BatchStreams` chooses each width a cycle ahead and passes it on."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.batch.streams import BatchStreams, Joining
+
+    pair, base = pairs["qwen3"], baselines["qwen3"]
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    dec = BatchDecoder(pair, 4)
+    dec.target = counted = _Counted(dec.target)
+    firsts = dec.add_many(prompts, [40] * 3)
+    out = {f.uid: list(f.tokens) for f in firsts}
+    widths = [1, 1, 4, 1, 4, 4, 1, 1, 1, 2, 1, 4]
+    counted.passes = 0
+    for w, then in zip(widths, widths[1:] + [4]):
+        for c in dec.step(w, then):
+            out[c.uid] += c.tokens
+    assert counted.passes == len(widths)  # ignoring `then`: one more, dropped, before each drafted cycle
+    while len(dec):
+        for c in dec.step(1):
+            out[c.uid] += c.tokens
+    assert [out[f.uid] for f in firsts] == [plain_greedy(base, p, 40, eos=eos) for p in prompts]
+
+    class Script:
+        widths = (1, 4)
+
+        def __init__(self, choices):
+            self.choices = iter(choices)
+
+        def choose(self, batch, gains=None):
+            return next(self.choices)
+
+        def update(self, batch, width, seconds, tokens):
+            pass
+
+    streams = BatchStreams(pair, 4, Script([1, 4, 1, 1, 4, 1, 1, 1]))
+    ran = []
+    step = streams.decoder.step
+    streams.decoder.step = lambda width, then: ran.append((width, then)) or step(width, then)
+    streams.add_many([Joining(p, 40) for p in prompts])
+    for _ in range(7):
+        streams.step()
+    assert ran == [(1, 1), (1, 4), (4, 1), (1, 1), (1, 4), (4, 1), (1, 1)]
+
+
+def test_a_width_is_rated_by_its_tokens_over_its_seconds_pooled():
+    """A width's measured rate pools its cycles' tokens and seconds: the last plain step of a
+    run, whose work the step before launched, takes almost no time, and does not make plain
+    decoding look many times faster than it is."""
+    from dflash_mlx.policy.batch import TRIES, BatchWidths
+
+    p = BatchWidths(16)
+    for seconds in [2.0] + [1.0] * (TRIES - 1) + [1e-6]:
+        p.update(8, 1, seconds, 8)
+    assert 5.0 < p.rate(8, 1) < 9.0

@@ -338,14 +338,16 @@ class BatchDecoder:
             self.cache = [batch_of(c) for c in tcache]
         self.seqs.append(seq)
 
-    def step(self, width: Optional[int] = None) -> List[Committed]:
+    def step(self, width: Optional[int] = None, then: Optional[int] = None) -> List[Committed]:
         """One cycle for every sequence in the batch at `width` (default: the largest);
-        finished sequences leave it."""
+        finished sequences leave it. `then`: the width of the cycle after it (default: the
+        same); a plain step launches the next before the host reads its tokens only where that
+        is plain too, so no step is computed to be dropped."""
         if not self.seqs:
             return []
         w = self.width if width is None else max(1, min(width, self.width))
         if w == 1 and not self.target.recurrent:
-            return self._plain_step()
+            return self._plain_step(ahead=then is None or then <= 1)
         self._drop_ahead()
         p = self._propose(w)
         logits, hidden = self.target(p.block, self.cache, taps=self.width > 1, record=self.target.recurrent)
@@ -381,15 +383,16 @@ class BatchDecoder:
         mx.async_eval(tokens, [lp for lp in lps if lp is not None])
         return Ahead(tokens, hidden, lps)
 
-    def _plain_step(self) -> List[Committed]:
-        """A plain batched step, as mlx-lm's: the next one is launched from this one's tokens on
-        the device before the host reads them. It is dropped (its row cropped, no copy) where
-        the batch changes before it runs: a sequence ends, joins or leaves, or a cycle drafts.
+    def _plain_step(self, ahead: bool) -> List[Committed]:
+        """A plain batched step, as mlx-lm's: with `ahead`, the next one is launched from this
+        one's tokens on the device before the host reads them. It is dropped (its row cropped,
+        no copy) where the batch changes before it runs (a sequence ends, joins or leaves) or
+        the next cycle drafts after all.
         Only where caches crop for free: a recurrent state would need the dropped step's tape."""
         if self._ahead is None:
             self._ahead = self._launch_plain(mx.concatenate([s.last for s in self.seqs]), pending=False)
         step = self._ahead
-        self._ahead = self._launch_plain(step.tokens, pending=True)
+        self._ahead = self._launch_plain(step.tokens, pending=True) if ahead else None
         picked = step.tokens.tolist()  # the cycle's one host synchronisation
         hidden = step.hidden
         out = []

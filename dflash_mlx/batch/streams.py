@@ -40,6 +40,7 @@ class BatchStreams:
         self.decoder = BatchDecoder(pair, width, prompt_cache, lookup)
         self.policy = policy or BatchWidths(self.decoder.width)
         self.streams: Dict[int, _Stream] = {}
+        self._then: Optional[Tuple[int, int]] = None  # (batch size, width) chosen for the next cycle
 
     def __len__(self) -> int:
         return len(self.decoder)
@@ -78,9 +79,13 @@ class BatchStreams:
         B = len(self.decoder.seqs)
         if B == 0:
             return out
-        width = self.policy.choose(B, self.decoder.gains(self.policy.widths))
+        # Widths are chosen a cycle ahead, so that a plain step launches the next one only where
+        # it will run; where the batch has changed, this cycle runs what is chosen now.
+        then = self.policy.choose(B, self.decoder.gains(self.policy.widths))
+        width = self._then[1] if self._then is not None and self._then[0] == B else then
+        self._then = (B, then)
         tic = time.perf_counter()
-        committed = self.decoder.step(width)
+        committed = self.decoder.step(width, then)
         self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed))
         for c in committed:
             stats = self.streams[c.uid].stats

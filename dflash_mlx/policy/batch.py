@@ -52,28 +52,37 @@ class BatchWidths:
 
     def __init__(self, max_width: int, widths: Sequence[int] = WIDTHS):
         self.widths: List[int] = sorted({min(w, max_width) for w in widths if w >= 1})
-        self.rates: Dict[Tuple[int, int], float] = {}  # (batch size, width) -> tokens per second
+        self.tokens: Dict[Tuple[int, int], float] = {}  # (batch size, width) -> tokens committed per cycle
         self.seconds: Dict[Tuple[int, int], float] = {}  # (batch size, width) -> seconds per cycle
         self.runs: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> cycles measured
         self.last: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> the cycle it last ran
+        self.chosen: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> the cycle it was last chosen
         self.cycle = 0
 
+    def rate(self, batch: int, width: int) -> float:
+        """Measured tokens per second of cycles of `width` at `batch` sequences: averages of
+        tokens and of seconds, so that a cycle whose work an earlier one did (a plain step
+        launched ahead) neither counts as infinitely fast nor drags the figure."""
+        key = (bucket(batch), width)
+        return self.tokens[key] / self.seconds[key]
+
     def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
-        """The width of the next cycle of `batch` sequences: climbing the candidates from the
-        narrowest while each beats the one below it, then the best, with its neighbours
-        retried the more rarely the more a retry loses (tokens per second rise with the width, then fall).
-        `gains`: the tokens the batch's sequences expect each width to commit, in all; a
-        width is then rated by them over its seconds per cycle."""
+        """The width of a coming cycle of `batch` sequences (a batch chooses a cycle ahead, so
+        that a plain step knows whether the next one is plain too): climbing the candidates from
+        the narrowest while each beats the one below it, then the best, with its neighbours
+        retried the more rarely the more a retry loses (tokens per second rise with the width,
+        then fall). `gains`: the tokens the batch's sequences expect each width to commit, in
+        all; a width is then rated by them over its seconds per cycle."""
         self.cycle += 1
         b, ws = bucket(batch), self.widths
         if gains is None:
-            rate = lambda w: self.rates[(b, w)]  # noqa: E731
+            rate = lambda w: self.rate(b, w)  # noqa: E731
         else:
             rate = lambda w: gains[w] / self.seconds[(b, w)]  # noqa: E731
         known = [w for w in ws if self.runs.get((b, w), 0) >= TRIES]
         k = len(known)
         if k < len(ws) and known == ws[:k] and (k < 2 or rate(ws[k - 1]) > rate(ws[k - 2])):
-            return ws[k]  # still climbing
+            return self._chose(b, ws[k])  # still climbing
         best = max(known, key=rate)
         if best != ws[0] and rate(best) < DRAFT_MARGIN * rate(ws[0]):
             best = ws[0]
@@ -86,23 +95,27 @@ class BatchWidths:
             if self.runs.get((b, w), 0):
                 lost = self.seconds[(b, w)] * max(0.0, 1 - rate(w) / top) / self.seconds[(b, best)]
                 interval = min(max(RETRY, RETRY_BUDGET * lost), MAX_RETRY)
-            return (self.cycle - self.last.get((b, w), 0)) / interval
+            return (self.cycle - self.chosen.get((b, w), 0)) / interval
 
         stale = max((w for w in ws[max(i - 1, 0) : i + 2] if w != best), key=overdue, default=best)
-        return stale if stale != best and overdue(stale) >= 1 else best
+        return self._chose(b, stale if stale != best and overdue(stale) >= 1 else best)
+
+    def _chose(self, b: int, width: int) -> int:
+        self.chosen[(b, width)] = self.cycle
+        return width
 
     def update(self, batch: int, width: int, seconds: float, tokens: int) -> None:
         """A cycle of `batch` sequences at `width` took `seconds` and committed `tokens` in all."""
         if seconds <= 0:
             return
-        key, rate = (bucket(batch), width), tokens / seconds
+        key = (bucket(batch), width)
         n = self.runs.get(key, 0)
         # The first tries count alike, then recent cycles more: the figure so far keeps `DECAY` per
         # run, or per `RETRY` cycles since its last where that is less, so that a retry after a long
         # pause counts as much as the stale figure (not more: one cycle's timing is noisy).
         age = self.cycle - self.last.get(key, self.cycle)
         keep = n / (n + 1) if n < TRIES else max(DECAY ** max(age / RETRY, 1.0), STALE_KEEP)
-        self.rates[key] = keep * self.rates.get(key, 0.0) + (1 - keep) * rate
+        self.tokens[key] = keep * self.tokens.get(key, 0.0) + (1 - keep) * tokens
         self.seconds[key] = keep * self.seconds.get(key, 0.0) + (1 - keep) * seconds
         self.runs[key] = n + 1
         self.last[key] = self.cycle
