@@ -587,18 +587,31 @@ class TargetAdapter:
                 c.trim(drop)
         self._taps.tape.clear()
 
-    def crop_each(self, cache, keeps: Sequence[int], width: int):
+    def crop_each(self, cache, keeps: Sequence[int], width: int, before: Optional[dict] = None):
         """`crop` for a batch (`batch.cache.RaggedKVCache` and batched recurrent states):
-        sequence b keeps the first `keeps[b]` of the last `width` positions; a pass that was
-        not recorded can only keep them all."""
+        sequence b keeps the first `keeps[b]` of the last `width` positions. A pass that was
+        not recorded can only keep them all, or, given the recurrent states from before it
+        (`states`, taken before a plain step), none."""
         drops = [width - k for k in keeps]
         if any(drops):
             for i, c in enumerate(cache):
-                if i in self._gdn:
-                    self._gdn[i].rollback_each(c, keeps)
-                else:
+                if i not in self._gdn:
                     c.crop(drops)
+                elif before is None:
+                    self._gdn[i].rollback_each(c, keeps)
+                elif all(drops):
+                    c.cache = list(before[i])
+                else:
+                    back = mx.array(drops) > 0
+                    c.cache = [mx.where(back.reshape(-1, *[1] * (now.ndim - 1)), old, now)
+                               for old, now in zip(before[i], c.cache)]
         self._taps.tape.clear()
+
+    def states(self, cache) -> Optional[dict]:
+        """The recurrent layers' states as they are now (references: arrays are not changed in
+        place), for `crop_each(before=)` to undo the plain step that comes next; None where
+        the target has none."""
+        return {i: list(cache[i].cache) for i in self._gdn} or None
 
     @property
     def batchable(self) -> bool:

@@ -592,15 +592,16 @@ def test_batch_gains_count_the_lookup_offers(pairs, monkeypatch):
     assert sum(offered) / len(offered) > 1.2 * sum(not_offered) / len(not_offered), (offered, not_offered)
 
 
-def test_plain_steps_run_one_ahead_and_drop_it_when_the_batch_changes(pairs, baselines):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_plain_steps_run_one_ahead_and_drop_it_when_the_batch_changes(pairs, baselines, family):
     """Plain batched steps launch the next before the host reads the current (as mlx-lm's);
-    the step in flight is dropped when a sequence ends, leaves or joins, or a cycle drafts:
-    every output is still plain greedy decoding."""
+    the step in flight is dropped when a sequence ends, leaves or joins, or a cycle drafts
+    (a hybrid target's recurrent states set back): every output is still plain greedy decoding."""
     from conftest import plain_greedy
 
     from dflash_mlx.batch.engine import BatchDecoder
 
-    pair, base = pairs["qwen3"], baselines["qwen3"]
+    pair, base = pairs[family], baselines[family]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
     eos = tuple(pair.tokenizer.eos_token_ids)
     dec = BatchDecoder(pair, 4)
@@ -699,3 +700,40 @@ def test_a_width_is_rated_by_its_tokens_over_its_seconds_pooled():
     for seconds in [2.0] + [1.0] * (TRIES - 1) + [1e-6]:
         p.update(8, 1, seconds, 8)
     assert 5.0 < p.rate(8, 1) < 9.0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_sequence_ending_while_a_plain_step_is_in_flight_keeps_its_own_state(pairs, baselines, family):
+    """A sequence that ends at EOS while the next plain step is in flight gives the prompt cache
+    its caches as of its last token (the step in flight dropped, the EOS step's row undone, a
+    hybrid target's recurrent state set back to before both): its conversation continues from
+    there as plain decoding continues it."""
+    from conftest import plain_greedy
+
+    import dflash_mlx
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair, base = pairs[family], baselines[family]
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
+    alone = plain_greedy(base, prompts[0], 16, eos=())
+    stop = next(t for i, t in enumerate(alone) if i >= 5 and t not in alone[:i])
+    eos = tuple(pair.tokenizer.eos_token_ids) + (stop,)
+    cache = dflash_mlx.PromptCache(pair)
+
+    def run(prompts, n):
+        dec = BatchDecoder(pair, 4, prompt_cache=cache)
+        dec.eos = set(eos)
+        firsts = dec.add_many(prompts, [n] * len(prompts))
+        out = {f.uid: list(f.tokens) for f in firsts}
+        while len(dec):
+            for c in dec.step(1):
+                out[c.uid] += c.tokens
+            dec.keep()
+        return [out[f.uid] for f in firsts]
+
+    answers = run(prompts, 16)
+    assert answers == [plain_greedy(base, p, 16, eos=eos) for p in prompts]
+    assert len(answers[0]) < 16  # it ended at the stand-in EOS, the others going on
+    later = [prompts[0] + answers[0] + pair.tokenizer.encode(" and then")]
+    assert run(later, 10) == [plain_greedy(base, later[0], 10, eos=eos)]
+    assert cache.hits == 1

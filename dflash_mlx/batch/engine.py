@@ -114,11 +114,11 @@ class Committed:
 
 @dataclass
 class Proposal:
-    """What a cycle verifies."""
+    """What a drafted cycle verifies."""
 
     block: mx.array  # [B, width]: each sequence's last token, then its drafts
-    drafts: Optional[mx.array]  # [B, width - 1] (None for a plain step)
-    noises: list  # per sequence, its draws' noise rows [width, V] (None when greedy; none for a plain step)
+    drafts: mx.array  # [B, width - 1]
+    noises: list  # per sequence, its draws' noise rows [width, V] (None when greedy)
     copies: List[List[int]]  # per sequence, the lookup tokens in its first draft positions
 
 
@@ -129,6 +129,7 @@ class Ahead:
     tokens: mx.array  # [B] each sequence's next token (on the device)
     hidden: Optional[mx.array]  # its taps
     logprobs: list  # per sequence, its `token_logprobs` (None where not asked)
+    before: Optional[dict]  # the recurrent states before it (`target.states`), to undo it
 
 
 @dataclass
@@ -346,17 +347,13 @@ class BatchDecoder:
         if not self.seqs:
             return []
         w = self.width if width is None else max(1, min(width, self.width))
-        if w == 1 and not self.target.recurrent:
+        if w == 1:
             return self._plain_step(ahead=then is None or then <= 1)
         self._drop_ahead()
         p = self._propose(w)
         logits, hidden = self.target(p.block, self.cache, taps=self.width > 1, record=self.target.recurrent)
-        if w == 1:
-            picks, lps = self._pick_next(logits[:, -1], None)
-            picks = picks[:, None]
-        else:
-            picks, lps = self._pick(logits, p.drafts, p.noises)
-        accepted = agreeing(p.drafts, picks) if w > 1 else mx.zeros((len(self.seqs),), mx.uint32)
+        picks, lps = self._pick(logits, p.drafts, p.noises)
+        accepted = agreeing(p.drafts, picks)
         mx.eval(accepted, picks, p.block, lps)  # the cycle's one host synchronisation
         acc, pk, blk = accepted.tolist(), picks.tolist(), p.block.tolist()
         out, kept_rows = [], []
@@ -378,17 +375,17 @@ class BatchDecoder:
     def _launch_plain(self, lasts: mx.array, pending: bool) -> Ahead:
         """A plain step from `lasts` [B] (on the device), launched; `pending`: they are the
         tokens of the step before, which the host has not committed yet."""
+        before = self.target.states(self.cache)
         logits, hidden = self.target(lasts[:, None], self.cache, taps=self.width > 1)
         tokens, lps = self._pick_next(logits[:, -1], lasts if pending else None)
         mx.async_eval(tokens, [lp for lp in lps if lp is not None])
-        return Ahead(tokens, hidden, lps)
+        return Ahead(tokens, hidden, lps, before)
 
     def _plain_step(self, ahead: bool) -> List[Committed]:
         """A plain batched step, as mlx-lm's: with `ahead`, the next one is launched from this
         one's tokens on the device before the host reads them. It is dropped (its row cropped,
-        no copy) where the batch changes before it runs (a sequence ends, joins or leaves) or
-        the next cycle drafts after all.
-        Only where caches crop for free: a recurrent state would need the dropped step's tape."""
+        no copy; recurrent states set back to those before it) where the batch changes before
+        it runs (a sequence ends, joins or leaves) or the next cycle drafts after all."""
         if self._ahead is None:
             self._ahead = self._launch_plain(mx.concatenate([s.last for s in self.seqs]), pending=False)
         step = self._ahead
@@ -404,7 +401,7 @@ class BatchDecoder:
         kept_rows = [1 if c.finish is None else len(c.tokens) for c in out]
         if any(c.finish for c in out):
             self._drop_ahead()
-            self.target.crop_each(self.cache, kept_rows, 1)
+            self.target.crop_each(self.cache, kept_rows, 1, before=step.before)
         for b, (seq, c) in enumerate(zip(self.seqs, out)):
             self._advance(b, seq, c, Plan(1), None if hidden is None else hidden[b : b + 1, : kept_rows[b]])
         self._leave([b for b, c in enumerate(out) if c.finish is None])
@@ -413,14 +410,12 @@ class BatchDecoder:
     def _drop_ahead(self) -> None:
         """Undo the plain step launched ahead, if any: every sequence's row of it is cropped."""
         if self._ahead is not None:
+            self.target.crop_each(self.cache, [0] * len(self.seqs), 1, before=self._ahead.before)
             self._ahead = None
-            self.target.crop_each(self.cache, [0] * len(self.seqs), 1)
 
     def _propose(self, width: int) -> "Proposal":
         """Every sequence's block for a cycle of `width`: its last token, then its drafts."""
         lasts = mx.concatenate([s.last for s in self.seqs])
-        if width == 1:
-            return Proposal(lasts[:, None], None, [], [[] for _ in self.seqs])
         noises = [s.noise(width) for s in self.seqs]
         copies = [self._copies(s, width) for s in self.seqs]
         if self._pooling():
@@ -596,13 +591,12 @@ class BatchDecoder:
                for b, s in enumerate(self.seqs)]
         return tokens, lps
 
-    def _pick(self, logits: mx.array, drafts: Optional[mx.array], noises: list):
-        """Each sequence's tokens after each row of `logits` [B, w, V] (and per sequence its
+    def _pick(self, logits: mx.array, drafts: mx.array, noises: list):
+        """Each sequence's tokens after each row of `logits` [B, w, V] of its block (and per sequence its
         log probabilities, or None): greedy sequences with nothing to process in one op."""
         if all(s.params.greedy and not s.proc and s.top is None for s in self.seqs):
             return mx.argmax(greedy_log_probs(logits), axis=-1).astype(mx.uint32), [None] * len(self.seqs)
-        picked = [s.pick(logits[b], None if drafts is None else drafts[b], noises[b])
-                  for b, s in enumerate(self.seqs)]
+        picked = [s.pick(logits[b], drafts[b], noises[b]) for b, s in enumerate(self.seqs)]
         return mx.stack([p for p, _ in picked]), [lp for _, lp in picked]
 
     def _finish(self, seq: "Running", c: Committed) -> Optional[str]:
