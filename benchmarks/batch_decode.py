@@ -3,9 +3,10 @@
     python benchmarks/batch_decode.py --pair ~/.cache/dflash-mlx/peers/pairs/widened --batch 1,2,4,8 \
         --widths 1,2,4 --apart --max-tokens 64 --out benchmarks/results/batch-decode-pooled-widened-linux-cpu-openblas.json
 
-For each batch size B the first B prompts of the `code` suite are decoded greedily,
-`--max-tokens` each: by mlx-lm's `batch_generate` (its continuous batching, plain
-decoding) and by `dflash_mlx.batch.BatchDecoder` at each width (1: plain batched
+For each batch size B the first B prompts of the `code` suite (past its last, the
+same marked as variants) are decoded greedily, `--max-tokens` each: by mlx-lm's
+`batch_generate` (its continuous batching, plain decoding) and by
+`dflash_mlx.batch.BatchDecoder` at each width (1: plain batched
 decoding through this package; above 1: batched speculation, with `--apart` also
 each sequence drafting in a drafter pass of its own). Reported: aggregate
 decode tok/s (tokens after each sequence's first, over the time from the first
@@ -86,6 +87,8 @@ def main(argv=None):
     if args.apart:
         widths += [f"{w} apart" for w in widths if w > 1]
     texts = load_prompts("code")["code"]
+    if max(batches) > len(texts):  # distinct prompts for every sequence, as serve_load.py makes them
+        texts = [f"{t}\n# variant {i}" for i in range(-(-max(batches) // len(texts))) for t in texts]
     prompts = [build_prompt(tokenizer, t) for t in texts[: max(batches)]]
     settings = [(b, "mlx-lm") for b in batches] + [(b, w) for b in batches for w in widths]
     runs = {s: [] for s in settings}
