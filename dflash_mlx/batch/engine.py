@@ -592,8 +592,8 @@ class BatchDecoder:
         return tokens, lps
 
     def _pick(self, logits: mx.array, drafts: mx.array, noises: list):
-        """Each sequence's tokens after each row of `logits` [B, w, V] of its block (and per sequence its
-        log probabilities, or None): greedy sequences with nothing to process in one op."""
+        """Each sequence's tokens after each row of `logits` [B, w, V] of its block (and per
+        sequence its log probabilities, or None): greedy sequences with nothing to process in one op."""
         if all(s.params.greedy and not s.proc and s.top is None for s in self.seqs):
             return mx.argmax(greedy_log_probs(logits), axis=-1).astype(mx.uint32), [None] * len(self.seqs)
         picked = [s.pick(logits[b], drafts[b], noises[b]) for b, s in enumerate(self.seqs)]
