@@ -164,13 +164,13 @@ class Draws:
         """The key of the position `i` after the next one."""
         return [self.word, (self.at + i) & 0xFFFFFFFF]
 
-    def keys(self, n: int, skip: int = 0) -> mx.array:
-        """The keys [n, 2] of the n positions after the next `skip`."""
-        return mx.array([self.key(skip + i) for i in range(n)], dtype=mx.uint32)
+    def keys(self, n: int) -> mx.array:
+        """The keys [n, 2] of the next n positions."""
+        return mx.array([self.key(i) for i in range(n)], dtype=mx.uint32)
 
-    def noise(self, n: int, skip: int = 0) -> mx.array:
-        """Gumbel rows [n, V] for the n positions after the next `skip` (lazy)."""
-        return gumbel_rows(self.keys(n, skip), self.vocab_size)
+    def noise(self, n: int) -> mx.array:
+        """Gumbel rows [n, V] for the next n positions (lazy)."""
+        return gumbel_rows(self.keys(n), self.vocab_size)
 
     def advance(self, n: int) -> None:
         """n tokens were committed."""

@@ -336,7 +336,7 @@ def run_streams(pair, joining, widths, join_at=None, width=8):
 @pytest.mark.parametrize("family, widths", [
     ("qwen3", [1, 4, 2, 8, 3, 1, 1, 6]),  # the width changes every cycle
     ("qwen3", [1, 1, 1, 1, 1, 1, 1, 4]),  # mostly plain steps, each launched before the last is read
-    ("qwen3_5", [1, 1, 1, 3]),  # recurrent state: plain steps one at a time
+    ("qwen3_5", [1, 1, 1, 3]),  # recurrent state: plain steps one ahead, set back where dropped
 ])
 def test_sampled_penalised_and_logprob_requests_in_a_batch_equal_each_alone(pairs, family, widths):
     """Greedy and sampled requests, with penalties, logit bias, log probabilities and stop

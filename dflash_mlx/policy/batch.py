@@ -5,7 +5,7 @@ hardware's spare compute, and a batch of B sequences already fills B rows, so
 the width that commits the most tokens per second falls as the batch grows (on
 a 2-core CPU: width 4 pays up to 4 sequences and loses at 8, where plain
 batched decoding is best). `BatchWidths` learns it online: per batch size it
-keeps each candidate width's seconds per cycle and committed tokens per second
+keeps each candidate width's seconds and committed tokens per cycle, averaged
 over the batch's own cycles, tries the candidates from the narrowest up while
 each beats the one below it, then runs the best, retrying its neighbours now
 and then as the text and the contexts change: often where a retry costs little,
