@@ -250,6 +250,57 @@ def test_batched_draws_follow_the_target_distribution(small_pair):
     assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
 
 
+def test_unseeded_batched_sequences_are_rejection_sampled_exactly(small_pair):
+    """Unseeded sequences sampled together are verified by rejection sampling against the
+    proposal their drafts were drawn from (learned scales included) and follow the target's
+    exact distribution."""
+    from dflash_mlx.batch.engine import Asks, BatchDecoder
+
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0, top_k=4)
+    seqs, probs = exact_distribution(model, params)
+    counts, n = {}, 250
+    mx.random.seed(20_000)
+    for _ in range(SAMPLES // n):
+        dec = BatchDecoder(pair, BLOCK)
+        firsts = dec.add_many([PROMPT] * n, [N_TOKENS] * n, asks=[Asks(params)] * n)
+        out = {f.uid: list(f.tokens) for f in firsts}
+        while len(dec):
+            for c in dec.step():
+                out[c.uid] += c.tokens
+        for toks in out.values():
+            counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    assert sum(counts.values()) == SAMPLES and all(len(t) == N_TOKENS for t in counts)
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+
+def test_an_unseeded_sequence_in_a_batch_of_one_draws_what_it_draws_alone(small_pair):
+    """Alone and in a batch an unseeded sampled request makes the same random draws in the same
+    order (drafts from the same proposal scales, the same rejection sampling), so under one
+    global seed every cycle commits the same tokens."""
+    from dflash_mlx.batch.engine import Asks, BatchDecoder
+
+    import copy
+
+    pair, _ = small_pair
+    params = SamplingParams(temp=1.0)
+    scales = pair.proposal_scales(params)  # the pair's, which both learn into
+    for seed in range(3):
+        before = copy.deepcopy(scales.__dict__)
+        mx.random.seed(seed)
+        alone = [ev.tokens for ev in dflash_mlx.stream_generate(pair, PROMPT, max_tokens=40, sampling=params,
+                                                                 block_size=BLOCK, lookup=False)]
+        scales.__dict__.update(before)
+        mx.random.seed(seed)
+        dec = BatchDecoder(pair, BLOCK)
+        batched = [dec.add(PROMPT, 40, asks=Asks(params)).tokens]
+        while len(dec):
+            batched += [c.tokens for c in dec.step()]
+        # Alone, a cycle is no wider than the budget left; compare the cycles both ran at full width.
+        full = next(i for i in range(len(alone)) if 40 - sum(map(len, alone[:i])) < BLOCK)
+        assert full > 3 and batched[:full] == alone[:full], seed
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temp=1.0, seed=7), SamplingParams(temp=0.7, top_p=0.9, top_k=3, seed=8),
                                     SamplingParams(temp=1.2, min_p=0.1, seed=9)])
 def test_a_seed_fixes_the_text_at_every_width(small_pair, params):

@@ -9,24 +9,30 @@ after its own prefill (its caches are merged into the batch's) and leaves when
 it finishes (its rows are dropped).
 
 Each sequence keeps its own sampling settings, logits processors and log
-probabilities. A greedy one gets the tokens it gets alone; a sampled one draws
-with `sampling.Draws` (its seed's, or a random word's), whose tokens do not
-depend on the widths: a seeded request gets the text it gets alone.
+probabilities. A greedy one gets the tokens it gets alone; a seeded sampled one
+draws with its seed's `sampling.Draws`, whose tokens do not depend on the
+widths, so it gets the text it gets alone; an unseeded sampled one is verified
+by rejection sampling, as alone, with drafts drawn at the pair's learned
+proposal scales (`policy/proposal.py`), which it teaches as it goes.
 """
 
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any, Generator, List, Optional, Sequence
+from typing import Any, Generator, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.plan import Plan
-from ..sampling import Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs, gumbel_rows, log_probs
-from ..decode.passes import (PREFILL_STEP, caught_up, draft, drained, joined, logprob_rows, pick_drafts,
-                             prefill_steps, token_logprobs)
-from ..decode.request import HELD_TAPS
+from ..kernels import verify_accept
+from ..lookup import point_masses
+from ..policy.proposal import reached_gains
+from ..sampling import (Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs, gumbel_rows, log_probs,
+                        pick)
+from ..decode.passes import (PREFILL_STEP, Draft, Verified, caught_up, draft, drained, joined, logprob_rows,
+                             pick_drafts, prefill_steps, token_logprobs)
+from ..decode.request import HELD_TAPS, proposal_scaler
 from .cache import add_to, batch_of
 from .drafts import DraftBatch
 
@@ -63,6 +69,15 @@ class Asks:
     logprobs: Optional[int] = None  # with each token its log probability and this many top tokens
 
 
+class Picked(NamedTuple):
+    """What a verify pass picked for a sequence (or, stacked, for the batch)."""
+
+    picks: mx.array  # the tokens after each row of the block ([w], or [B, w])
+    accepted: mx.array  # drafts accepted (a count, or [B])
+    logprobs: Any  # `token_logprobs` of the picks, None where not asked for (a list per sequence)
+    rows: Any  # the processed rows rejection sampling verified on, None where it did not (a list)
+
+
 @dataclass
 class Running:
     """One sequence of the batch: what its next cycle starts from."""
@@ -80,16 +95,38 @@ class Running:
     draws: Optional[Draws] = None  # a sampled sequence's draws
     top: Optional[int] = None  # `Asks.logprobs`
     run: Any = None  # its run of the pair's sizer (`policy.sizer.SizerRun`): how much of a lookup offer to copy
+    scaler: Any = None  # an unseeded sampled sequence's proposal scales (`policy.proposal`)
+    lesson: Optional[tuple] = None  # what its scales learn from its last drafted cycle (lazy)
+
+    @property
+    def rejection(self) -> bool:
+        """Sampled without a seed: drafted cycles are verified by rejection sampling."""
+        return not self.params.greedy and self.draws is None
 
     def noise(self, n: int) -> Optional[mx.array]:
         return None if self.draws is None else self.draws.noise(n)
 
     def pick(self, logits: mx.array, drafts: Optional[mx.array], noise: Optional[mx.array]):
-        """Its tokens after each row of `logits` [n, V] of [last, drafts] (and their log probabilities)."""
+        """Its tokens after each row of `logits` [n, V] of [last, drafts] (and their log probabilities):
+        greedy, its draws, or (unseeded) mlx-lm's sampler."""
         if self.proc:
             logits = self.proc(logits, drafts) if drafts is not None else self.proc.row(logits)
-        picks = choose(logits, self.params, noise)
+        picks = pick(logits, self.params) if self.rejection else choose(logits, self.params, noise)
         return picks, None if self.top is None else token_logprobs(logits, picks, self.top)
+
+    def verify(self, logits: mx.array, drafts: mx.array, noise: Optional[mx.array], q_lp: Optional[mx.array]):
+        """Its picks after each row of `logits` [w, V] of [last, drafts]: drawn from `q_lp`
+        (unseeded), the drafts are verified by rejection sampling, and the picks are the accepted
+        drafts then the target's own token; else each row's pick, and the agreeing prefix."""
+        if not self.rejection:
+            picks, lps = self.pick(logits, drafts, noise)
+            return Picked(picks, agreeing(drafts, picks), lps, None)
+        if self.proc:
+            logits = self.proc(logits, drafts)
+        accepted, token = verify_accept(drafts, logits, self.params, q_lp)
+        token = token.reshape(1).astype(drafts.dtype)
+        picks = mx.where(mx.arange(logits.shape[0]) == accepted, token, mx.concatenate([drafts, token]))
+        return Picked(picks, accepted, None if self.top is None else token_logprobs(logits, picks, self.top), logits)
 
     def commit(self, tokens: List[int]) -> None:
         self.history += tokens
@@ -118,7 +155,9 @@ class Proposal:
 
     block: mx.array  # [B, width]: each sequence's last token, then its drafts
     drafts: mx.array  # [B, width - 1]
-    noises: list  # per sequence, its draws' noise rows [width, V] (None when greedy)
+    noises: list  # per sequence, its draws' noise rows [width, V] (None unless seeded)
+    q_lps: list  # per sequence, the log probabilities its drafts were drawn from (unseeded sampling)
+    scales: list  # per sequence, the proposal scales of its drafter's positions (unseeded sampling)
     copies: List[List[int]]  # per sequence, the lookup tokens in its first draft positions
 
 
@@ -295,11 +334,19 @@ class BatchDecoder:
         asks = asks or Asks()
         if self.window:
             max_tokens = min(max_tokens, self.window - len(prompt) + 1)
-        draws = None if asks.params.greedy else Draws(asks.params.seed, len(prompt), self.target.vocab_size)
+        params = asks.params
+        seeded = not params.greedy and params.seed is not None
+        draws = Draws(params.seed, len(prompt), self.target.vocab_size) if seeded else None
         uid = next(self._uids) if uid is None else uid
-        return Running(uid, max_tokens, source, dstate, None, taps, params=asks.params,
+        return Running(uid, max_tokens, source, dstate, None, taps, params=params,
                        proc=Processed(asks.processors, prompt), draws=draws, top=asks.logprobs,
-                       run=self._run(asks.params))
+                       run=self._run(params), scaler=self._scaler(source, params, draws))
+
+    def _scaler(self, source, params: SamplingParams, draws: Optional[Draws]):
+        """An unseeded sampled sequence's proposal scales (the pair's learned ones for its drafter)."""
+        if params.greedy or draws is not None or self.width == 1:
+            return None
+        return proposal_scaler(self.pair, source, params, "auto")
 
     def _run(self, params: SamplingParams):
         """A sequence's sizer run, where lookups are used."""
@@ -321,11 +368,10 @@ class BatchDecoder:
         """Take in a sequence another loop decoded so far (its caches hold every committed
         token but `last`; `generated` of its `max_tokens` are committed; `history`: its
         prompt and those tokens; `proc` has seen them, `draws` is past them: a sampled
-        sequence without draws gets a random word's); its uid."""
-        if draws is None and not params.greedy:
-            draws = Draws(None, len(history), self.target.vocab_size)
+        sequence without draws is verified by rejection sampling); its uid."""
         seq = Running(next(self._uids), max_tokens, source, dstate, last, list(taps), generated, list(history),
-                      params, proc or Processed([], ()), draws, top, self._run(params))
+                      params, proc or Processed([], ()), draws, top, self._run(params),
+                      self._scaler(source, params, draws))
         self._join(seq, tcache)
         return seq.uid
 
@@ -352,10 +398,12 @@ class BatchDecoder:
         self._drop_ahead()
         p = self._propose(w)
         logits, hidden = self.target(p.block, self.cache, taps=self.width > 1, record=self.target.recurrent)
-        picks, lps = self._pick(logits, p.drafts, p.noises)
-        accepted = agreeing(p.drafts, picks)
-        mx.eval(accepted, picks, p.block, lps)  # the cycle's one host synchronisation
-        acc, pk, blk = accepted.tolist(), picks.tolist(), p.block.tolist()
+        picked = self._pick(logits, p)
+        lps = picked.logprobs
+        lessons = [s.lesson[1] for s in self.seqs if s.lesson is not None]
+        mx.eval(picked.accepted, picked.picks, p.block, lps, lessons)  # the cycle's one host synchronisation
+        acc, pk, blk = picked.accepted.tolist(), picked.picks.tolist(), p.block.tolist()
+        self._learn(p, acc, picked.rows)
         out, kept_rows = [], []
         for b, seq in enumerate(self.seqs):
             a = acc[b]
@@ -418,11 +466,14 @@ class BatchDecoder:
         lasts = mx.concatenate([s.last for s in self.seqs])
         noises = [s.noise(width) for s in self.seqs]
         copies = [self._copies(s, width) for s in self.seqs]
+        scales = [None if s.scaler is None else s.scaler.choose(width - 1) for s in self.seqs]
         if self._pooling():
-            drafts = self._draft_pooled(lasts, width, noises, copies)
+            drawn = self._draft_pooled(lasts, width, noises, copies, scales)
         else:
-            drafts = mx.stack([self._draft(s, width, n, c) for s, n, c in zip(self.seqs, noises, copies)])
-        return Proposal(mx.concatenate([lasts[:, None], drafts], axis=1), drafts, noises, copies)
+            drawn = [self._draft(s, width, n, c, sc) for s, n, c, sc in zip(self.seqs, noises, copies, scales)]
+        drafts = mx.stack([d.tokens for d in drawn])
+        return Proposal(mx.concatenate([lasts[:, None], drafts], axis=1), drafts, noises, [d.q_lp for d in drawn],
+                        scales, copies)
 
     def _advance(self, b: int, seq: Running, c: Committed, plan: Plan, taps: Optional[mx.array]) -> None:
         """Sequence b past its committed tokens: its processors, draws, sizer run, lookup
@@ -536,31 +587,41 @@ class BatchDecoder:
         offer = seq.source.offer(seq.dstate, width - 1)
         return list(offer[: seq.run.copies(offer, width)])
 
-    def _draft_pooled(self, lasts: mx.array, width: int, noises: list, copies: List[List[int]]) -> mx.array:
-        """Every sequence's drafts [B, width - 1] from one drafter pass, each sequence's
-        `copies` in its first positions."""
+    def _draft_pooled(self, lasts: mx.array, width: int, noises: list, copies: List[List[int]],
+                      scales: list) -> List[Draft]:
+        """Every sequence's drafts from one drafter pass, each sequence's `copies` in its first
+        positions (point masses, for rejection sampling)."""
         hiddens = [joined(s.taps) if s.taps else None for s in self.seqs]
         for s in self.seqs:
             s.taps = []
         logits = self.pool.propose(lasts, hiddens, width)
         if all(s.params.greedy and not s.proc for s in self.seqs):
-            drafts = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            drawn = [Draft(tokens[b], None, None) for b in range(len(self.seqs))]
         else:
-            drafts = mx.stack([pick_drafts(logits[b], s.params, s.proc or None, None if n is None else n[:-1])
-                               for b, (s, n) in enumerate(zip(self.seqs, noises))])
-        if any(copies):
-            n = width - 1
-            copied = mx.array([c + [0] * (n - len(c)) for c in copies], dtype=mx.uint32)
-            drafts = mx.where(mx.arange(n)[None] < mx.array([len(c) for c in copies])[:, None], copied, drafts)
-        return drafts
+            drawn = [pick_drafts(logits[b], s.params, s.proc or None, None if n is None else n[:-1], sc)
+                     for b, (s, n, sc) in enumerate(zip(self.seqs, noises, scales))]
+        return [d if not c else self._copied(d, c) for d, c in zip(drawn, copies)]
 
-    def _draft(self, seq: Running, width: int, noise: Optional[mx.array], copies: Sequence[int] = ()) -> mx.array:
+    def _copied(self, d: Draft, copies: List[int]) -> Draft:
+        """`d` with a lookup's `copies` in its first positions."""
+        k, n = len(copies), d.tokens.shape[0]
+        copied = mx.array(copies, dtype=mx.uint32)
+        tokens = mx.concatenate([copied, d.tokens[k:]]) if k < n else copied
+        if d.q_lp is None:
+            return Draft(tokens, None, None)
+        masses = point_masses(copied, d.q_lp.shape[-1])
+        return Draft(tokens, mx.concatenate([masses, d.q_lp[k:]]) if k < n else masses, None)
+
+    def _draft(self, seq: Running, width: int, noise: Optional[mx.array], copies: Sequence[int] = (),
+               scales: Optional[List[float]] = None) -> Draft:
         if len(copies) == width - 1:  # no drafter pass: its taps wait for the next one
-            return mx.array(copies, dtype=mx.uint32)
+            tokens = mx.array(copies, dtype=mx.uint32)
+            return Draft(tokens, point_masses(tokens, seq.source.vocab_size) if seq.rejection else None, None)
         hidden = joined(caught_up(seq.source, seq.dstate, seq.taps)) if seq.taps else None
         seq.taps = []
         return draft(seq.source, seq.dstate, seq.last, hidden, width, seq.params, copies, proc=seq.proc or None,
-                     noise=None if noise is None else noise[:-1]).tokens
+                     scales=scales, noise=None if noise is None else noise[:-1])
 
     def _pick_next(self, logits: mx.array, pending: Optional[mx.array]):
         """Each sequence's next token [B] from its row of `logits` [B, V], and per sequence its
@@ -574,13 +635,15 @@ class BatchDecoder:
                 else logits[b : b + 1] for b, s in enumerate(self.seqs)])
         groups = {}
         for b, s in enumerate(self.seqs):
-            groups.setdefault(s.params.key, []).append(b)
+            groups.setdefault((s.params.key, s.rejection), []).append(b)
         parts, order, skip = [], [], 0 if pending is None else 1
-        for members in groups.values():
+        for (_, unseeded), members in groups.items():
             params = self.seqs[members[0]].params
             rows = logits if len(members) == B else logits[mx.array(members)]
             if params.greedy:
                 parts.append(mx.argmax(greedy_log_probs(rows), axis=-1))
+            elif unseeded:
+                parts.append(pick(rows, params))
             else:
                 keys = mx.array([self.seqs[b].draws.key(skip) for b in members], dtype=mx.uint32)
                 parts.append(mx.argmax(log_probs(rows, params) + gumbel_rows(keys, rows.shape[-1]), axis=-1))
@@ -591,13 +654,28 @@ class BatchDecoder:
                for b, s in enumerate(self.seqs)]
         return tokens, lps
 
-    def _pick(self, logits: mx.array, drafts: mx.array, noises: list):
-        """Each sequence's tokens after each row of `logits` [B, w, V] of its block (and per
-        sequence its log probabilities, or None): greedy sequences with nothing to process in one op."""
+    def _pick(self, logits: mx.array, p: Proposal) -> Picked:
+        """What each sequence picks from its rows of `logits` [B, w, V] (`Running.verify`), stacked;
+        greedy sequences with nothing to process in one op."""
+        B = len(self.seqs)
         if all(s.params.greedy and not s.proc and s.top is None for s in self.seqs):
-            return mx.argmax(greedy_log_probs(logits), axis=-1).astype(mx.uint32), [None] * len(self.seqs)
-        picked = [s.pick(logits[b], drafts[b], noises[b]) for b, s in enumerate(self.seqs)]
-        return mx.stack([p for p, _ in picked]), [lp for _, lp in picked]
+            picks = mx.argmax(greedy_log_probs(logits), axis=-1).astype(mx.uint32)
+            return Picked(picks, agreeing(p.drafts, picks), [None] * B, [None] * B)
+        each = [s.verify(logits[b], p.drafts[b], p.noises[b], p.q_lps[b]) for b, s in enumerate(self.seqs)]
+        return Picked(mx.stack([e.picks.astype(mx.uint32) for e in each]), mx.stack([e.accepted for e in each]),
+                      [e.logprobs for e in each], [e.rows for e in each])
+
+    def _learn(self, p: Proposal, accepted: List[int], rows: list) -> None:
+        """Unseeded sampled sequences' proposal scales learn from the last cycle's lessons (read at
+        this cycle's synchronisation); this cycle's are left lazy, to be read at the next one's."""
+        for b, s in enumerate(self.seqs):
+            if s.lesson is not None:
+                s.scaler.update(*s.lesson)
+                s.lesson = None
+            copied = len(p.copies[b])
+            if rows[b] is not None and accepted[b] >= copied and s.scaler.learning():
+                verified = Verified(p.drafts[b], None, None, None, None, logits=rows[b], q_lp=p.q_lps[b])
+                s.lesson = reached_gains(verified, copied, accepted[b], p.scales[b], s.params)
 
     def _finish(self, seq: "Running", c: Committed) -> Optional[str]:
         """Cut `c`'s tokens (and log probabilities) at the budget and at EOS; the finish

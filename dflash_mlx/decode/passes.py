@@ -10,7 +10,7 @@ import mlx.core as mx
 from .. import tree as trees
 from ..kernels import verify_accept
 from ..lookup import point_masses
-from ..policy.proposal import rescale
+from ..policy.proposal import rescale, rescale_rows
 from ..sampling import Processed, SamplingParams, agreeing, choose, greedy_log_probs, log_probs, pick
 
 
@@ -145,19 +145,11 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
         logits = source.propose(dstate, last, hidden, width)[n:]
         if alternatives and params.greedy and not proc and n == 0:
             alts = trees.alternatives(logits)
-        rows = [logits] if not proc else [None] * logits.shape[0]
-        for i, row in enumerate(rows):
-            if proc:
-                before = mx.concatenate(tokens) if len(tokens) > 1 else (tokens or [None])[0]
-                row = proc.row(logits[i : i + 1], before)
-            if params.greedy:
-                tokens.append(mx.argmax(row, axis=-1).astype(mx.uint32))
-            elif noise is not None:
-                tokens.append(choose(row, params, noise[n + i : n + i + 1]))
-            else:
-                lp = log_probs(row, params)
-                qs.append(lp if scales is None else rescale(lp, scales[n + i]))
-                tokens.append(mx.random.categorical(qs[-1]).astype(mx.uint32))
+        drawn = pick_drafts(logits, params, proc, None if noise is None else noise[n:],
+                            None if scales is None else scales[n:], before=tokens[0] if n else None)
+        tokens.append(drawn.tokens)
+        if kept:
+            qs.append(drawn.q_lp)
     tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
     if not kept:
         return Draft(tokens, None, alts)
@@ -165,20 +157,35 @@ def draft(source, dstate, last, hidden, width: int, params: SamplingParams, copi
 
 
 def pick_drafts(logits: mx.array, params: SamplingParams, proc: Optional[Processed] = None,
-                noise: Optional[mx.array] = None) -> mx.array:
-    """Draft tokens [n] from a drafter's logits [n, V]: the greedy argmax, or a seeded
-    request's draws (`noise`, `sampling.Draws` rows [n, V]); with logits processors,
-    each row processed after the drafts before it."""
-    if not proc:
-        return mx.argmax(logits, axis=-1).astype(mx.uint32) if params.greedy else choose(logits, params, noise)
-    tokens = []
+                noise: Optional[mx.array] = None, scales: Optional[Sequence[float]] = None,
+                before: Optional[mx.array] = None) -> Draft:
+    """Drafts [n] from a drafter's logits [n, V]: the greedy argmax, a seeded request's draws
+    (`noise`, `sampling.Draws` rows [n, V]), or else draws from the drafter's distribution at
+    `scales` (one per row, `policy/proposal.py`; default 1) with their log probabilities, for
+    rejection sampling. With logits processors, each row is processed after the drafts before it
+    (`before`: tokens drafted ahead of these rows, a lookup's copies)."""
+    kept = not params.greedy and noise is None
+    if not proc:  # every row at once
+        if not kept:
+            tokens = mx.argmax(logits, axis=-1).astype(mx.uint32) if params.greedy else choose(logits, params, noise)
+            return Draft(tokens, None, None)
+        q_lp = rescale_rows(log_probs(logits, params), scales)
+        return Draft(mx.random.categorical(q_lp).astype(mx.uint32), q_lp, None)
+    tokens, qs = [], []
     for i in range(logits.shape[0]):
-        row = proc.row(logits[i : i + 1], mx.concatenate(tokens) if tokens else None)
+        row = logits[i : i + 1]
+        if proc:
+            ahead = ([before] if before is not None else []) + tokens
+            row = proc.row(row, mx.concatenate(ahead) if ahead else None)
         if params.greedy:
             tokens.append(mx.argmax(row, axis=-1).astype(mx.uint32))
-        else:
+        elif noise is not None:
             tokens.append(choose(row, params, noise[i : i + 1]))
-    return mx.concatenate(tokens)
+        else:
+            lp = log_probs(row, params)
+            qs.append(lp if scales is None else rescale(lp, scales[i]))
+            tokens.append(mx.random.categorical(qs[-1]).astype(mx.uint32))
+    return Draft(mx.concatenate(tokens), mx.concatenate(qs) if kept else None, None)
 
 
 class Verified(NamedTuple):

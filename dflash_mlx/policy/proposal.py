@@ -41,6 +41,13 @@ def rescale(lp: mx.array, scale: float) -> mx.array:
     return lp if scale == 1.0 else nn.log_softmax(lp * (1.0 / scale), axis=-1)
 
 
+def rescale_rows(lp: mx.array, scales: Optional[Sequence[float]]) -> mx.array:
+    """`rescale` of each row of `lp` [n, V] at its own scale (None: all 1)."""
+    if scales is None or all(s == 1.0 for s in scales):
+        return lp
+    return nn.log_softmax(lp * mx.array([1.0 / s for s in scales], dtype=lp.dtype)[:, None], axis=-1)
+
+
 def acceptance_by_scale(p_lp: mx.array, q_lp: mx.array, used: Sequence[float],
                         scales: Sequence[float] = SCALES) -> mx.array:
     """[m, len(scales)]: sum_x min(p(x), q_s(x)) at each of m positions, for each scale s.
