@@ -3,7 +3,7 @@
 from .errors import DFlashError
 from .decode import GenerationEvent, GenerationStats, generate, stream_generate
 from .load import DFlashPair, load
-from .prompt_cache import PromptCache
+from .cache.prompt_cache import PromptCache
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"

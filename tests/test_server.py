@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx.cli.main import app
-from dflash_mlx.http_server import make_server
+from dflash_mlx.serve.http_server import make_server
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny-qwen3"
@@ -741,7 +741,7 @@ def test_anthropic_count_tokens(served):
 
 def test_a_body_over_the_limit_gets_a_413_before_it_is_read(served):
     """A Content-Length over the server's bound is refused before the body is read, in each API's shape."""
-    from dflash_mlx.http_app import MAX_BODY
+    from dflash_mlx.serve.http_app import MAX_BODY
 
     head = f"Host: x\r\nContent-Type: application/json\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n"
     status, err = raw_exchange(served[1], "POST /v1/completions HTTP/1.1\r\n" + head, b'{"prompt": ')

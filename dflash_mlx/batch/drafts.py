@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..drafter import DraftCache, visible
+from ..draft.drafter import DraftCache, visible
 from .cache import RaggedKVCache
 
 

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .. import tree as trees
+from ..draft import tree as trees
 from ..policy.plan import Outcome
 from ..sampling import Draws, Processed, SamplingParams
 from .passes import Draft, TreeVerified, logprob_rows, step, verify, verify_tree

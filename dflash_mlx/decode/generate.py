@@ -12,8 +12,8 @@ the cycles (`cycle.py`) run the model passes (`passes.py`); the policy
 from typing import Callable, Generator, Optional, Sequence, Union
 
 from ..policy.plan import PLAIN
-from ..draft_source import DraftSource
-from ..prompt_cache import PromptCache
+from ..draft.source import DraftSource
+from ..cache.prompt_cache import PromptCache
 from ..sampling import SamplingParams
 from .events import GenerationEvent
 from .passes import PREFILL_STEP

@@ -11,7 +11,7 @@ posteriors (Thompson sampling), so that what is not tried is still learnt.
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .. import tree as trees
+from ..draft import tree as trees
 from ..machine import blas_name
 from .costs import CostCurve
 from .plan import PLAIN, Outcome, Plan

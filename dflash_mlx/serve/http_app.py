@@ -32,8 +32,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import messages_api, openai_api
-from .errors import DFlashError
-from .server import APIError, Engine, Job, count_tokens, parse_messages, parse_request
+from ..errors import DFlashError
+from .worker import APIError, Engine, Job, count_tokens, parse_messages, parse_request
 from .tools import ToolError, splitter
 
 MAX_BODY = 4 * 1024 * 1024

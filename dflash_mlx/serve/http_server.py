@@ -16,7 +16,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .http_app import READ_TIMEOUT_S, Settings, create_app
-from .server import APIError, Engine
+from .worker import APIError, Engine
 
 BACKLOG = 128  # connections waiting to be accepted: bursts of clients
 SHUTDOWN_GRACE_S = 5  # how long `shutdown` lets answers in flight finish before it cancels them

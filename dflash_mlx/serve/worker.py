@@ -27,14 +27,14 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 
-from .batch.engine import Asks, batch_width
-from .batch.streams import BatchStreams, Joining
-from .policy.batch import BatchWidths, FixedBatchWidth
-from .decode import stream_generate
-from .prompt_cache import PromptCache
-from .errors import DFlashError
-from .prompt import build_chat_prompt
-from .sampling import SamplingParams, make_processors
+from ..batch.engine import Asks, batch_width
+from ..batch.streams import BatchStreams, Joining
+from ..policy.batch import BatchWidths, FixedBatchWidth
+from ..decode import stream_generate
+from ..cache.prompt_cache import PromptCache
+from ..errors import DFlashError
+from ..prompt import build_chat_prompt
+from ..sampling import SamplingParams, make_processors
 from . import messages_api
 from .tools import ToolError, check_tools, template_messages, tool_choice
 

@@ -33,9 +33,9 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from mlx_lm.models.rope_utils import initialize_rope as _mlx_lm_rope
 from mlx_lm.utils import load_model, load_tokenizer
 
-from .errors import DFlashError
-from .kernels import backend, gdn_replay, gdn_replay_each, gdn_verify, qmm_verify
-from .target_caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind
+from ..errors import DFlashError
+from ..kernels import backend, gdn_replay, gdn_replay_each, gdn_verify, qmm_verify
+from .caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind
 
 
 def initialize_rope(dims, base, scaling_config, max_position_embeddings):
@@ -75,7 +75,7 @@ def load_target(path, tokenizer_config: Optional[dict] = None):
     """Load an mlx-lm model and tokenizer from a local directory."""
     from pathlib import Path
 
-    from .target_files import check_target_files, read_target_config
+    from .files import check_target_files, read_target_config
 
     cfg = read_target_config(path)
     ok, why = family_verdict(cfg["model_type"])
