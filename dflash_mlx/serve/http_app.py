@@ -31,9 +31,10 @@ from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import messages_api, openai_api
+from . import messages_api, metrics as metrics_text, openai_api
 from ..errors import DFlashError
-from .worker import APIError, Engine, Job, count_tokens, parse_messages, parse_request
+from .requests import count_tokens, parse_messages, parse_request
+from .worker import APIError, Engine, Job
 from .tools import ToolError, splitter
 
 MAX_BODY = 4 * 1024 * 1024
@@ -148,7 +149,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.settings.engine.metrics(),
+    return Response(metrics_text.text(request.app.state.settings.engine),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
