@@ -256,7 +256,7 @@ def test_a_restarted_server_reuses_the_prefix_from_disk(pairs, targets, drafters
         server.engine.close()
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 5
     assert disk["entries"] >= 1 and disk["hits"] == 1 and disk["bytes"] > 0 and disk["folder"] == str(*folders)
-    assert "dflash_prompt_cache_disk_hits_total 1" in metrics
+    assert "dflash_prompt_cache_disk_hits_total 1.0" in metrics.splitlines()
 
 
 @pytest.mark.parametrize("args, says", [

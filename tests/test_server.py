@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+import prometheus_client
 import pytest
 from typer.testing import CliRunner
 
@@ -582,7 +583,7 @@ def test_a_growing_conversation_starts_from_the_prompt_cache(targets, drafters):
         health = json.loads(conn.getresponse().read())
         conn.request("GET", "/metrics")
         reply = conn.getresponse()
-        assert reply.getheader("Content-Type").startswith("text/plain; version=0.0.4")
+        assert reply.getheader("Content-Type") == prometheus_client.CONTENT_TYPE_LATEST
         metrics = parse_metrics(reply.read().decode())
         server.shutdown()
         server.engine.close()
@@ -602,6 +603,7 @@ def test_a_growing_conversation_starts_from_the_prompt_cache(targets, drafters):
     assert metrics["dflash_tokens_per_cycle"] == pytest.approx(45 / metrics["dflash_cycles_total"])
     assert metrics["dflash_queue_length"] == 0
     assert "dflash_prompt_cache_bytes" not in plain_metrics and plain_metrics["dflash_cycles_total"] > 0
+    assert plain_metrics['dflash_requests_total{outcome="completed"}'] == 3  # each server counts its own
 
 
 def parse_metrics(text):

@@ -20,6 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Optional
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
 from starlette.background import BackgroundTask
@@ -31,7 +32,7 @@ from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import messages_api, metrics as metrics_text, openai_api
+from . import messages_api, openai_api
 from ..errors import DFlashError
 from .requests import count_tokens, parse_messages, parse_request
 from .worker import APIError, Engine, Job
@@ -49,8 +50,9 @@ CLOSING = (408, 411, 413)
 
 @dataclass
 class Settings:
-    """What the app serves, read at each request."""
+    """What the app serves, read at each request: the worker and the registry of its metrics (`metrics`)."""
     engine: Engine
+    registry: CollectorRegistry
     api_key: Optional[str] = None
     read_timeout_s: float = READ_TIMEOUT_S
 
@@ -149,8 +151,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(metrics_text.text(request.app.state.settings.engine),
-                    media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(generate_latest(request.app.state.settings.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def models(request: Request) -> Response:

@@ -1,55 +1,95 @@
-"""The server's metrics in Prometheus' text format, read from the worker's counts."""
+"""The server's Prometheus metrics, read from the worker at each scrape.
 
+Each server has a registry of its own (`registry`), not prometheus_client's
+global one, so servers in one process keep their counts apart; `/metrics`
+serves it with `prometheus_client.generate_latest`. The counts live where
+they are made: the worker's `stats` and `totals` (which `/health` reports
+too) and the prompt cache's own. `EngineCollector` turns them into metric
+families when Prometheus asks, so nothing is counted twice. Counters are
+named without their `_total`, which prometheus_client adds.
+"""
+
+from typing import Iterator, Optional, Sequence
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..cache.prompt_cache import PromptCache
 from .worker import Engine
 
+PREFIX = "dflash_"
 
-def text(engine: Engine) -> str:
-    """Counters and gauges in Prometheus' text format."""
-    t, s, pc = engine.totals, engine.stats, engine.prompt_cache
-    rows = [
-        ("requests_total", "counter", "Requests by outcome.",
-         [({"outcome": k}, s[k]) for k in ("completed", "cancelled", "failed")]),
-        ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [({}, t["prompt_tokens"])]),
-        ("prompt_cached_tokens_total", "counter", "Prompt tokens taken from the prompt cache.",
-         [({}, t["cached_tokens"])]),
-        ("generated_tokens_total", "counter", "Tokens generated.", [({}, s["generated_tokens"])]),
-        ("cycles_total", "counter", "Verify cycles of finished requests.", [({}, t["cycles"])]),
-        ("draft_cycles_total", "counter", "Cycles that verified a draft.", [({}, t["draft_cycles"])]),
-        ("committed_tokens_total", "counter", "Tokens committed by the cycles of finished requests.",
-         [({}, t["committed"])]),
-        ("tokens_per_cycle", "gauge", "Committed tokens per cycle, over all finished requests.",
-         [({}, t["committed"] / t["cycles"] if t["cycles"] else 0.0)]),
-        ("queue_length", "gauge", "Requests waiting for the engine.",
-         [({}, engine.queued())]),
-        ("active_requests", "gauge", "Requests being generated.", [({}, s["active"])]),
-        ("batch_cycles_total", "counter", "Cycles that decoded several requests in one target pass.",
-         [({}, t["batch_cycles"])]),
-        ("batch_sequences_total", "counter", "Requests in those cycles, summed over the cycles.",
-         [({}, t["batch_rows"])]),
-        ("batch_size", "gauge", "Requests per batched cycle, over all batched cycles.",
-         [({}, t["batch_rows"] / t["batch_cycles"] if t["batch_cycles"] else 0.0)]),
-        ("batch_tokens_per_cycle", "gauge", "Tokens a batched cycle committed per request.",
-         [({}, t["batch_committed"] / t["batch_rows"] if t["batch_rows"] else 0.0)]),
-    ]
-    if pc is not None:
-        rows += [
-            ("prompt_cache_requests_total", "counter", "Requests that looked in the prompt cache, by result.",
-             [({"result": "hit"}, pc.hits), ({"result": "miss"}, pc.misses)]),
-            ("prompt_cache_bytes", "gauge", "Bytes the prompt cache holds.", [({}, pc.nbytes)]),
-            ("prompt_cache_entries", "gauge", "Entries the prompt cache holds.", [({}, len(pc))]),
-        ]
-    if pc is not None and pc.disk is not None:
-        d = pc.disk
-        rows += [
-            ("prompt_cache_disk_hits_total", "counter", "Requests that read a prefix back from disk.",
-             [({}, d.hits)]),
-            ("prompt_cache_disk_bytes", "gauge", "Bytes of the prompt cache's files on disk.", [({}, d.nbytes)]),
-            ("prompt_cache_disk_entries", "gauge", "Prompt cache entries on disk.", [({}, len(d))]),
-        ]
-    lines = []
-    for name, kind, help_, samples in rows:
-        lines += [f"# HELP dflash_{name} {help_}", f"# TYPE dflash_{name} {kind}"]
-        for labels, value in samples:
-            tag = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            lines.append(f"dflash_{name}{{{tag}}} {value}" if tag else f"dflash_{name} {value}")
-    return "\n".join(lines) + "\n"
+
+def _counter(name: str, doc: str, value: Optional[float] = None,
+             labels: Optional[Sequence[str]] = None) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value, labels=labels)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+class EngineCollector:
+    """A prometheus_client collector over one worker (`Engine`)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._requests()
+        yield from self._batches()
+        pc = self.engine.prompt_cache
+        if pc is not None:
+            yield from self._prompt_cache(pc)
+
+    def _requests(self) -> Iterator[Metric]:
+        s, t = self.engine.stats, self.engine.totals
+        outcomes = _counter("requests", "Requests by outcome.", labels=["outcome"])
+        for outcome in ("completed", "cancelled", "failed"):
+            outcomes.add_metric([outcome], s[outcome])
+        yield outcomes
+        yield _counter("prompt_tokens", "Prompt tokens of finished requests.", t["prompt_tokens"])
+        yield _counter("prompt_cached_tokens", "Prompt tokens taken from the prompt cache.", t["cached_tokens"])
+        yield _counter("generated_tokens", "Tokens generated.", s["generated_tokens"])
+        yield _counter("cycles", "Verify cycles of finished requests.", t["cycles"])
+        yield _counter("draft_cycles", "Cycles that verified a draft.", t["draft_cycles"])
+        yield _counter("committed_tokens", "Tokens committed by the cycles of finished requests.", t["committed"])
+        yield _gauge("tokens_per_cycle", "Committed tokens per cycle, over all finished requests.",
+                     _ratio(t["committed"], t["cycles"]))
+        yield _gauge("queue_length", "Requests waiting for the engine.", self.engine.queued())
+        yield _gauge("active_requests", "Requests being generated.", s["active"])
+
+    def _batches(self) -> Iterator[Metric]:
+        t = self.engine.totals
+        yield _counter("batch_cycles", "Cycles that decoded several requests in one target pass.",
+                       t["batch_cycles"])
+        yield _counter("batch_sequences", "Requests in those cycles, summed over the cycles.", t["batch_rows"])
+        yield _gauge("batch_size", "Requests per batched cycle, over all batched cycles.",
+                     _ratio(t["batch_rows"], t["batch_cycles"]))
+        yield _gauge("batch_tokens_per_cycle", "Tokens a batched cycle committed per request.",
+                     _ratio(t["batch_committed"], t["batch_rows"]))
+
+    def _prompt_cache(self, pc: PromptCache) -> Iterator[Metric]:
+        lookups = _counter("prompt_cache_requests", "Requests that looked in the prompt cache, by result.",
+                           labels=["result"])
+        lookups.add_metric(["hit"], pc.hits)
+        lookups.add_metric(["miss"], pc.misses)
+        yield lookups
+        yield _gauge("prompt_cache_bytes", "Bytes the prompt cache holds.", pc.nbytes)
+        yield _gauge("prompt_cache_entries", "Entries the prompt cache holds.", len(pc))
+        if pc.disk is not None:
+            d = pc.disk
+            yield _counter("prompt_cache_disk_hits", "Requests that read a prefix back from disk.", d.hits)
+            yield _gauge("prompt_cache_disk_bytes", "Bytes of the prompt cache's files on disk.", d.nbytes)
+            yield _gauge("prompt_cache_disk_entries", "Prompt cache entries on disk.", len(d))
+
+
+def registry(engine: Engine) -> CollectorRegistry:
+    """A registry of its own for one server: its worker's metrics."""
+    out = CollectorRegistry(auto_describe=True)
+    out.register(EngineCollector(engine))
+    return out
