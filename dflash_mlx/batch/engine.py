@@ -69,7 +69,7 @@ class Running:
 
     uid: int
     max_tokens: int
-    source: Any  # its draft source (`draft_source.DraftSource`): the pair's unless it brought one
+    source: Any  # its draft source (`draft.source.DraftSource`): the pair's unless it brought one
     dstate: Any  # the source's state for this sequence (the drafter's context)
     last: mx.array  # [1] its last committed token (the next block's first)
     taps: list = field(default_factory=list)  # target taps the drafter has not read yet (lazy)

@@ -1,13 +1,12 @@
-"""The serving worker over DFlash: one thread owns the model and runs the jobs.
+"""The serving engine over DFlash: the thread that owns the model and runs the jobs (`requests` makes them).
 
-Requests are parsed and validated on the HTTP layer's threads (`requests`,
-called from `http_app`) into jobs; the worker takes them in arrival order, so
-all MLX work stays on one thread. A job that finds nothing else waiting runs
-alone; jobs that queue up behind others are decoded together
+Requests are parsed and validated on the HTTP layer's worker threads
+(`http_app`); one worker thread owns the model and takes jobs in arrival
+order, so all MLX work stays on one thread. A job that finds nothing else
+waiting runs alone; jobs that queue up behind others are decoded together
 (`batch.BatchStreams`), each with its own caches, sampling settings, logits
 processors and log probabilities. A client that disconnects, streaming or
-not, cancels its job; the worker stops it at the next cycle. The worker keeps
-the counts `/health` and `/metrics` report (`stats`, `totals`; `metrics`).
+not, cancels its job; the worker stops it at the next cycle.
 
 The tokenizer is shared by request parsing (chat templating, encoding), the
 HTTP layer (log probabilities, tool calls) and the worker (detokenising
