@@ -1,4 +1,12 @@
-"""DFlash block-diffusion speculative decoding on MLX."""
+"""DFlash block-diffusion speculative decoding on MLX.
+
+The public API is here: `load`, `generate`, `stream_generate`, `PromptCache`,
+`SamplingParams`. The folders: `decode/` (one request's loop) and `batch/` (many
+requests decoded together), `policy/` (each cycle's plan), `draft/` (the drafters,
+lookup, trees), `target/` (the mlx-lm model behind its adapter), `cache/` (the
+prompt cache), `kernels/`, and `serve/` (the HTTP server); docs/how-it-works.md
+maps every module.
+"""
 
 from .errors import DFlashError
 from .decode import GenerationEvent, GenerationStats, generate, stream_generate
