@@ -291,7 +291,7 @@ def train(
 
     import mlx.core as mx
 
-    from dflash_mlx.adapter import load_target
+    from dflash_mlx.target.adapter import load_target
     from dflash_mlx.cli.progress import progress
     from dflash_mlx.hub import fetch, resolve
     from dflash_mlx.train import TrainConfig, read_prompts
@@ -373,7 +373,7 @@ def serve(
     serves HTTP and the other ranks run every request with it."""
     import dflash_mlx
     from dflash_mlx import distributed
-    from dflash_mlx.http_server import make_server
+    from dflash_mlx.serve.http_server import make_server
 
     sharding = _sharding(sharding)
     cache_bytes = _bytes(prompt_cache_bytes, "--prompt-cache-bytes")
@@ -816,7 +816,7 @@ def doctor():
     out = Console(highlight=False, soft_wrap=True)
     out.print(table)
     # Target families: every mlx-lm family whose caches all have a rollback rule.
-    from dflash_mlx.target_caches import CI_TESTED, supported_families
+    from dflash_mlx.target.caches import CI_TESTED, supported_families
 
     families = supported_families()
     groups = {}
@@ -894,7 +894,7 @@ def list_models():
     from huggingface_hub import constants
 
     from dflash_mlx.hub import aliases, cached_repos
-    from dflash_mlx.target_caches import family_verdict
+    from dflash_mlx.target.caches import family_verdict
 
     cached = cached_repos()
     marks = {"cached": " [green](cached)[/]", "partial": " [yellow](partly cached)[/]"}

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import compute_bits_per_weight, quantize_model, save_config
 
 from dflash_mlx.config import DFLASH2_FIELDS, DrafterConfig, check_pair
-from dflash_mlx.drafter2 import drafter_class, published_keys
+from dflash_mlx.draft.drafter2 import drafter_class, published_keys
 from dflash_mlx.errors import DFlashError, printable
 from dflash_mlx.hub import TORCH_SUFFIXES, fetch
 

@@ -41,10 +41,10 @@ from typing import Dict, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from .policy.costs import CostCurve, measure_cost_curve
-from .baseline import generate as baseline_generate, plain_target
+from .target.baseline import generate as baseline_generate, plain_target
 from .decode import passes, stream_generate
 from .decode.timing import cycle_parts
-from .draft_source import DraftSource
+from .draft.source import DraftSource
 from .machine import blas_name, peak_memory_gb
 from .errors import DFlashError
 from .prompt import build_prompt

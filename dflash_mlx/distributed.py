@@ -68,9 +68,9 @@ def _sharded_loader(g: mx.distributed.Group, sharding: str = "auto"):
     """A `load.load` target loader: the target sharded over `g` by mlx-lm's own sharded loading."""
     from mlx_lm.utils import sharded_load
 
-    from .adapter import model_class
-    from .target_caches import family_verdict
-    from .target_files import check_target_files, read_target_config
+    from .target.adapter import model_class
+    from .target.caches import family_verdict
+    from .target.files import check_target_files, read_target_config
 
     if sharding not in SHARDINGS:
         raise DFlashError(f"--sharding must be one of {', '.join(SHARDINGS)} (got '{sharding}').")

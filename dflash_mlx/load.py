@@ -15,16 +15,16 @@ from safetensors import SafetensorError
 from .policy.costs import CONTEXTS, CostCurve, curve_key, load_or_measure, tree_shapes
 from .policy.sizer import BlockSizer
 from .policy.store import Learned
-from .adapter import TargetAdapter, load_target, materialize, model_dims
+from .target.adapter import TargetAdapter, load_target, materialize, model_dims
 from .config import CONVERSION, DrafterConfig, check_pair
-from .drafter import DFlashDrafter
-from .drafter2 import draft_source, drafter_class, published_keys
+from .draft.drafter import DFlashDrafter
+from .draft.drafter2 import draft_source, drafter_class, published_keys
 from .errors import DFlashError
 from . import kept_files
-from . import tree as tree_lib
+from .draft import tree as tree_lib
 from .decode.timing import cycle_parts
-from .draft_source import DraftSource
-from .lookup import WithLookup
+from .draft.source import DraftSource
+from .draft.lookup import WithLookup
 from .policy.proposal import ProposalScales
 from .sampling import SamplingParams
 from .hub import Resolved, cache_root, check_name, fetch, resolve

@@ -27,11 +27,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import baseline
-from .adapter import TargetAdapter, model_dims
+from .target import baseline
+from .target.adapter import TargetAdapter, model_dims
 from .config import DrafterConfig, check_pair, default_target_layer_ids
-from .drafter import DFlashDrafter
-from .drafter2 import DFlash2Drafter, drafter_class
+from .draft.drafter import DFlashDrafter
+from .draft.drafter2 import DFlash2Drafter, drafter_class
 from .errors import DFlashError
 
 GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}

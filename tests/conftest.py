@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx.policy.plan import Plan
-from dflash_mlx.draft_source import DraftSource
+from dflash_mlx.draft.source import DraftSource
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -235,7 +235,7 @@ def build_small_pair(drafter_cls, source_cls, drafter_config, init=None):
     `drafter_config`, then passed to `init`; (the DFlash pair, the plain target)."""
     from mlx_lm.models import qwen3
 
-    from dflash_mlx.adapter import TargetAdapter
+    from dflash_mlx.target.adapter import TargetAdapter
     from dflash_mlx.config import DrafterConfig
     from dflash_mlx.load import DFlashPair
 

@@ -16,7 +16,7 @@ from dflash_mlx.policy.sizer import COST_STEP, BlockSizer
 from dflash_mlx.policy.plan import PLAIN, FixedWidth, Outcome, Plan
 from dflash_mlx import kept_files, machine
 from dflash_mlx.policy.store import RATES_KIND, RATES_VERSION
-from dflash_mlx.lookup import Offer
+from dflash_mlx.draft.lookup import Offer
 from dflash_mlx.sampling import SamplingParams
 
 from conftest import plain_greedy
@@ -531,7 +531,7 @@ def simulated_tree_tokens(width, forks, accept, hits, rnd, n=20000):
     where it first fails (depth d), a branch forked at (d, c) is taken if choice c
     is the right one, then goes on with the best path's tokens, each right with
     `accept`, for its length (tree.BRANCH_LENGTH) within the width."""
-    from dflash_mlx.tree import BRANCH_LENGTH
+    from dflash_mlx.draft.tree import BRANCH_LENGTH
 
     length, total = min(BRANCH_LENGTH, width - 1), 0
     for _ in range(n):

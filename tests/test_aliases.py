@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from dflash_mlx.cli.main import app
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.hub import aliases, check_name, resolve
-from dflash_mlx.target_caches import family_verdict, supported_families
+from dflash_mlx.target.caches import family_verdict, supported_families
 
 REGISTRY = aliases()
 HUB = {name: e for name, e in REGISTRY.items() if not e.get("builtin")}

@@ -12,9 +12,10 @@ from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx.cli.main import app
-from dflash_mlx import baseline, bench
+from dflash_mlx.target import baseline
+from dflash_mlx import bench
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.adapter import TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear, wrap_quantized_linears
+from dflash_mlx.target.adapter import TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear, wrap_quantized_linears
 
 
 def test_bench_json_schema_and_identical_check(pairs, tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from conftest import FAMILIES
 
-from dflash_mlx.drafter import DraftCache
+from dflash_mlx.draft.drafter import DraftCache
 
 BLOCK = 8
 
@@ -85,7 +85,7 @@ def test_sliding_layer_is_causal_and_windowed(pairs):
     attn0, attn1 = (l.self_attn for l in pairs["llama"].drafter.layers)
     assert attn0.is_causal and attn0.window == 6
     assert not attn1.is_causal and attn1.window is None
-    from dflash_mlx.drafter import visible
+    from dflash_mlx.draft.drafter import visible
 
     mask = visible(mx.arange(12, 15), mx.arange(5, 15), attn0.is_causal, attn0.window)
     assert visible(mx.arange(3), mx.arange(5), attn1.is_causal, attn1.window) is None  # sees every key
@@ -118,7 +118,7 @@ def test_window_cache_shows_each_query_exactly_its_window_through_crops(window, 
     """Passes of every kind (a long prefill chunk, passes within the slack, single
     steps) with crops of up to `slack` rows after each, long after the ring
     wrapped: each query attends to exactly the last `window` committed positions."""
-    from dflash_mlx.target_caches import WindowCache
+    from dflash_mlx.target.caches import WindowCache
 
     mx.random.seed(7)
     B, H, D = 1, 2, 8
@@ -146,7 +146,7 @@ def test_window_cache_shows_each_query_exactly_its_window_through_crops(window, 
 
 
 def test_window_cache_refuses_a_crop_beyond_its_slack_and_grows_it():
-    from dflash_mlx.target_caches import WindowCache
+    from dflash_mlx.target.caches import WindowCache
 
     cache = WindowCache(8, 4)
     k = mx.random.normal((1, 1, 40, 4))
@@ -173,7 +173,7 @@ def test_window_cache_equals_mlx_lm_rotating_cache_in_plain_decoding():
     """Prefill then single steps, no crops: the same attention as mlx-lm's RotatingKVCache."""
     from mlx_lm.models.cache import RotatingKVCache
 
-    from dflash_mlx.target_caches import WindowCache
+    from dflash_mlx.target.caches import WindowCache
 
     mx.random.seed(3)
     ours, theirs = WindowCache(8, 16), RotatingKVCache(max_size=8)

@@ -86,7 +86,7 @@ def test_yarn_rope_scaling_is_kept():
     c = DrafterConfig.from_dict(cfg)
     assert c.rope_theta == 1e6
     assert c.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-    from dflash_mlx.drafter import Attention
+    from dflash_mlx.draft.drafter import Attention
 
     attn = Attention(c, 0)
     assert type(attn.rope).__name__ == "YarnRoPE"

@@ -570,7 +570,7 @@ def _publish(src):
 def test_dflash2_checkpoint_converts_with_its_codebooks(tmp_path, fmt, published, tol):
     from safetensors import safe_open
 
-    from dflash_mlx.drafter2 import DFlash2Drafter
+    from dflash_mlx.draft.drafter2 import DFlash2Drafter
 
     ref, cfg = dflash2_drafter()
     src = save_checkpoint(ref, cfg, tmp_path / "src", fmt)

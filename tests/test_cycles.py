@@ -11,7 +11,7 @@ from test_tree import ForkOracle, fork_logits
 import dflash_mlx
 from dflash_mlx.decode.cycle import Decoding, LinearCycle, PlainStep, TreeCycle
 from dflash_mlx.decode.passes import Draft, draft_tree
-from dflash_mlx.draft_source import DraftSource
+from dflash_mlx.draft.source import DraftSource
 from dflash_mlx.policy.plan import PLAIN, Outcome, Plan, Run
 from dflash_mlx.sampling import Processed, SamplingParams
 

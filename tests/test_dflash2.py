@@ -11,7 +11,7 @@ import pytest
 import tiny
 
 from dflash_mlx.config import DrafterConfig
-from dflash_mlx.drafter2 import DFlash2Drafter, DFlash2DraftSource, grouped_causal_conv
+from dflash_mlx.draft.drafter2 import DFlash2Drafter, DFlash2DraftSource, grouped_causal_conv
 from dflash_mlx.load import load_drafter
 from dflash_mlx.sampling import SamplingParams
 from test_reference_loop import HELDOUT, MAX_NEW, torch_weights
@@ -297,7 +297,7 @@ class ProposeOnly(DFlash2DraftSource):
 def source_for(pair, drafting, cls=None):
     """The pair's drafter behind the lookup wrapper, drafting through `propose_path`
     (the loop's default for DFlash 2, calls counted) or through `propose` alone."""
-    from dflash_mlx.lookup import WithLookup
+    from dflash_mlx.draft.lookup import WithLookup
 
     class Counted(WithLookup):
         calls = 0

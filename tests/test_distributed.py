@@ -408,7 +408,7 @@ def test_an_unseeded_sampled_request_draws_alike_on_every_rank_and_still_learns(
     import dflash_mlx
     from dflash_mlx.distributed import follow
     from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.server import Engine, Job
+    from dflash_mlx.serve.worker import Engine, Job
 
     params = SamplingParams(temp=1.0)
     pair = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))

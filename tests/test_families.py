@@ -14,10 +14,10 @@ from test_lossless import PROMPTS
 
 import dflash_mlx
 import tiny
-from dflash_mlx.adapter import TargetAdapter, load_target
+from dflash_mlx.target.adapter import TargetAdapter, load_target
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.prompt import build_prompt
-from dflash_mlx.target_caches import CI_TESTED, WindowCache, family_verdict, supported_families
+from dflash_mlx.target.caches import CI_TESTED, WindowCache, family_verdict, supported_families
 
 NEW = ["qwen3_moe", "qwen3_next", "gemma4_text", "gemma4_text_moe", "gpt_oss"]
 SLIDING = {"gemma4", "gemma4_text", "gemma4_text_moe", "gpt_oss"}

@@ -359,7 +359,7 @@ def _rewrite_entry(path, change, crafted):
     recomputed, as someone forging an entry would."""
     import mlx.core as mx
 
-    from dflash_mlx import prompt_store
+    from dflash_mlx.cache import prompt_store
 
     arrays, meta = mx.load(str(path), return_metadata=True)
     layers = json.loads(meta["layers"])
@@ -406,7 +406,7 @@ def _flip(path):
 
 
 def _spilled(pair, tmp_path, prompt):
-    from dflash_mlx.prompt_cache import PromptCache
+    from dflash_mlx.cache.prompt_cache import PromptCache
     from test_prompt_cache_disk import file_of, run
 
     first = PromptCache(pair, disk_bytes=1 << 30, disk_dir=tmp_path)
@@ -420,8 +420,8 @@ def _spilled(pair, tmp_path, prompt):
 @pytest.mark.parametrize("case, crafted", [(c, f) for c in sorted(ENTRY_DAMAGE) for f in (False, True)]
                          + [("flipped data bytes", False)])
 def test_a_damaged_prompt_cache_entry_is_dropped_and_the_text_is_a_cold_runs(pairs, tmp_path, case, crafted):
-    from dflash_mlx.prompt_cache import PromptCache
-    from dflash_mlx.prompt_store import PromptStoreWarning
+    from dflash_mlx.cache.prompt_cache import PromptCache
+    from dflash_mlx.cache.prompt_store import PromptStoreWarning
     from test_prompt_cache_disk import run
 
     pair = pairs["qwen3"]
@@ -446,8 +446,8 @@ def test_a_fifo_named_like_an_entry_does_not_stop_the_cache(pairs, tmp_path):
     import os
     import threading
 
-    from dflash_mlx.prompt_cache import PromptCache
-    from dflash_mlx.prompt_store import PromptStoreWarning
+    from dflash_mlx.cache.prompt_cache import PromptCache
+    from dflash_mlx.cache.prompt_store import PromptStoreWarning
 
     pair = pairs["qwen3"]
     prompt = pair.tokenizer.encode("Once upon a time")
@@ -511,8 +511,8 @@ def test_a_server_answers_a_damaged_entrys_prefix_as_a_cold_server(pairs, target
 
     import http.client
 
-    from dflash_mlx.prompt_store import PromptStoreWarning
-    from dflash_mlx.http_server import make_server
+    from dflash_mlx.cache.prompt_store import PromptStoreWarning
+    from dflash_mlx.serve.http_server import make_server
 
     model = str(targets["qwen3"])
 

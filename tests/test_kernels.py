@@ -211,7 +211,7 @@ def test_qmm_supported_shapes():
 
 
 def test_quantized_linears_are_wrapped_without_changing_outputs():
-    from dflash_mlx.adapter import VerifyQuantizedLinear, wrap_quantized_linears
+    from dflash_mlx.target.adapter import VerifyQuantizedLinear, wrap_quantized_linears
 
     class Block(nn.Module):
         def __init__(self):

@@ -103,7 +103,7 @@ def test_rows_no_draft_reads_are_skipped_and_the_drafts_stay_the_same(pairs, bas
     from conftest import plain_greedy
 
     from dflash_mlx.decode.passes import prefill_chunks
-    from dflash_mlx.draft_source import DFlashDraftSource
+    from dflash_mlx.draft.source import DFlashDraftSource
 
     class Counted(DFlashDraftSource):
         def __init__(self, pair, skips):
@@ -162,9 +162,9 @@ def test_a_prompt_cache_never_hands_a_draft_the_rows_a_prefill_skipped(pairs, ba
     cold run without a cache does."""
     from conftest import plain_greedy
 
-    from dflash_mlx.prompt_cache import PromptCache
+    from dflash_mlx.cache.prompt_cache import PromptCache
 
-    from dflash_mlx.draft_source import DFlashDraftSource
+    from dflash_mlx.draft.source import DFlashDraftSource
 
     class Recorded(DFlashDraftSource):
         def propose(self, state, last, hidden, width):
@@ -216,7 +216,7 @@ def test_the_sizer_is_told_how_many_rows_the_drafter_has_not_seen(pairs):
     whole prompt before the first draft, then what plain steps added since."""
     from conftest import ScriptedWidths
 
-    from dflash_mlx.draft_source import DFlashDraftSource
+    from dflash_mlx.draft.source import DFlashDraftSource
 
     pair = pairs["qwen3"]
 
@@ -249,9 +249,9 @@ def test_the_sizer_is_told_how_many_rows_the_drafter_has_not_seen(pairs):
 def test_a_drafter_cache_keeps_where_rows_were_skipped_through_trims_and_the_disk():
     import mlx.core as mx
 
-    from dflash_mlx.draft_source import ContextRows
-    from dflash_mlx.drafter import DraftCache
-    from dflash_mlx.prompt_store import decode, encode
+    from dflash_mlx.draft.source import ContextRows
+    from dflash_mlx.draft.drafter import DraftCache
+    from dflash_mlx.cache.prompt_store import decode, encode
 
     c = DraftCache(bound=(2, 4))
     kv = mx.ones((1, 1, 3, 2))

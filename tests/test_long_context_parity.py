@@ -245,7 +245,7 @@ def test_prompt_cache_hits_at_long_context_draft_as_cold_runs(long_target, promp
     tokens back (DFlash 2: inside the rows its windows let prefill skip) reuses the
     cache and drafts (the same drafter outputs), accepts and outputs what a cold
     run without a cache does."""
-    from dflash_mlx.prompt_cache import PromptCache
+    from dflash_mlx.cache.prompt_cache import PromptCache
 
     pair = float32_pair(long_target, drafter)
     Source = recorded(type(pair.draft_source.inner))

@@ -12,7 +12,7 @@ from dflash_mlx.decode import request as request_mod
 from dflash_mlx.policy.costs import CostCurve
 from dflash_mlx.policy.sizer import BlockSizer
 from dflash_mlx.policy.plan import Plan
-from dflash_mlx.lookup import BULK, NgramIndex, WithLookup
+from dflash_mlx.draft.lookup import BULK, NgramIndex, WithLookup
 
 
 def brute_propose(tokens, k, orders, with_order=False):
@@ -139,7 +139,7 @@ def test_auto_uses_the_lookup_on_repetitive_text_and_stays_lossless(monkeypatch)
     """The shipped demo pair repeats itself ("of the current line of the current line"):
     on a curve where the drafter never pays but a bare verify does, auto drafts
     from the lookup alone, and the ids stay plain decoding's."""
-    from dflash_mlx.baseline import generate, plain_target
+    from dflash_mlx.target.baseline import generate, plain_target
 
     pair = dflash_mlx.load("demo")
     W = pair.draft_source.block_size
@@ -171,8 +171,8 @@ def test_auto_uses_the_lookup_on_repetitive_text_and_stays_lossless(monkeypatch)
 
 
 def test_a_conversations_next_turn_copies_the_kept_index_and_indexes_only_the_rest(pairs, baselines):
-    from dflash_mlx.draft_source import DFlashDraftSource
-    from dflash_mlx.prompt_cache import PromptCache
+    from dflash_mlx.draft.source import DFlashDraftSource
+    from dflash_mlx.cache.prompt_cache import PromptCache
 
     pair = pairs["qwen3"]
 

@@ -7,7 +7,7 @@ from conftest import (FAMILIES, LOSSLESS_FAMILIES, OracleSource, ScriptedWidths,
                       greedy_ref, plain_greedy)
 
 import dflash_mlx
-from dflash_mlx.draft_source import DFlashDraftSource
+from dflash_mlx.draft.source import DFlashDraftSource
 
 PROMPTS = [
     "def add(a, b):",
@@ -186,7 +186,7 @@ class Counting:
 def test_one_target_pass_and_one_drafter_pass_per_cycle(pairs, family):
     import dataclasses
 
-    from dflash_mlx.draft_source import DFlashDraftSource
+    from dflash_mlx.draft.source import DFlashDraftSource
 
     pair = pairs[family]
     target, drafter = Counting(pair.target), Counting(pair.drafter)

@@ -6,7 +6,7 @@ import threading
 import pytest
 from test_tools import CALL, TOOLS, tool_pair  # noqa: F401 (a fixture)
 
-from dflash_mlx.http_server import make_server
+from dflash_mlx.serve.http_server import make_server
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")

@@ -49,18 +49,23 @@ def _imports():
     for name, f in files.items():
         pkg = name if f.stem == "__init__" else name.rsplit(".", 1)[0]
         deps = set()
-        for m in re.finditer(r"^\s*from\s+(\.+)([\w.]*)\s+import|^\s*from\s+(dflash_mlx[\w.]*)\s+import", f.read_text(), re.M):
-            if m.group(3):
-                dep = m.group(3)
+        pattern = r"^\s*from\s+(\.+)([\w.]*)\s+import\s+([\w ,]*)|^\s*from\s+(dflash_mlx[\w.]*)\s+import\s+([\w ,]*)"
+        for m in re.finditer(pattern, f.read_text(), re.M):
+            if m.group(4):
+                dep, names = m.group(4), m.group(5)
             else:
                 base = pkg
                 for _ in range(len(m.group(1)) - 1):
                     base = base.rsplit(".", 1)[0]
-                dep = base + ("." + m.group(2) if m.group(2) else "")
+                dep, names = base + ("." + m.group(2) if m.group(2) else ""), m.group(3)
+            # `from package import module`: the module; other names: the package
+            named = {f"{dep}.{n.split()[0]}" for n in names.split(",") if n.strip()}
+            modules = named & files.keys()
             while dep and dep not in files:
                 dep = dep.rsplit(".", 1)[0] if "." in dep else ""
-            if dep and dep != name:
-                deps.add(dep)
+            for d in modules | ({dep} if named - modules or not named else set()):
+                if d and d != name:
+                    deps.add(d)
         graph[name] = deps
     return graph, {n for n, f in files.items() if f.stem == "__init__"}
 
@@ -76,10 +81,33 @@ def test_no_import_circles():
 
     circles = sorted(n for n in graph if n not in packages and reaches(n, n, set()))
     assert circles == [], circles
-    # The policy never imports the loop; only the front ends reach it.
-    policy = [n for n in graph if n.startswith("dflash_mlx.policy")]
-    assert len(policy) >= 4 and not any(d.startswith("dflash_mlx.decode") for n in policy for d in graph[n])
+    # Only the front ends reach the loop.
     loop = {"dflash_mlx.decode", "dflash_mlx.decode.generate"}
     users = sorted(n for n, deps in graph.items() if deps & loop and n not in loop)
-    assert users == ["dflash_mlx", "dflash_mlx.bench", "dflash_mlx.distributed", "dflash_mlx.server"], users
+    assert users == ["dflash_mlx", "dflash_mlx.bench", "dflash_mlx.distributed", "dflash_mlx.serve.worker"], users
     assert "dflash_mlx.load" not in graph["dflash_mlx.convert.convert"]
+
+
+# Folder -> the folders its modules never import: the arrows run one way, from the
+# front ends (serve/, the root's load, bench, train, distributed) down to the basics.
+NEVER = {
+    "policy": ("decode", "batch", "serve", "cache", "target", "load"),
+    "decode": ("serve",),
+    "batch": ("serve",),
+    "cache": ("decode", "batch", "serve", "policy"),
+    "draft": ("decode", "batch", "serve", "cache"),
+    "target": ("decode", "batch", "serve", "cache", "draft", "policy", "load"),
+    "kernels": ("decode", "batch", "serve", "cache", "draft", "target", "policy", "load"),
+}
+
+
+def test_imports_run_one_way():
+    graph, _ = _imports()
+    folders = {n.split(".")[1] for n in graph if n.count(".") >= 2}
+    assert set(NEVER) | {"serve", "cli", "convert"} <= folders, folders
+    wrong = sorted(
+        f"{n} -> {d}" for n, deps in graph.items() for d in deps
+        if n.count(".") >= 1 and n.split(".")[1] in NEVER
+        and any(d == f"dflash_mlx.{f}" or d.startswith(f"dflash_mlx.{f}.") for f in NEVER[n.split(".")[1]])
+    )
+    assert wrong == [], wrong

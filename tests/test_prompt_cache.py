@@ -10,7 +10,7 @@ import dflash_mlx
 from dflash_mlx.policy.plan import Plan
 from dflash_mlx.decode.passes import prefill
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.prompt_cache import PromptCache
+from dflash_mlx.cache.prompt_cache import PromptCache
 
 # Lookup copies, plain steps (one launched ahead) and drafter blocks, so caches
 # end after every kind of cycle.
@@ -191,7 +191,7 @@ class _Rows:
 
 
 def test_the_bound_evicts_the_least_recently_stored_or_used_and_hands_it_over():
-    from dflash_mlx.prompt_cache import _Lru
+    from dflash_mlx.cache.prompt_cache import _Lru
 
     evicted = []
     lru = _Lru(max_entries=3, max_bytes=100, evicted=evicted)

@@ -12,11 +12,11 @@ import tiny
 from conftest import ScriptedWidths, plain_greedy
 
 import dflash_mlx
-from dflash_mlx import prompt_store
+from dflash_mlx.cache import prompt_store
 from dflash_mlx.policy.plan import Plan
 from dflash_mlx.decode.passes import prefill
-from dflash_mlx.prompt_cache import PromptCache
-from dflash_mlx.prompt_store import PromptStoreWarning
+from dflash_mlx.cache.prompt_cache import PromptCache
+from dflash_mlx.cache.prompt_store import PromptStoreWarning
 
 WIDTHS = [Plan(4, 3), 1, 8, 3]
 GiB = 1 << 30
@@ -222,7 +222,7 @@ def test_a_restarted_server_reuses_the_prefix_from_disk(pairs, targets, drafters
     import subprocess
     import sys
 
-    from dflash_mlx.http_server import make_server
+    from dflash_mlx.serve.http_server import make_server
 
     model = str(targets["qwen3"])
     exe = shutil.which("dflash-mlx")
@@ -256,7 +256,7 @@ def test_a_restarted_server_reuses_the_prefix_from_disk(pairs, targets, drafters
         server.engine.close()
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 5
     assert disk["entries"] >= 1 and disk["hits"] == 1 and disk["bytes"] > 0 and disk["folder"] == str(*folders)
-    assert "dflash_prompt_cache_disk_hits_total 1" in metrics
+    assert "dflash_prompt_cache_disk_hits_total 1.0" in metrics.splitlines()
 
 
 @pytest.mark.parametrize("args, says", [

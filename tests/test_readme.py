@@ -34,7 +34,7 @@ def test_the_alias_table_is_the_registry():
 
 def test_the_families_said_to_be_tested_are_built_and_supported():
     import tiny
-    from dflash_mlx.target_caches import supported_families
+    from dflash_mlx.target.caches import supported_families
 
     said = [f.strip(" `") for f in block(README.read_text(), "tested-families").split(",")]
     supported = supported_families()

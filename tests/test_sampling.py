@@ -20,8 +20,8 @@ from dflash_mlx import sampling
 from dflash_mlx.decode import passes
 from conftest import ScriptedWidths
 from dflash_mlx.policy.plan import Plan
-from dflash_mlx.drafter import DFlashDrafter
-from dflash_mlx.draft_source import DFlashDraftSource, DraftSource
+from dflash_mlx.draft.drafter import DFlashDrafter
+from dflash_mlx.draft.source import DFlashDraftSource, DraftSource
 from dflash_mlx.policy.proposal import SCALES, ProposalScales, rescale
 from dflash_mlx.sampling import SamplingParams, log_probs
 

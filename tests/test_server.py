@@ -7,12 +7,13 @@ import socket
 import threading
 import time
 
+import prometheus_client
 import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx.cli.main import app
-from dflash_mlx.http_server import make_server
+from dflash_mlx.serve.http_server import make_server
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny-qwen3"
@@ -582,7 +583,7 @@ def test_a_growing_conversation_starts_from_the_prompt_cache(targets, drafters):
         health = json.loads(conn.getresponse().read())
         conn.request("GET", "/metrics")
         reply = conn.getresponse()
-        assert reply.getheader("Content-Type").startswith("text/plain; version=0.0.4")
+        assert reply.getheader("Content-Type") == prometheus_client.CONTENT_TYPE_LATEST
         metrics = parse_metrics(reply.read().decode())
         server.shutdown()
         server.engine.close()
@@ -602,6 +603,7 @@ def test_a_growing_conversation_starts_from_the_prompt_cache(targets, drafters):
     assert metrics["dflash_tokens_per_cycle"] == pytest.approx(45 / metrics["dflash_cycles_total"])
     assert metrics["dflash_queue_length"] == 0
     assert "dflash_prompt_cache_bytes" not in plain_metrics and plain_metrics["dflash_cycles_total"] > 0
+    assert plain_metrics['dflash_requests_total{outcome="completed"}'] == 3  # each server counts its own
 
 
 def parse_metrics(text):
@@ -741,7 +743,7 @@ def test_anthropic_count_tokens(served):
 
 def test_a_body_over_the_limit_gets_a_413_before_it_is_read(served):
     """A Content-Length over the server's bound is refused before the body is read, in each API's shape."""
-    from dflash_mlx.http_app import MAX_BODY
+    from dflash_mlx.serve.http_app import MAX_BODY
 
     head = f"Host: x\r\nContent-Type: application/json\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n"
     status, err = raw_exchange(served[1], "POST /v1/completions HTTP/1.1\r\n" + head, b'{"prompt": ')

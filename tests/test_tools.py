@@ -16,7 +16,7 @@ import tiny
 from mlx.utils import tree_flatten
 
 import dflash_mlx
-from dflash_mlx.http_server import make_server
+from dflash_mlx.serve.http_server import make_server
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny-tools"
@@ -170,7 +170,7 @@ def served_plain(pairs):
 def test_the_splitter_holds_back_split_markers_and_keeps_bad_calls_as_text():
     from mlx_lm.tool_parsers import json_tools
 
-    from dflash_mlx.tools import ToolCallSplitter
+    from dflash_mlx.serve.tools import ToolCallSplitter
 
     text = (f"Let me check.<tool_call>{CALL}</tool_call> and <tool_call>"
             '{"name": "get_time", "arguments": {}}</tool_call><tool_call>not json</tool_call> done <tool_')

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import dflash_mlx
-from dflash_mlx import baseline
-from dflash_mlx.adapter import TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear, load_target
+from dflash_mlx.target import baseline
+from dflash_mlx.target.adapter import TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear, load_target
 from dflash_mlx.config import DrafterConfig
-from dflash_mlx.drafter import DFlashDrafter, block_mask
+from dflash_mlx.draft.drafter import DFlashDrafter, block_mask
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.train import TrainConfig, default_gamma, read_prompts, save_zlab, train
 

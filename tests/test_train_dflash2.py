@@ -11,10 +11,10 @@ from mlx.utils import tree_flatten
 from test_train import PROMPTS, prompts_file, small_config  # noqa: F401 (a fixture)
 
 import dflash_mlx
-from dflash_mlx.adapter import load_target
+from dflash_mlx.target.adapter import load_target
 from dflash_mlx.config import DrafterConfig
-from dflash_mlx.drafter import DFlashDrafter
-from dflash_mlx.drafter2 import DFlash2Drafter
+from dflash_mlx.draft.drafter import DFlashDrafter
+from dflash_mlx.draft.drafter2 import DFlash2Drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.train import drafter_config_for, read_prompts, train
 

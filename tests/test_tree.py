@@ -8,11 +8,11 @@ from conftest import greedy_ref, plain_greedy
 from test_lossless import PROMPTS
 
 import dflash_mlx
-from dflash_mlx import tree as trees
+from dflash_mlx.draft import tree as trees
 from dflash_mlx.decode.cycle import Decoding, TreeCycle
 from dflash_mlx.decode.passes import draft_tree
 from dflash_mlx.decode.timing import cycle_parts
-from dflash_mlx.draft_source import DraftSource
+from dflash_mlx.draft.source import DraftSource
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.policy import costs
 from dflash_mlx.sampling import Processed, SamplingParams

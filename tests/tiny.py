@@ -190,7 +190,7 @@ def drafter_config(layout: str, vocab_size: int, target_layers: int, *, mask_tok
 
 def build_drafter(out: Path, cfg: dict, seed: int = 1) -> Path:
     from dflash_mlx.config import DrafterConfig
-    from dflash_mlx.drafter import DFlashDrafter
+    from dflash_mlx.draft.drafter import DFlashDrafter
 
     mx.random.seed(seed)
     model = DFlashDrafter(DrafterConfig.from_dict(cfg))

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 import dflash_mlx
-from dflash_mlx import baseline
+from dflash_mlx.target import baseline
 
 HERE = Path(__file__).parent
 

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from ..target_caches import WindowCache
+from ..target.caches import WindowCache
 
 STEP = 256  # columns the buffer grows by, as mlx-lm's KVCache: few reallocations, little waste
 

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..drafter import DraftCache, visible
+from ..draft.drafter import DraftCache, visible
 from .cache import RaggedKVCache
 
 
@@ -78,7 +78,7 @@ class DraftBatch:
     each one's own `DraftCache`s, handed back by `extract`) and one pass for all blocks."""
 
     def __init__(self, source):
-        """`source`: a `draft_source.DFlashDraftSource` whose drafter is `batchable`."""
+        """`source`: a `draft.source.DFlashDraftSource` whose drafter is `batchable`."""
         self.source, self.drafter, self.target = source, source.drafter, source.target
         self.cache = [RaggedDraftCache() for _ in self.drafter.layers]
 

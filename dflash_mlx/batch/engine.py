@@ -26,7 +26,7 @@ from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.plan import Plan
 from ..kernels import verify_accept
-from ..lookup import point_masses
+from ..draft.lookup import point_masses
 from ..policy.proposal import reached_gains
 from ..sampling import (Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs, gumbel_rows, log_probs,
                         pick)
@@ -84,7 +84,7 @@ class Running:
 
     uid: int
     max_tokens: int
-    source: Any  # its draft source (`draft_source.DraftSource`): the pair's unless it brought one
+    source: Any  # its draft source (`draft.source.DraftSource`): the pair's unless it brought one
     dstate: Any  # the source's state for this sequence (the drafter's context)
     last: mx.array  # [1] its last committed token (the next block's first)
     taps: list = field(default_factory=list)  # target taps the drafter has not read yet (lazy)

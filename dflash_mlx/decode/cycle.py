@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .. import tree as trees
+from ..draft import tree as trees
 from ..policy.plan import Outcome
 from ..sampling import Draws, Processed, SamplingParams
 from .passes import Draft, TreeVerified, logprob_rows, step, verify, verify_tree
@@ -25,7 +25,7 @@ class Decoding:
     """What every cycle of one request works on."""
 
     target: Any  # the adapter's target
-    source: Any  # the draft source (`draft_source.DraftSource`)
+    source: Any  # the draft source (`draft.source.DraftSource`)
     dstate: Any  # the source's state for this request
     tcache: list  # the target's caches
     params: SamplingParams
@@ -103,7 +103,7 @@ class LinearCycle:
 
 
 class TreeCycle:
-    """The drafter's best path and its branches (`tree.py`) in one verify pass,
+    """The drafter's best path and its branches (`draft/tree.py`) in one verify pass,
     greedy; the walk keeps the longest path the target agrees with, and the
     caches keep that path's rows."""
 

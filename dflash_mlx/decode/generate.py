@@ -12,8 +12,8 @@ the cycles (`cycle.py`) run the model passes (`passes.py`); the policy
 from typing import Callable, Generator, Optional, Sequence, Union
 
 from ..policy.plan import PLAIN
-from ..draft_source import DraftSource
-from ..prompt_cache import PromptCache
+from ..draft.source import DraftSource
+from ..cache.prompt_cache import PromptCache
 from ..sampling import SamplingParams
 from .events import GenerationEvent
 from .passes import PREFILL_STEP
@@ -49,7 +49,7 @@ def stream_generate(
     `logits_processors` (mlx-lm's, e.g. `make_logits_processors` penalties and
     logit bias) apply at every position, drafts included, as in mlx-lm.
 
-    Tree verification (`tree.py`, greedy): with a fixed block size and
+    Tree verification (`draft/tree.py`, greedy): with a fixed block size and
     `tree=n`, each drafted cycle verifies the drafter's best path and n
     branches in one target pass; with 'auto' and `tree=n`, the sizer verifies
     trees of up to n branches in the cycles where its costs and acceptance

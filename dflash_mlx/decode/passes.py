@@ -7,9 +7,9 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import tree as trees
+from ..draft import tree as trees
 from ..kernels import verify_accept
-from ..lookup import point_masses
+from ..draft.lookup import point_masses
 from ..policy.proposal import rescale, rescale_rows
 from ..sampling import Processed, SamplingParams, agreeing, choose, greedy_log_probs, log_probs, pick
 

@@ -10,12 +10,12 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .. import tree as trees
+from ..draft import tree as trees
 from ..policy.sizer import BlockSizer
 from ..policy.plan import PLAIN, FixedWidth, Outcome, Plan, Policy
 from ..errors import DFlashError
 from ..machine import peak_memory_gb
-from ..prompt_cache import can_trim, snapshot
+from ..cache.prompt_cache import can_trim, snapshot
 from ..policy.proposal import FixedScale, ProposalScales, reached_gains
 from ..sampling import Draws, Processed, SamplingParams, choose, pick
 from .cycle import Decoding, LinearCycle, PlainStep, TreeCycle

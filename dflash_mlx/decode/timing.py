@@ -5,7 +5,7 @@ import time
 
 import mlx.core as mx
 
-from .. import tree as trees
+from ..draft import tree as trees
 from ..sampling import Processed, SamplingParams
 from .cycle import Decoding, LinearCycle, PlainStep, TreeCycle
 from .passes import PREFILL_STEP, Draft, draft, draft_tree

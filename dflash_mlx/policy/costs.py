@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .. import kept_files
-from .. import tree as trees
+from ..draft import tree as trees
 from ..machine import blas_name
 
 # Context lengths the cost curve times cycles at (those that fit the model's window).

@@ -12,7 +12,7 @@ from typing import Any, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 class Plan(NamedTuple):
     """One cycle: its verify width, how many of its draft positions are copied from a lookup offer
     (the rest the drafter fills; with `copied == width - 1` no drafter pass runs), and how many
-    branches are verified beside the drafter's best path in a tree (`tree.py`; none copied then)."""
+    branches are verified beside the drafter's best path in a tree (`draft/tree.py`; none copied then)."""
 
     width: int
     copied: int = 0

@@ -11,7 +11,7 @@ posteriors (Thompson sampling), so that what is not tried is still learnt.
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .. import tree as trees
+from ..draft import tree as trees
 from ..machine import blas_name
 from .costs import CostCurve
 from .plan import PLAIN, Outcome, Plan
@@ -189,7 +189,7 @@ class BlockSizer:
     Where the request allows tree verification (`start(branches=n)`: greedy,
     a target with plain KV caches), a cycle may also verify the best path
     with up to n branches, each the drafter's 2nd or 3rd choice at one depth
-    followed by the best path's tokens (`tree.py`). Its gain comes from how
+    followed by the best path's tokens (`draft/tree.py`). Its gain comes from how
     often the 2nd and the 3rd choice are the target's token where the best
     guess was not, learnt per depth from every drafted cycle (the drafter's
     top 3 are fetched with the cycle's tokens), so, like the lookup's, they
@@ -380,7 +380,7 @@ class SizerRun:
     def branch_gain(self, width: int, branches: int, alphas: List[float], alt: List[List[float]]) -> float:
         """Expected tokens `branches` branches add to a best path of `width`: each
         (depth d, choice c) pays where the path holds to d, fails at d and choice c
-        is right there, plus the best path's tokens it goes on with (`tree.py`)."""
+        is right there, plus the best path's tokens it goes on with (`draft/tree.py`)."""
         return sum(self._forks(alphas, alt)(width)[:branches])
 
     @staticmethod

@@ -20,6 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Optional
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
 from starlette.background import BackgroundTask
@@ -32,8 +33,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import messages_api, openai_api
-from .errors import DFlashError
-from .server import APIError, Engine, Job, count_tokens, parse_messages, parse_request
+from ..errors import DFlashError
+from .requests import count_tokens, parse_messages, parse_request
+from .worker import APIError, Engine, Job
 from .tools import ToolError, splitter
 
 MAX_BODY = 4 * 1024 * 1024
@@ -48,8 +50,9 @@ CLOSING = (408, 411, 413)
 
 @dataclass
 class Settings:
-    """What the app serves, read at each request."""
+    """What the app serves, read at each request: the worker and the registry of its metrics (`metrics`)."""
     engine: Engine
+    registry: CollectorRegistry
     api_key: Optional[str] = None
     read_timeout_s: float = READ_TIMEOUT_S
 
@@ -148,8 +151,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.settings.engine.metrics(),
-                    media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(generate_latest(request.app.state.settings.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def models(request: Request) -> Response:

@@ -16,7 +16,8 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .http_app import READ_TIMEOUT_S, Settings, create_app
-from .server import APIError, Engine
+from .metrics import registry
+from .worker import APIError, Engine
 
 BACKLOG = 128  # connections waiting to be accepted: bursts of clients
 SHUTDOWN_GRACE_S = 5  # how long `shutdown` lets answers in flight finish before it cancels them
@@ -98,5 +99,5 @@ def make_server(pair, model_id: str, host: str = "127.0.0.1", port: int = 8080, 
     engine = Engine(pair, model_id, block_size, enable_thinking, max_prompt_tokens, default_temp,
                     max_tokens_limit, default_max_tokens, prompt_cache_bytes, prompt_cache_disk_bytes,
                     prompt_cache_dir, channel)
-    settings = Settings(engine, api_key)
+    settings = Settings(engine, registry(engine), api_key)
     return HTTPServer(sock, create_app(settings), engine, settings)

@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 from typing import Dict, List
 
-from .config import Fields, read_json
-from .convert.readers import safetensors_header, shard_paths
-from .errors import DFlashError
+from ..config import Fields, read_json
+from ..convert.readers import safetensors_header, shard_paths
+from ..errors import DFlashError
 
 # Far beyond any model mlx-lm loads, and small enough that building the model
 # for a damaged config cannot exhaust memory before its weights are compared with it.

@@ -1,4 +1,4 @@
-"""Everything that touches mlx-lm internals lives here (and in `target_caches`).
+"""Everything that touches mlx-lm internals lives here (and in `caches`).
 
 The target is an unmodified mlx-lm model run by its own forward pass (its
 embedding scale, MoE routing, tied or untied head and logit soft-capping stay
@@ -8,9 +8,9 @@ tapped, the LM head is reached through the adapter (so a prefill pays it for
 the last row only), and Gated DeltaNet mixers record an update tape during
 verification so their recurrent state can be rolled back to any accepted
 length. Which cache types can be rolled back, and so which families are
-supported, is decided per cache in `target_caches`. Where every cache is a
+supported, is decided per cache in `caches`. Where every cache is a
 KV cache, every layer and its RoPE are wrapped too, so that a tree pass
-(`tree.py`) can give the layers its mask and rotate each run of nodes at its
+(`draft/tree.py`) can give the layers its mask and rotate each run of nodes at its
 own positions; `keep_rows` then keeps the accepted branch's K/V rows. Two
 adapters in one process share nothing.
 
@@ -33,9 +33,9 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from mlx_lm.models.rope_utils import initialize_rope as _mlx_lm_rope
 from mlx_lm.utils import load_model, load_tokenizer
 
-from .errors import DFlashError
-from .kernels import backend, gdn_replay, gdn_replay_each, gdn_verify, qmm_verify
-from .target_caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind
+from ..errors import DFlashError
+from ..kernels import backend, gdn_replay, gdn_replay_each, gdn_verify, qmm_verify
+from .caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind
 
 
 def initialize_rope(dims, base, scaling_config, max_position_embeddings):
@@ -75,7 +75,7 @@ def load_target(path, tokenizer_config: Optional[dict] = None):
     """Load an mlx-lm model and tokenizer from a local directory."""
     from pathlib import Path
 
-    from .target_files import check_target_files, read_target_config
+    from .files import check_target_files, read_target_config
 
     cfg = read_target_config(path)
     ok, why = family_verdict(cfg["model_type"])
@@ -458,7 +458,7 @@ class TargetAdapter:
         self.verify_linears = wrap_quantized_linears(model) if backend() is not None else 0
 
     def _rollback_kinds(self, layers) -> Dict[int, str]:
-        """Each cache's rollback rule (`target_caches.rollback_kind`); refuses what has none."""
+        """Each cache's rollback rule (`caches.rollback_kind`); refuses what has none."""
         kinds = {}
         caches = cache_lib.make_prompt_cache(self.model)
         if len(caches) > len(layers):

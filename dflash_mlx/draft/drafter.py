@@ -11,8 +11,8 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .adapter import initialize_rope
-from .config import DrafterConfig
+from ..target.adapter import initialize_rope
+from ..config import DrafterConfig
 
 
 # A bounded drafter context (`bound_context`, off unless asked for) keeps the

@@ -31,9 +31,9 @@ from typing import List, NamedTuple, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
-from .adapter import nearest_prefix
-from .errors import DFlashError
-from .hub import cache_root
+from ..target.adapter import nearest_prefix
+from ..errors import DFlashError
+from ..hub import cache_root
 from .prompt_store import PromptStore, model_key
 
 

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .kernels.guard import failure
+from ..kernels.guard import failure
 
 log = logging.getLogger("dflash_mlx")
 

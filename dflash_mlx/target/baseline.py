@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .adapter import _Wrapper, materialize
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 def generate(model: nn.Module, tokenizer, prompt: Sequence[int], max_tokens: int, temp: float = 0.0) -> Dict:
@@ -77,7 +77,7 @@ def plain_target(pair) -> nn.Module:
     wrappers = {path for path, m in wrapped.named_modules() if isinstance(m, _Wrapper)}
     weights = [(_unwrapped_key(k, wrappers), v) for k, v in tree_flatten(wrapped.parameters())]
     if getattr(pair, "group", None) is not None:  # sharded as the pair's target is (same names, same slices)
-        from .distributed import shard_like
+        from ..distributed import shard_like
 
         shard_like(model, pair)
     model.load_weights(weights, strict=True)  # same names and shapes, or it raises

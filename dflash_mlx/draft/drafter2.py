@@ -17,11 +17,11 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import DrafterConfig
-from .draft_source import DFlashDraftSource
+from ..config import DrafterConfig
+from .source import DFlashDraftSource
 from .drafter import DecoderLayer, DFlashDrafter
-from .policy.proposal import rescale
-from .sampling import SamplingParams, log_probs
+from ..policy.proposal import rescale
+from ..sampling import SamplingParams, log_probs
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 

@@ -31,11 +31,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.models.cache import PromptTrie
 
-from .adapter import cache_classes
-from .draft_source import ContextRows
-from .drafter import DraftCache
-from .errors import DFlashError
-from .target_caches import WindowCache
+from ..target.adapter import cache_classes
+from ..draft.source import ContextRows
+from ..draft.drafter import DraftCache
+from ..errors import DFlashError
+from ..target.caches import WindowCache
 
 FORMAT = "dflash-mlx-prompt-cache/2"  # 2: a checksum in every entry
 _SUFFIX = ".safetensors"
@@ -62,8 +62,8 @@ def model_key(pair) -> str:
     drafter context bound, draft source, backend, MLX, mlx-lm and BLAS."""
     import mlx_lm
 
-    from .machine import blas_name
-    from .config import CONVERSION
+    from ..machine import blas_name
+    from ..config import CONVERSION
 
     if pair.target_path is None or pair.draft_path is None:
         raise DFlashError("The prompt cache's disk tier needs a pair loaded from files (dflash_mlx.load); "

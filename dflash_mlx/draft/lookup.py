@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx
 
-from .draft_source import DraftSource
+from .source import DraftSource
 
 ORDERS = (6, 5, 4, 3)
 BULK = 64  # tokens from which `NgramIndex.extend` indexes by slices
