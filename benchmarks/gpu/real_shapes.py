@@ -58,7 +58,7 @@ def build_target(out: Path, seed: int = 0) -> Path:
 
 def build_drafter(out: Path, config: Path, seed: int = 1) -> Path:
     from dflash_mlx.config import DrafterConfig
-    from dflash_mlx.drafter import DFlashDrafter
+    from dflash_mlx.draft.drafter import DFlashDrafter
 
     cfg = json.loads(config.read_text())
     mx.random.seed(seed)

@@ -9,7 +9,7 @@ import time
 import mlx.core as mx
 
 import dflash_mlx
-from dflash_mlx import tree
+from dflash_mlx.draft import tree
 from dflash_mlx.kernels import guard
 
 KERNELS = ("verify_accept", "gdn_verify", "gdn_replay", "qmm_verify")
