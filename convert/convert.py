@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import compute_bits_per_weight, quantize_model, save_config
+from mlx_lm.utils import quantize_model, save_config
 
 from dflash_mlx.config import DFLASH2_FIELDS, DrafterConfig, check_pair
 from dflash_mlx.drafter2 import drafter_class, published_keys
@@ -308,6 +308,10 @@ def convert_drafter(
     model.set_dtype(DTYPES[dtype])
 
     new_cfg = normalized_config(original, config, dtype, str(hf_path))
+    # Counted before quantizing, where each array holds one weight per element
+    # (packed quantized weights hold several, and mlx-lm's count misses arrays
+    # of modules that also hold modules, such as DFlash2's codebooks).
+    parameters = sum(v.size for _, v in tree_flatten(model.parameters()))
     if quantize:
         progress("quantizing")
         # quantize_model prints its own bits-per-weight line; the caller reports it.
@@ -327,7 +331,7 @@ def convert_drafter(
     return ConvertResult(
         path=out,
         dtype=dtype,
-        bits_per_weight=compute_bits_per_weight(model),
-        parameters=sum(v.size for v in params.values()),
+        bits_per_weight=sum(v.nbytes for v in params.values()) * 8 / parameters,
+        parameters=parameters,
         quantization=new_cfg.get("quantization"),
     )
