@@ -350,6 +350,9 @@ def test_a_bin_beside_safetensors_is_named_not_used_silently(tmp_path, drafter, 
         r = runner.invoke(app, ["convert", "--hf-path", str(drafter), "--mlx-path", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
     assert any("pytorch_model.bin" in m and "not read" in m for m in caplog.messages)
+    # The command line says it as it says an error: one line, `warning: ` and the message.
+    (warned,) = [line for line in r.stderr.splitlines() if "warning" in line.lower()]
+    assert warned.startswith(f"warning: {drafter} holds both") and "pytorch_model.bin" in warned
 
 
 # --- prompt-cache entries on disk: verified before use, dropped with one line -------------
