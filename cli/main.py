@@ -440,7 +440,7 @@ def _serve_until_stopped(server, spill: bool, sharded: bool) -> None:
             server.engine.close()
     # All is written and closed. Leave without the native libraries' exit-time
     # teardown: with torch loaded (transformers imports it where installed) it
-    # aborted now and then ("terminate called without an active exception"),
+    # aborts now and then ("terminate called without an active exception"),
     # which a service manager reports as a failed stop.
     sys.stdout.flush()
     sys.stderr.flush()
