@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from dflash_mlx.cli.warning_lines import print_warning, show_warnings
 from dflash_mlx.errors import DFlashError, printable
 
 app = typer.Typer(
@@ -53,6 +54,7 @@ def ranged(default, *names, min=None, max=None, help: Optional[str] = None, **kw
 @app.callback()
 def main():
     """DFlash block-diffusion speculative decoding on MLX."""
+    show_warnings(err)
 
 
 DRAFT_CONTEXT_HELP = (
@@ -438,7 +440,7 @@ def _serve_until_stopped(server, spill: bool, sharded: bool) -> None:
             server.engine.close()
     # All is written and closed. Leave without the native libraries' exit-time
     # teardown: with torch loaded (transformers imports it where installed) it
-    # aborted now and then ("terminate called without an active exception"),
+    # aborts now and then ("terminate called without an active exception"),
     # which a service manager reports as a failed stop.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -771,7 +773,7 @@ def _print_bench(result: dict, temp: float) -> None:
                   f"their share of a step or cycle: {shares}")
     mismatched = [p for s in result["overall"].values() for p in s.get("mismatched_prompts", [])]
     if mismatched:
-        err.print(f"[bold red]warning:[/] {len(mismatched)} greedy output(s) differ from plain mlx-lm decoding")
+        print_warning(err, f"{len(mismatched)} greedy output(s) differ from plain mlx-lm decoding")
 
 
 def _write_bench(result: dict, out: Optional[str], plot: Optional[str]) -> None:

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import compute_bits_per_weight, quantize_model, save_config
+from mlx_lm.utils import quantize_model, save_config
 
 from dflash_mlx.config import DFLASH2_FIELDS, DrafterConfig, check_pair
 from dflash_mlx.draft.drafter2 import drafter_class, published_keys
@@ -59,38 +59,47 @@ def file_digest(path: Path) -> str:
 
 
 def read_checkpoint(path: Path) -> Dict[str, mx.array]:
-    """Weights from a drafter directory or a single checkpoint file."""
+    """Weights from a drafter directory or a single checkpoint file. A directory's
+    safetensors weights are read in preference to PyTorch checkpoints beside them."""
     path = Path(path)
     if path.is_file():
-        files = [path]
-    else:
-        unread = sorted(p.name for p in path.iterdir() if p.suffix in TORCH_SUFFIXES)
-        if unread and any(path.glob("*.safetensors")):
-            log.warning(printable(f"{path} holds both safetensors weights and {', '.join(unread)}; "
-                                  "the safetensors weights are converted, the others are not read."))
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            return read_sharded_safetensors(index)
-        if (path / "model.safetensors").is_file():
-            return read_safetensors(path / "model.safetensors")
-        files = sorted(path.glob("*.safetensors"))
-        if files:
-            weights = {}
-            for f in files:
-                weights.update(read_safetensors(f))
-            return weights
-        files = sorted(p for p in path.iterdir() if p.suffix in TORCH_SUFFIXES)
-        if not files:
+        return _read_files([path])
+    unread = sorted(p.name for p in path.iterdir() if p.suffix in TORCH_SUFFIXES)
+    try:
+        weights = _read_safetensors_folder(path)
+    except DFlashError as e:
+        if not unread:
+            raise
+        raise DFlashError(f"{str(e).rstrip('.')}, or move the safetensors files out of {path} "
+                          f"to use {', '.join(unread)} instead.") from e
+    if weights is None:
+        if not unread:
             raise DFlashError(
                 f"No weights in {path}: expected model.safetensors, a sharded index, "
                 "pytorch_model.bin or a *.pt/*.pth checkpoint."
             )
+        return _read_files([path / name for name in unread])
+    if unread:
+        log.warning(printable(f"{path} holds both safetensors weights and {', '.join(unread)}; "
+                              "the safetensors weights are converted, the others are not read."))
+    return weights
+
+
+def _read_safetensors_folder(path: Path) -> Optional[Dict[str, mx.array]]:
+    """A directory's safetensors weights (sharded, one file or several), or None if it has none."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return read_sharded_safetensors(index)
+    if (path / "model.safetensors").is_file():
+        return read_safetensors(path / "model.safetensors")
+    files = sorted(path.glob("*.safetensors"))
+    return _read_files(files) if files else None
+
+
+def _read_files(files) -> Dict[str, mx.array]:
     weights = {}
     for f in files:
-        if f.suffix == ".safetensors":
-            weights.update(read_safetensors(f))
-        else:
-            weights.update(read_torch(f))
+        weights.update(read_safetensors(f) if f.suffix == ".safetensors" else read_torch(f))
     return weights
 
 
@@ -308,6 +317,10 @@ def convert_drafter(
     model.set_dtype(DTYPES[dtype])
 
     new_cfg = normalized_config(original, config, dtype, str(hf_path))
+    # Counted before quantizing, where each array holds one weight per element
+    # (packed quantized weights hold several, and mlx-lm's count misses arrays
+    # of modules that also hold modules, such as DFlash2's codebooks).
+    parameters = sum(v.size for _, v in tree_flatten(model.parameters()))
     if quantize:
         progress("quantizing")
         # quantize_model prints its own bits-per-weight line; the caller reports it.
@@ -327,7 +340,7 @@ def convert_drafter(
     return ConvertResult(
         path=out,
         dtype=dtype,
-        bits_per_weight=compute_bits_per_weight(model),
-        parameters=sum(v.size for v in params.values()),
+        bits_per_weight=sum(v.nbytes for v in params.values()) * 8 / parameters,
+        parameters=parameters,
         quantization=new_cfg.get("quantization"),
     )

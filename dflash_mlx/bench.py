@@ -17,7 +17,7 @@ cropping, detokenizing), and the target's bare verify passes of those cycles
 are timed alone at the same widths and context lengths. Part of the loop's
 work runs while the target's pass computes, so the two need not add up to a
 cycle; neither is a difference of separately taken timings, so neither can
-come out negative (a cost curve measured apart did: it differs from the
+come out negative (a cost curve measured apart can: it differs from the
 loop's cycles by more than the loop's own work, on a machine whose speed
 wanders).
 """

@@ -5,6 +5,10 @@ class DFlashError(Exception):
     """A user-facing error: its message is one line that says what to do."""
 
 
+class DFlashWarning(UserWarning):
+    """A user-facing warning: its message is one line that says what was done."""
+
+
 def printable(text: str) -> str:
     """`text` with control characters (escape sequences, newlines) written as
     escapes: a message that quotes a file can neither drive the terminal nor

@@ -131,7 +131,7 @@ def test_curve_profile_ignores_drift_between_rounds():
     got = costs.profile(rounds)
     scale = got[0] / shape[0]
     assert all(g / scale == pytest.approx(c, rel=0.03) for g, c in zip(got, shape))
-    # A plain per-width median, as before, bends the shape under such drift.
+    # A plain median per width, by contrast, bends the shape under such drift.
     plain = [sorted(col)[len(col) // 2] for col in zip(*rounds)]
     assert max(abs(p / plain[0] * shape[0] / c - 1) for p, c in zip(plain, shape)) > 0.05
 
@@ -229,7 +229,7 @@ def test_a_long_plain_run_asks_less_often_whatever_the_evidence():
         gaps = [b - a for a, b in zip(steps, steps[1:])]
         assert gaps == expected[:-1] and [2, 4, 8] in [gaps[i : i + 3] for i in range(len(gaps))]
         assert gaps.count(8) >= len(gaps) // 2
-        assert len(steps) < 30 + 5 * probes  # it was every other step on thin evidence
+        assert len(steps) < 30 + 5 * probes  # not a probe every other step on thin evidence
 
 
 def test_a_long_catch_up_is_paid_for_over_the_tokens_left():
@@ -342,7 +342,7 @@ def test_where_drafting_cannot_pay_it_never_probes():
 
 def test_where_drafting_cannot_pay_nothing_is_drawn_but_lookups_are_weighed():
     """A plain step's choice on a curve where no drafted cycle can pay draws no rates
-    (the draw was most of auto's cost over width 1 on a steep curve); an offer is still weighed."""
+    (on a steep curve the draw would be most of auto's cost over width 1); an offer is still weighed."""
     W = 8
     steep = [float(w) for w in range(1, W + 1)]
     bare = [1.0 + 0.05 * (w - 1) for w in range(1, W + 1)]  # a lookup's bare verify is cheap

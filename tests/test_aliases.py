@@ -17,7 +17,7 @@ REGISTRY = aliases()
 HUB = {name: e for name, e in REGISTRY.items() if not e.get("builtin")}
 VARIANTS = [(name, v, repo) for name, e in HUB.items() for v, repo in sorted(e.get("variants", {}).items())]
 
-# Issue 14: every z-lab drafter whose target mlx-lm loads and a 128 GB Mac holds at 4-bit.
+# Every z-lab drafter whose target mlx-lm loads and a 128 GB Mac holds at 4-bit.
 REQUIRED = {
     "qwen3-4b", "qwen3-8b", "llama3.1-8b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b",
     "qwen3.5-122b-a10b", "qwen3.6-27b", "qwen3.6-35b-a3b", "qwen3-coder-30b-a3b", "qwen3-coder-next",

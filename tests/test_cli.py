@@ -324,3 +324,24 @@ def test_a_draft_context_bound_is_applied_reported_and_exact():
     assert windowed.exit_code == 1 and "declares its own windows" in windowed.stderr
     assert len(windowed.stderr.strip().splitlines()) == 1
     assert run_cli("--model", "demo", "-p", "hi", "--draft-context", "0").exit_code == 1
+
+
+def test_only_the_package_warnings_become_warning_lines():
+    """Its warnings and its logger's records print as `warning: <message>`;
+    other packages' warnings keep Python's format, with their source line."""
+    code = """if True:
+        import logging, warnings
+        from rich.console import Console
+        from dflash_mlx.cli.warning_lines import show_warnings
+        from dflash_mlx.cache.prompt_store import PromptStoreWarning
+        console = Console(stderr=True, highlight=False, soft_wrap=True)
+        show_warnings(console)
+        show_warnings(console)
+        warnings.warn("ours", PromptStoreWarning)
+        logging.getLogger("dflash_mlx.kernels").warning("logged %s", "here")
+        warnings.warn("theirs", UserWarning)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 0 and lines[:2] == ["warning: ours", "warning: logged here"], r.stderr
+    assert "<string>:" in lines[2] and "UserWarning: theirs" in lines[2]

@@ -619,3 +619,25 @@ def test_quantized_dflash2_loads_and_keeps_its_codebooks_float(tmp_path):
     want, noise = reference_logits(ref, cfg, ctx, emb)
     got = mlx_logits(drafter, ctx, noise, emb)
     assert np.abs(got - want).mean() / np.abs(want).mean() < 0.05
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_reported_parameters_are_the_weights_the_model_holds(tmp_path, kind):
+    """Packed quantized weights count as the weights they hold, and DFlash2's
+    codebooks count too: the figures match the PyTorch model's."""
+    if kind == "dflash2":
+        ref, cfg = dflash2_drafter()
+    else:
+        cfg = tiny.drafter_config("old", V, 8, mask_token_id=3)
+        ref = reference_drafter(cfg)
+    want = sum(p.numel() for p in ref.parameters())
+    src = save_checkpoint(ref, cfg, tmp_path / "src", "safetensors")
+    full = convert_drafter(str(src), str(tmp_path / "f32"), dtype="float32")
+    assert full.parameters == want and full.bits_per_weight == 32.0
+    q = convert_drafter(str(src), str(tmp_path / "q4"), dtype="float32", quantize=True, q_bits=4, q_group_size=32)
+    assert q.parameters == want
+    assert 4 < q.bits_per_weight < 7  # float32 scales and biases add 2 bits; norms and codebooks stay float
+    r = runner.invoke(app, ["convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "cli"),
+                            "-q", "--q-group-size", "32"])
+    assert r.exit_code == 0, r.output
+    assert f"({want / 1e6:.1f}M parameters" in r.stderr

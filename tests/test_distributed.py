@@ -1,4 +1,4 @@
-"""DFlash with the target sharded across processes (issue 16): tensor and
+"""DFlash with the target sharded across processes: tensor and
 pipeline parallelism, two processes started by `mlx.launch` with the ring
 backend on loopback.
 

@@ -350,6 +350,27 @@ def test_a_bin_beside_safetensors_is_named_not_used_silently(tmp_path, drafter, 
         r = runner.invoke(app, ["convert", "--hf-path", str(drafter), "--mlx-path", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
     assert any("pytorch_model.bin" in m and "not read" in m for m in caplog.messages)
+    # The command line says it as it says an error: one line, `warning: ` and the message.
+    (warned,) = [line for line in r.stderr.splitlines() if "warning" in line.lower()]
+    assert warned.startswith(f"warning: {drafter} holds both") and "pytorch_model.bin" in warned
+
+
+
+@pytest.mark.parametrize("command", ["convert", "generate"])
+def test_damaged_safetensors_beside_a_bin_is_one_error_line_naming_both(tmp_path, drafter, monkeypatch, command):
+    """No warning about the .bin first: the error names the damaged file and the way out."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+    weights = drafter / "model.safetensors"
+    torch.save(load_file(str(weights)), str(drafter / "pytorch_model.bin"))
+    weights.write_bytes(weights.read_bytes()[:-100])
+    args = (["convert", "--hf-path", drafter, "--mlx-path", tmp_path / "o"] if command == "convert"
+            else ["generate", "--model", "demo", "--draft", drafter, "-p", "x", "-m", "2"])
+    r = refused(args, f"{weights} is truncated or damaged")
+    assert r.stderr.rstrip().endswith(f"download it again, or move the safetensors files out of {drafter} "
+                                      "to use pytorch_model.bin instead.")
 
 
 # --- prompt-cache entries on disk: verified before use, dropped with one line -------------

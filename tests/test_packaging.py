@@ -1,9 +1,13 @@
-"""The built wheel installs one top-level package, with its data."""
+"""The repository's shape: the wheel installs one top-level package with its data, modules import
+without circles, and the sources and docs describe the code as it is."""
 
+import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,3 +115,18 @@ def test_imports_run_one_way():
         and any(d == f"dflash_mlx.{f}" or d.startswith(f"dflash_mlx.{f}.") for f in NEVER[n.split(".")[1]])
     )
     assert wrong == [], wrong
+
+
+# Words that tell the story of the work rather than describe the code (history lives in git log).
+HISTORY = re.compile(r"\b(issue|session) #?\d+\b|\b[a-z]+(st|nd|rd|th) session\b"
+                     r"|\b(previously|formerly|used to be|as before)\b", re.IGNORECASE)
+
+
+def test_the_sources_and_docs_describe_the_code_not_its_history():
+    listed = subprocess.run(["git", "ls-files", "*.py", "*.md"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode:
+        pytest.skip("not a git checkout")
+    files = [ROOT / name for name in listed.stdout.splitlines() if ROOT / name != Path(__file__).resolve()]
+    found = [f"{f.relative_to(ROOT)}:{n}: {line.strip()}" for f in files if f.is_file()
+             for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if HISTORY.search(line)]
+    assert found == [], "\n".join(found)

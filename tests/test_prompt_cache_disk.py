@@ -259,6 +259,48 @@ def test_a_restarted_server_reuses_the_prefix_from_disk(pairs, targets, drafters
     assert "dflash_prompt_cache_disk_hits_total 1.0" in metrics.splitlines()
 
 
+def serve_until_listening(model, draft, folder):
+    """The real `serve` command with its disk prompt cache in `folder`, stopped
+    (SIGTERM) once it answers: its stderr."""
+    import re
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    exe = shutil.which("dflash-mlx")
+    proc = subprocess.Popen(([exe] if exe else [sys.executable, "-m", "dflash_mlx.cli.main"]) + [
+        "serve", "--model", model, "--draft", draft, "--port", "0", "--block-size", "4",
+        "--prompt-cache-disk-bytes", "1GB", "--prompt-cache-dir", str(folder)], stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        while not lines or "serving" not in lines[-1]:
+            lines.append(proc.stderr.readline())
+            assert lines[-1], "serve exited before listening:\n" + "".join(lines)
+        conn = http.client.HTTPConnection("127.0.0.1", int(re.search(r":(\d+)/v1", lines[-1]).group(1)), timeout=60)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0, rest
+    return "".join(lines) + rest
+
+
+def test_the_server_says_a_file_is_skipped_in_one_warning_line(targets, drafters, tmp_path):
+    """As `warning: <message>`, not in Python's format with the source line that warned."""
+    model, draft = str(targets["qwen3"]), str(drafters["old"])
+    serve_until_listening(model, draft, tmp_path)
+    (folder,) = tmp_path.iterdir()  # the model's folder, made at start
+    damaged = folder / ("0" * 32 + ".safetensors")
+    damaged.write_bytes(b"not a safetensors file")
+    log = serve_until_listening(model, draft, tmp_path)
+    warned = [line for line in log.splitlines() if "warning" in line.lower()]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: prompt cache: skipping {damaged} ("), log
+    assert warned[0].endswith("; it was removed.") and ".py:" not in log and not damaged.exists()
+
+
 @pytest.mark.parametrize("args, says", [
     (["--prompt-cache-disk-bytes", "lots"], "--prompt-cache-disk-bytes takes a size such as 8GB, 512MB or 0 (got 'lots')"),
     (["--prompt-cache-disk-bytes", "20GB", "--prompt-cache-bytes", "0"],

@@ -6,7 +6,7 @@ import sys
 STATS = (("speedup_geomean", "geometric means over prompts"), ("speedup", "medians over prompts"))
 
 
-PAIRED = ("speedup_median_per_prompt", "medians of per-prompt ratios")  # results from the fourteenth session on
+PAIRED = ("speedup_median_per_prompt", "medians of per-prompt ratios")  # listed where every block size's results hold it
 
 
 def table(path: str) -> str:

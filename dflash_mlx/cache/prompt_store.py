@@ -34,7 +34,7 @@ from mlx_lm.models.cache import PromptTrie
 from ..target.adapter import cache_classes
 from ..draft.source import ContextRows
 from ..draft.drafter import DraftCache
-from ..errors import DFlashError
+from ..errors import DFlashError, DFlashWarning
 from ..target.caches import WindowCache
 
 FORMAT = "dflash-mlx-prompt-cache/2"  # 2: a checksum in every entry
@@ -46,8 +46,8 @@ _STALE_TMP_S = 600  # a temporary file this old is left over from a crash
 _CLASSES = {**cache_classes(), "WindowCache": WindowCache}
 
 
-class PromptStoreWarning(UserWarning):
-    pass
+class PromptStoreWarning(DFlashWarning):
+    """A file of the disk tier skipped or not written; the cache goes on without it."""
 
 
 def _fingerprint(path) -> List[str]:
