@@ -502,10 +502,11 @@ def test_a_long_prompt_joins_a_chunk_per_cycle(pairs, baselines, family, monkeyp
     every output is plain greedy decoding (a cancelled one leaves without a trace)."""
     from conftest import plain_greedy
 
-    from dflash_mlx.batch import engine
     from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.policy import join
 
-    monkeypatch.setattr(engine, "JOIN_CHUNK", 16)
+    for name in ("FIRST_CHUNK", "MIN_CHUNK", "MAX_CHUNK"):  # chunks of 16, whatever the timings
+        monkeypatch.setattr(join, name, 16)
     pair = pairs[family]
     short = [pair.tokenizer.encode(t) for t in TEXTS[:2]]
     long = pair.tokenizer.encode(" ".join(TEXTS) * 3)
@@ -737,3 +738,60 @@ def test_a_sequence_ending_while_a_plain_step_is_in_flight_keeps_its_own_state(p
     later = [prompts[0] + answers[0] + pair.tokenizer.encode(" and then")]
     assert run(later, 10) == [plain_greedy(base, later[0], 10, eos=eos)]
     assert cache.hits == 1
+
+
+def test_join_chunks_take_a_set_number_of_cycles():
+    """A join chunk is sized from the measured seconds of a prefill row to take JOIN_CYCLES of
+    the batch's cycles, within its bounds; before anything is timed it is FIRST_CHUNK."""
+    from dflash_mlx.policy.join import FIRST_CHUNK, JOIN_CYCLES, MAX_CHUNK, MIN_CHUNK, JoinChunks
+
+    j = JoinChunks()
+    assert j.size() == FIRST_CHUNK
+    j.cycle(0.1)
+    assert j.size() == FIRST_CHUNK  # no prefill row timed yet
+    j.chunk(100, 0.2)  # 2 ms a row: two 0.1 s cycles are 100 rows
+    assert j.size() == int(JOIN_CYCLES * 0.1 / 0.002) == 100
+    j.chunk(100, 0.6)  # rows grew dearer (a longer context): smaller chunks
+    assert j.size() < 100
+    fast, slow = JoinChunks(), JoinChunks()
+    for j, cycle in ((fast, 1e-6), (slow, 1e6)):
+        j.cycle(cycle)
+        j.chunk(100, 0.2)
+    assert fast.size() == MIN_CHUNK and slow.size() == MAX_CHUNK
+
+
+def test_a_joining_prompt_is_prefilled_in_chunks_of_the_measured_size(pairs):
+    """`fill` times each chunk of a joining prompt and the batch times its cycles; each next
+    chunk is as many tokens as the join policy says then."""
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair = pairs["qwen3"]
+    dec = BatchDecoder(pair, 4)
+    dec.add(pair.tokenizer.encode(TEXTS[0]), 40)
+    sizes = iter([20, 7, 33, 5, 1000])
+
+    class Scripted:
+        def __init__(self):
+            self.asked, self.chunks, self.cycles = [], [], 0
+
+        def size(self):
+            self.asked.append(next(sizes))
+            return self.asked[-1]
+
+        def chunk(self, tokens, seconds):
+            assert seconds > 0
+            self.chunks.append(tokens)
+
+        def cycle(self, seconds):
+            self.cycles += 1
+
+    dec.joins = Scripted()
+    long = pair.tokenizer.encode(" ".join(TEXTS) * 2)
+    joining = dec.add(long, 4, chunked=True)  # asks a size once to decide that it is long
+    assert joining.filling
+    while not any(c.uid == joining.uid for c in dec.fill()):
+        dec.step()
+    # The first size asked decided that the prompt is long; the chunks follow the next ones.
+    assert dec.joins.asked[0] == 20 and len(long) - 1 > 45
+    assert dec.joins.chunks == [7, 33, 5, len(long) - 1 - 45]
+    assert dec.joins.cycles >= 3

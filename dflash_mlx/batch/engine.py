@@ -16,6 +16,7 @@ by rejection sampling, as alone, with drafts drawn at the pair's learned
 proposal scales (`policy/proposal.py`), which it teaches as it goes.
 """
 
+import time
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Generator, List, NamedTuple, Optional, Sequence
@@ -24,6 +25,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
+from ..policy.join import JoinChunks
 from ..policy.plan import Plan
 from ..kernels import verify_accept
 from ..draft.lookup import point_masses
@@ -40,10 +42,6 @@ GREEDY = SamplingParams()
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
 # beyond, each is prefilled alone in mlx-lm's chunks, so a long prompt holds memory as it does alone.
 BATCH_PREFILL = 2048
-# A prompt that joins while others decode is prefilled this many tokens per cycle (`fill`): the
-# others' next tokens wait for one such chunk, not for the whole prompt (chunked prefill, as vLLM's
-# token budget per step; a few hundred tokens cost a few decode cycles of a full batch).
-JOIN_CHUNK = 512
 
 
 def can_batch(target) -> bool:
@@ -215,6 +213,7 @@ class BatchDecoder:
         # A plain step launched from the last one's tokens before the host read them.
         self._ahead: Optional[Ahead] = None
         self._uids = count()
+        self.joins = JoinChunks()  # how much of a joining prompt to prefill between cycles
 
     def __len__(self) -> int:
         """Sequences in the batch: decoding, or still prefilling (`fill`)."""
@@ -225,16 +224,18 @@ class BatchDecoder:
         """Prefill `prompt`, then join the batch; its first token (and whether it already ended).
         `source`: the sequence's own draft source (default: the pair's drafter); `asks`: how its
         tokens are picked (default: greedy). `chunked`, while others decode: a prompt longer than
-        `JOIN_CHUNK` is prefilled a chunk per cycle (`fill`), and its `Committed` says `filling`."""
+        a join chunk (`policy.join`: sized by time) is prefilled a chunk per cycle (`fill`), and its
+        `Committed` says `filling`."""
         if not prompt:
             raise DFlashError("The prompt is empty.")
         if self.window and len(prompt) > self.window:
             raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {self.window}.")
         source = source or self.source
         tcache, dstate, reused = self._fetch(prompt, source)
-        later = chunked and bool(self.seqs) and len(prompt) - reused > JOIN_CHUNK
+        later = chunked and bool(self.seqs) and len(prompt) - reused > self.joins.size()
         steps = prefill_steps(self.target, source, dstate, mx.array(prompt[reused:]), tcache,
-                              JOIN_CHUNK if later else PREFILL_STEP, taps=self.width > 1, skip=True, before=reused)
+                              self.joins.size if later else PREFILL_STEP, taps=self.width > 1, skip=True,
+                              before=reused)
         f = Filling(next(self._uids), list(prompt), max_tokens, source, asks, tcache, dstate, steps)
         if later:
             self.filling.append(f)
@@ -252,8 +253,9 @@ class BatchDecoder:
         (their first tokens, `first` set)."""
         out = []
         for f in list(self.filling):
+            tic = time.perf_counter()
             try:
-                next(f.steps)
+                self.joins.chunk(next(f.steps), time.perf_counter() - tic)
             except StopIteration as done:
                 self.filling.remove(f)
                 out.append(self._filled(f, *done.value))
@@ -389,7 +391,14 @@ class BatchDecoder:
         """One cycle for every sequence in the batch at `width` (default: the largest);
         finished sequences leave it. `then`: the width of the cycle after it (default: the
         same); a plain step launches the next before the host reads its tokens only where that
-        is plain too, so no step is computed to be dropped."""
+        is plain too, so no step is computed to be dropped. Its seconds size join chunks."""
+        tic = time.perf_counter()
+        out = self._cycle(width, then)
+        if out:
+            self.joins.cycle(time.perf_counter() - tic)
+        return out
+
+    def _cycle(self, width: Optional[int], then: Optional[int]) -> List[Committed]:
         if not self.seqs:
             return []
         w = self.width if width is None else max(1, min(width, self.width))

@@ -3,7 +3,7 @@ a plain step, and a tree's draft and verify. No policy and no host
 synchronisation here: each returns lazy arrays for a cycle (`cycle.py`) to
 launch and settle."""
 
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -23,13 +23,14 @@ PREFILL_STEP = 2048  # prompt tokens per prefill chunk: mlx-lm's prefill_step_si
 PREFILL_HOLD_BYTES = 512 << 20
 
 
-def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None, prompt_rows: int = 0,
-                   before: int = 0):
+def prefill_chunks(n: int, step: Union[int, Callable[[], int]], horizon: Optional[Tuple[int, int]] = None,
+                   prompt_rows: int = 0, before: int = 0):
     """(start, end, read) chunks of `n` prompt tokens, `step` at most: mlx-lm's
     chunks, unless a `horizon` (first, last) leaves rows no draft will read
     (after the first `first` context rows, `before` of which the drafter holds
     already, and behind the last `last` of the `prompt_rows` to come), which get
-    chunks of their own with `read` False."""
+    chunks of their own with `read` False. `step` may be a callable asked for
+    each chunk's size as it is reached; the chunks then come one by one."""
     a = b = n
     if horizon is not None:
         first, last = horizon
@@ -37,10 +38,17 @@ def prefill_chunks(n: int, step: int, horizon: Optional[Tuple[int, int]] = None,
         b = max(a, min(n, prompt_rows - last))
     if b == a:
         a = b = n
-    out = []
-    for lo, hi, read in ((0, a, True), (a, b, False), (b, n, True)):
-        out += [(s, min(s + step, hi), read) for s in range(lo, hi, step)]
-    return out
+    chunks = _chunks(((0, a, True), (a, b, False), (b, n, True)), step)
+    return chunks if callable(step) else list(chunks)
+
+
+def _chunks(regions, step):
+    for lo, hi, read in regions:
+        start = lo
+        while start < hi:
+            end = min(start + max(1, step() if callable(step) else step), hi)
+            yield start, end, read
+            start = end
 
 
 def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = PREFILL_STEP, hold: int = PREFILL_HOLD_BYTES,
@@ -58,12 +66,12 @@ def drained(steps):
             return done.value
 
 
-def prefill_steps(target, source, dstate, prompt: mx.array, tcache, step: int = PREFILL_STEP,
+def prefill_steps(target, source, dstate, prompt: mx.array, tcache, step: Union[int, Callable[[], int]] = PREFILL_STEP,
                   hold: int = PREFILL_HOLD_BYTES, before_last=None, taps: bool = True, skip: bool = False,
                   before: int = 0):
     """Run the prompt through the target: the first token waits for nothing else.
-    A generator that pauses after each chunk (a batch runs its cycles between them) and
-    returns what `prefill` does.
+    A generator that pauses after each chunk, yielding its tokens (a batch runs its cycles
+    between them, and sizes the next through a callable `step`), and returns what `prefill` does.
 
     As mlx-lm does, all but the last prompt token go through in chunks that
     evaluate only the caches, and the last token is one plain step; the taps
@@ -98,7 +106,7 @@ def prefill_steps(target, source, dstate, prompt: mx.array, tcache, step: int = 
         # Evaluate the caches per chunk; the held taps stay lazy (at most `hold` bytes of them).
         mx.eval([c.state for c in tcache], given)
         mx.clear_cache()
-        yield
+        yield e - s
     if before_last is not None:
         before_last(tcache)
     logits, hidden = target(prompt[None, -1:], tcache, taps=taps)

@@ -1,0 +1,50 @@
+"""How much of a joining prompt to prefill between a batch's cycles: sized by time.
+
+A prompt that joins sequences already decoding is prefilled a chunk at a time between the
+batch's cycles, so that their tokens keep flowing while it goes in (as vLLM's chunked prefill
+shares each step's token budget between decoding and prefill). A fixed number of tokens per
+chunk takes a different time on every target and context; here a chunk is sized from what a
+prefill row was measured to cost (the chunks before it) so that it takes `JOIN_CYCLES` of the
+batch's cycles. The sequences decoding then wait about 1 + JOIN_CYCLES cycles between two
+tokens while a prompt joins, and the joiner gets its first token after about
+1 + 1 / JOIN_CYCLES times its own prefill time (each of its chunks waits one cycle).
+"""
+
+from typing import Optional
+
+# A chunk's seconds in cycles: 2 keeps the decoding sequences' longest gap near 3 cycles and
+# the joiner's prefill within about 1.5 times its time alone.
+JOIN_CYCLES = 2.0
+FIRST_CHUNK = 128  # tokens of a join's chunk before any prefill row or cycle has been timed
+MIN_CHUNK = 16  # below this a chunk's fixed cost (a pass through every layer) is most of its time
+MAX_CHUNK = 2048  # mlx-lm's prefill_step_size: a chunk holds no more memory than a prefill alone
+# Each new measurement's weight: a row costs more as the context grows, and cycles change with
+# the batch; half-lives of a measurement or two follow both.
+NEWEST = 0.5
+
+
+def _mean(old: Optional[float], new: float) -> float:
+    return new if old is None else (1 - NEWEST) * old + NEWEST * new
+
+
+class JoinChunks:
+    """Seconds per prefill row and per batch cycle, measured; the next join chunk's size."""
+
+    def __init__(self):
+        self.row_seconds: Optional[float] = None
+        self.cycle_seconds: Optional[float] = None
+
+    def cycle(self, seconds: float) -> None:
+        """A batch cycle took `seconds`."""
+        self.cycle_seconds = _mean(self.cycle_seconds, seconds)
+
+    def chunk(self, tokens: int, seconds: float) -> None:
+        """A prefill chunk of `tokens` took `seconds`."""
+        if tokens > 0:
+            self.row_seconds = _mean(self.row_seconds, seconds / tokens)
+
+    def size(self) -> int:
+        """Tokens of the next chunk: JOIN_CYCLES cycles' worth of prefill rows."""
+        if self.row_seconds is None or self.cycle_seconds is None or self.row_seconds <= 0:
+            return FIRST_CHUNK
+        return int(min(MAX_CHUNK, max(MIN_CHUNK, JOIN_CYCLES * self.cycle_seconds / self.row_seconds)))
