@@ -27,13 +27,12 @@ from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.join import JoinChunks
 from ..policy.plan import Plan
-from ..kernels import verify_accept
 from ..draft.lookup import point_masses
 from ..policy.proposal import reached_gains
 from ..sampling import (Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs, gumbel_rows, log_probs,
                         pick)
-from ..decode.passes import (PREFILL_STEP, Draft, Verified, caught_up, draft, drained, joined, logprob_rows,
-                             pick_drafts, prefill_steps, token_logprobs)
+from ..decode.passes import (PREFILL_STEP, Draft, Verified, accept, caught_up, draft, drained, joined,
+                             logprob_rows, pick_drafts, prefill_steps, token_logprobs)
 from ..decode.request import HELD_TAPS, proposal_scaler
 from .cache import add_to, batch_of
 from .drafts import DraftBatch
@@ -113,18 +112,10 @@ class Running:
         return picks, None if self.top is None else token_logprobs(logits, picks, self.top)
 
     def verify(self, logits: mx.array, drafts: mx.array, noise: Optional[mx.array], q_lp: Optional[mx.array]):
-        """Its picks after each row of `logits` [w, V] of [last, drafts]: drawn from `q_lp`
-        (unseeded), the drafts are verified by rejection sampling, and the picks are the accepted
-        drafts then the target's own token; else each row's pick, and the agreeing prefix."""
-        if not self.rejection:
-            picks, lps = self.pick(logits, drafts, noise)
-            return Picked(picks, agreeing(drafts, picks), lps, None)
-        if self.proc:
-            logits = self.proc(logits, drafts)
-        accepted, token = verify_accept(drafts, logits, self.params, q_lp)
-        token = token.reshape(1).astype(drafts.dtype)
-        picks = mx.where(mx.arange(logits.shape[0]) == accepted, token, mx.concatenate([drafts, token]))
-        return Picked(picks, accepted, None if self.top is None else token_logprobs(logits, picks, self.top), logits)
+        """What its rows `logits` [w, V] of [last, drafts] accept (`passes.accept`: greedy, its
+        draws' `noise`, or rejection sampling against `q_lp`, the drafts' proposal)."""
+        a = accept(drafts, logits, self.params, q_lp, self.top, self.proc or None, noise)
+        return Picked(a.picks, a.accepted, a.logprobs, a.logits if self.rejection else None)
 
     def commit(self, tokens: List[int]) -> None:
         self.history += tokens

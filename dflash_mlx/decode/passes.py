@@ -207,6 +207,36 @@ class Verified(NamedTuple):
     q_lp: Optional[mx.array] = None  # when the proposal scales learn from this cycle (`policy/proposal.py`)
 
 
+class Accepted(NamedTuple):
+    """What the target's rows of a block [last, drafts] accept: one place for greedy, seeded and
+    rejection sampling, logits processors and log probabilities."""
+
+    accepted: mx.array  # drafts accepted
+    token: mx.array  # [1] the target's token after them
+    picks: mx.array  # [n + 1] the accepted drafts, then `token` (rows past it: the drafts after)
+    logprobs: Optional[tuple]  # `token_logprobs` of the picks, when asked for
+    logits: mx.array  # the rows, processed
+
+
+def accept(tokens: mx.array, logits: mx.array, params: SamplingParams, q_lp: Optional[mx.array] = None,
+           top: Optional[int] = None, proc: Optional[Processed] = None, noise: Optional[mx.array] = None) -> Accepted:
+    """Verify drafts `tokens` [n] against the target's rows `logits` [n + 1, V] of [last, tokens]:
+    the greedy rule, or with `noise` (a seeded request's `sampling.Draws` rows) the drafts checked
+    against the target's draws, or else rejection sampling against `q_lp`, the log probabilities
+    the drafts were drawn from; with `top`, the picks' log probabilities."""
+    if proc:
+        logits = proc(logits, tokens)
+    if noise is None:
+        accepted, token = verify_accept(tokens, logits, params, q_lp)
+    else:
+        drawn = choose(logits, params, noise)
+        accepted = agreeing(tokens, drawn)
+        token = drawn[accepted]
+    token = token.reshape(1).astype(tokens.dtype)
+    picks = mx.where(mx.arange(logits.shape[0]) == accepted, token, mx.concatenate([tokens, token]))
+    return Accepted(accepted, token, picks, None if top is None else token_logprobs(logits, picks, top), logits)
+
+
 class Stepped(NamedTuple):
     token: mx.array  # [1]: it is the next step's input as it is
     hidden: Optional[tuple]  # the tapped layers' outputs [1, 1, D] each, joined later (`joined`)
@@ -240,21 +270,10 @@ def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Opti
     target's draws at their positions."""
     block = mx.concatenate([last, tokens])
     logits, hidden = target(block[None], tcache, record=True)
-    logits = logits[None, 0] if not proc else proc(logits[0], tokens)[None]
-    if noise is None:
-        accepted, nxt = verify_accept(tokens, logits[0], params, q_lp)
-    else:
-        picks = choose(logits[0], params, noise)
-        accepted = agreeing(tokens, picks)
-        nxt = picks[accepted]
-    lps = None
-    if top is not None:
-        rows = mx.arange(block.shape[0])
-        ahead = mx.concatenate([tokens, nxt.reshape(1).astype(tokens.dtype)])
-        lps = token_logprobs(logits[0], mx.where(rows == accepted, nxt.astype(tokens.dtype), ahead), top)
+    a = accept(tokens, logits[0], params, q_lp, top, proc, noise)
     if keep:
-        return Verified(tokens, accepted, nxt, hidden, lps, logits=logits[0], q_lp=q_lp)
-    return Verified(tokens, accepted, nxt, hidden, lps)
+        return Verified(tokens, a.accepted, a.token, hidden, a.logprobs, logits=a.logits, q_lp=q_lp)
+    return Verified(tokens, a.accepted, a.token, hidden, a.logprobs)
 
 
 def step(target, tcache, last, params: SamplingParams, record: bool = False, top: Optional[int] = None,
