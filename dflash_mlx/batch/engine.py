@@ -231,7 +231,10 @@ class BatchDecoder:
         if later:
             self.filling.append(f)
             return Committed(f.uid, [], filling=True)
-        return self._filled(f, *drained(steps))
+        tic = time.perf_counter()
+        out = self._filled(f, *drained(steps))
+        self.joins.chunk(len(prompt) - reused, time.perf_counter() - tic)  # what a prefill row costs here
+        return out
 
     def _fetch(self, prompt: Sequence[int], source):
         """(target caches, draft state, tokens reused): from the prompt cache's longest prefix, or fresh."""
@@ -293,6 +296,7 @@ class BatchDecoder:
         for tcache, _, _ in starts[1:]:
             for batch, c in zip(cache, tcache):
                 add_to(batch, c)
+        tic = time.perf_counter()
         logits, hidden = self.target(block, cache, taps=self.width > 1, rows=mx.array(rest) - 1)
         for c in cache:
             c.crop([L - r for r in rest])
@@ -302,6 +306,7 @@ class BatchDecoder:
             seqs.append(self._running(p, m, source, starts[b][1], taps, a))
             picked.append(seqs[-1].pick(logits[b], None, seqs[-1].noise(1)))
         mx.eval(picked, [c.state for c in cache])
+        self.joins.chunk(sum(rest), time.perf_counter() - tic)
         out, keep, joined_seqs = [], [], []
         for b, (p, seq) in enumerate(zip(prompts, seqs)):
             c = self._start(seq, p, *picked[b])

@@ -15,7 +15,9 @@ from typing import Optional
 # A chunk's seconds in cycles: 2 keeps the decoding sequences' longest gap near 3 cycles and
 # the joiner's prefill within about 1.5 times its time alone.
 JOIN_CYCLES = 2.0
-FIRST_CHUNK = 128  # tokens of a join's chunk before any prefill row or cycle has been timed
+# Tokens of a join's chunk before a prefill row or a cycle has been timed (every prefill the batch
+# runs is timed, so this is the first join after a hand-over): small, since a large one stalls.
+FIRST_CHUNK = 32
 MIN_CHUNK = 16  # below this a chunk's fixed cost (a pass through every layer) is most of its time
 MAX_CHUNK = 2048  # mlx-lm's prefill_step_size: a chunk holds no more memory than a prefill alone
 # Each new measurement's weight: a row costs more as the context grows, and cycles change with
@@ -39,7 +41,7 @@ class JoinChunks:
         self.cycle_seconds = _mean(self.cycle_seconds, seconds)
 
     def chunk(self, tokens: int, seconds: float) -> None:
-        """A prefill chunk of `tokens` took `seconds`."""
+        """A prefill chunk (or a whole prefill) of `tokens` took `seconds`."""
         if tokens > 0:
             self.row_seconds = _mean(self.row_seconds, seconds / tokens)
 
