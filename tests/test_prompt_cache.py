@@ -95,6 +95,41 @@ def test_a_stop_string_with_a_cycle_in_flight_leaves_exact_caches(pairs, baselin
         assert stats.cached_tokens >= len(prompt)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_request_stopped_early_keeps_what_it_computed(pairs, baselines, family):
+    """A caller that stops reading (a client that left) ends the request as a stop string
+    would, alone (the generator closed with a cycle in flight) or in a batch (`remove`): the
+    prompt cache keeps what it computed, and the next turn from there is still exact."""
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair, tok = pairs[family], pairs[family].tokenizer
+    prompt = tok.encode("Once upon a time there was a tiny language model")
+    for alone in (True, False):
+        cache, answer = PromptCache(pair), []
+        if alone:
+            events = dflash_mlx.stream_generate(pair, prompt, max_tokens=40, block_size=ScriptedWidths([4, 1, 1]),
+                                                prompt_cache=cache)
+            for ev in events:
+                answer += ev.tokens
+                if len(answer) >= 6:
+                    break
+            events.close()
+        else:
+            dec = BatchDecoder(pair, 4, prompt_cache=cache)
+            first = dec.add(prompt, 40)
+            answer = list(first.tokens)
+            while len(answer) < 6:
+                answer += dec.step(4 if len(answer) % 2 else 1)[0].tokens
+            dec.remove(first.uid)
+            dec.keep()
+            assert len(dec) == 0
+        assert cache.reach(pair.target, pair.draft_source, prompt + answer) >= len(prompt) + len(answer) - 1
+        nxt = prompt + answer + tok.encode(" and then")
+        warm, stats = run(pair, nxt, cache)
+        assert warm == plain_greedy(baselines[family], nxt, 24), alone
+        assert stats.cached_tokens >= len(prompt) + len(answer) - 1, alone
+
+
 def test_sampling_with_a_seed_gives_the_cold_text(pairs):
     pair, tok = pairs["qwen3"], pairs["qwen3"].tokenizer
     cache = PromptCache(pair)

@@ -541,9 +541,11 @@ class BatchDecoder:
         self.finished = []
 
     def remove(self, uid: int) -> None:
-        """Drop a sequence before it finished (nothing if it is not in the batch)."""
+        """Drop a sequence before it finished (nothing if it is not in the batch); with a prompt
+        cache, what it computed is kept there as a finished one's is (`keep`)."""
         self.filling = [f for f in self.filling if f.uid != uid]
-        self._keep_only([b for b, s in enumerate(self.seqs) if s.uid != uid])
+        self._drop_ahead()  # its caches then hold every committed token but the last
+        self._leave([b for b, s in enumerate(self.seqs) if s.uid != uid])
 
     def _keep_only(self, keep: List[int]) -> None:
         """Keep the sequences at indices `keep`; the others' rows are dropped."""

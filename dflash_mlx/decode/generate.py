@@ -65,6 +65,9 @@ def stream_generate(
     acceptance each would have had; a number fixes it (1: the drafter's own q);
     a `ProposalScales` object learns into that object.
 
+    A caller that stops early (closes the generator, or drops it) ends the request as a stop
+    string would: its caches go to the prompt cache.
+
     `hand_over()`, asked after each event, stops the loop early when it says
     so: the cycle in flight is settled and its event yielded, and the
     generator returns the request's state (`HandOver`, in `StopIteration.value`)
@@ -88,7 +91,11 @@ def stream_generate(
             cycle = None if deferred else req.launch(plan)
 
         event = req.event(out, finish)
-        yield event
+        try:
+            yield event
+        except GeneratorExit:  # the caller stopped early: keep what was computed, as at a stop string
+            req.finish(cycle)
+            raise
         if event.finish_reason is not None:
             req.finish(cycle)
             return

@@ -219,6 +219,7 @@ class Engine:
                     batch.remove(uid)
                     self._ended(jobs.pop(uid), cancelled=True)
             if not jobs:
+                batch.keep()  # what cancelled jobs computed
                 return
             self.stats["active"] = len(jobs)
             try:
