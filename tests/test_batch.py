@@ -326,7 +326,7 @@ def run_streams(pair, joining, widths, join_at=None, width=8):
         waiting = [i for i in waiting if i not in now]
         if now:
             for i, (uid, event) in zip(now, streams.add_many([joining[i] for i in now])):
-                index[uid], events[i] = i, [event]
+                index[uid], events[i] = i, [] if event is None else [event]  # None: prefilled a chunk a cycle
         for uid, event in streams.step():
             events[index[uid]].append(event)
         cycle += 1

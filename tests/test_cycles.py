@@ -13,7 +13,7 @@ from dflash_mlx.decode.cycle import Decoding, LinearCycle, PlainStep, TreeCycle
 from dflash_mlx.decode.passes import Draft, draft_tree
 from dflash_mlx.draft.source import DraftSource
 from dflash_mlx.policy.plan import PLAIN, Outcome, Plan, Run
-from dflash_mlx.sampling import Processed, SamplingParams
+from dflash_mlx.sampling import SamplingParams
 
 W = 6
 
@@ -43,7 +43,7 @@ def test_a_settled_cycle_leaves_what_its_committed_tokens_alone_would(pairs, bas
     cache = target.make_cache()
     target(mx.array([seq[:m]]), cache)
     last = mx.array(seq[m : m + 1], dtype=mx.uint32)
-    d = Decoding(target, None, None, cache, SamplingParams(), Processed((), ()))
+    d = Decoding(target=target, source=None, dstate=None, tcache=cache, params=SamplingParams())
     if kind == "plain":
         out = PlainStep(d, last).settle()
         assert out.accepted == 0

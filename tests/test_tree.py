@@ -15,7 +15,7 @@ from dflash_mlx.decode.timing import cycle_parts
 from dflash_mlx.draft.source import DraftSource
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.policy import costs
-from dflash_mlx.sampling import Processed, SamplingParams
+from dflash_mlx.sampling import SamplingParams
 
 real_tree_mask = trees.tree_mask
 
@@ -109,7 +109,7 @@ def test_branch_accepted_at_every_fork_keeps_only_its_rows(pairs, baselines, fam
         cache = target.make_cache()
         target(mx.array([seq[:m]]), cache)
         last = mx.array(seq[m : m + 1])
-        d = Decoding(target, Forked(), None, cache, SamplingParams(), Processed((), ()))
+        d = Decoding(target=target, source=Forked(), dstate=None, tcache=cache, params=SamplingParams())
         out = TreeCycle(d, last, draft_tree(Forked(), None, last, None, W, tree)).settle()
         accepted, tokens, hidden, branched, missed = out.accepted, out.tokens, out.hidden, out.branched, out.missed
         assert branched and accepted == min(fork + L - 1, W - 1), fork

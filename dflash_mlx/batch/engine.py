@@ -17,7 +17,7 @@ proposal scales (`policy/proposal.py`), which it teaches as it goes.
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from itertools import count
 from typing import Any, Generator, List, NamedTuple, Optional, Sequence
 
@@ -34,10 +34,10 @@ from ..sampling import (Draws, Processed, SamplingParams, agreeing, choose, gree
 from ..decode.passes import (PREFILL_STEP, Draft, Verified, accept, caught_up, draft, drained, joined,
                              logprob_rows, pick_drafts, prefill_steps, token_logprobs)
 from ..decode.request import HELD_TAPS, proposal_scaler
+from ..decode.sequence import GREEDY, SequenceState
 from .cache import add_to, batch_of
 from .drafts import DraftBatch
 
-GREEDY = SamplingParams()
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
 # beyond, each is prefilled alone in mlx-lm's chunks, so a long prompt holds memory as it does alone.
 BATCH_PREFILL = 2048
@@ -75,33 +75,13 @@ class Picked(NamedTuple):
     rows: Any  # the processed rows rejection sampling verified on, None where it did not (a list)
 
 
-@dataclass
-class Running:
-    """One sequence of the batch: what its next cycle starts from."""
+@dataclass(kw_only=True)
+class Running(SequenceState):
+    """One sequence of the batch."""
 
     uid: int
-    max_tokens: int
-    source: Any  # its draft source (`draft.source.DraftSource`): the pair's unless it brought one
-    dstate: Any  # the source's state for this sequence (the drafter's context)
-    last: mx.array  # [1] its last committed token (the next block's first)
-    taps: list = field(default_factory=list)  # target taps the drafter has not read yet (lazy)
-    generated: int = 0
-    history: List[int] = field(default_factory=list)  # prompt and committed tokens (for the prompt cache)
-    params: SamplingParams = GREEDY
-    proc: Processed = field(default_factory=lambda: Processed([], ()))
-    draws: Optional[Draws] = None  # a sampled sequence's draws
-    top: Optional[int] = None  # `Asks.logprobs`
     run: Any = None  # its run of the pair's sizer (`policy.sizer.SizerRun`): how much of a lookup offer to copy
-    scaler: Any = None  # an unseeded sampled sequence's proposal scales (`policy.proposal`)
     lesson: Optional[tuple] = None  # what its scales learn from its last drafted cycle (lazy)
-
-    @property
-    def rejection(self) -> bool:
-        """Sampled without a seed: drafted cycles are verified by rejection sampling."""
-        return not self.params.greedy and self.draws is None
-
-    def noise(self, n: int) -> Optional[mx.array]:
-        return None if self.draws is None else self.draws.noise(n)
 
     def pick(self, logits: mx.array, drafts: Optional[mx.array], noise: Optional[mx.array]):
         """Its tokens after each row of `logits` [n, V] of [last, drafts] (and their log probabilities):
@@ -119,10 +99,7 @@ class Running:
 
     def commit(self, tokens: List[int]) -> None:
         self.history += tokens
-        if self.proc:
-            self.proc.commit(mx.array(tokens))
-        if self.draws is not None:
-            self.draws.advance(len(tokens))
+        self.drawn(mx.array(tokens), len(tokens))
 
 
 @dataclass
@@ -336,7 +313,7 @@ class BatchDecoder:
         seeded = not params.greedy and params.seed is not None
         draws = Draws(params.seed, len(prompt), self.target.vocab_size) if seeded else None
         uid = next(self._uids) if uid is None else uid
-        return Running(uid, max_tokens, source, dstate, None, taps, params=params,
+        return Running(uid=uid, max_tokens=max_tokens, source=source, dstate=dstate, taps=taps, params=params,
                        proc=Processed(asks.processors, prompt), draws=draws, top=asks.logprobs,
                        run=self._run(params), scaler=self._scaler(source, params, draws))
 
@@ -360,18 +337,15 @@ class BatchDecoder:
         seq.source.commit(seq.dstate, seq.history)
         return out
 
-    def adopt(self, tcache: list, source, dstate, last: mx.array, taps: list, max_tokens: int,
-              generated: int, history: Sequence[int] = (), params: SamplingParams = GREEDY,
-              proc: Optional[Processed] = None, draws: Optional[Draws] = None, top: Optional[int] = None) -> int:
-        """Take in a sequence another loop decoded so far (its caches hold every committed
-        token but `last`; `generated` of its `max_tokens` are committed; `history`: its
-        prompt and those tokens; `proc` has seen them, `draws` is past them: a sampled
-        sequence without draws is verified by rejection sampling); its uid."""
-        seq = Running(next(self._uids), max_tokens, source, dstate, last, list(taps), generated, list(history),
-                      params, proc or Processed([], ()), draws, top, self._run(params),
-                      self._scaler(source, params, draws))
-        self._join(seq, tcache)
-        return seq.uid
+    def adopt(self, seq: SequenceState, tcache: list) -> int:
+        """Take in a sequence another loop decoded so far, as it is (its caches `tcache` hold
+        every committed token but its last); its uid."""
+        kept = {f.name: getattr(seq, f.name) for f in fields(SequenceState)}
+        kept.update(taps=list(seq.taps), history=list(seq.history),
+                    scaler=self._scaler(seq.source, seq.params, seq.draws))
+        running = Running(uid=next(self._uids), run=self._run(seq.params), **kept)
+        self._join(running, tcache)
+        return running.uid
 
     def _join(self, seq: "Running", tcache: list) -> None:
         """Its caches' rows are copied into the batch's."""

@@ -67,8 +67,7 @@ class BatchStreams:
 
     def adopt(self, h: HandOver) -> int:
         """Go on with a request another loop started (`stream_generate(hand_over=...)`); its uid."""
-        uid = self.decoder.adopt(h.tcache, h.source, h.dstate, h.last, h.taps, h.max_tokens, h.generated,
-                                 h.history, h.params, h.proc, h.draws, h.top)
+        uid = self.decoder.adopt(h.seq, h.seq.tcache)
         self.streams[uid] = _Stream(h.text, h.stats, h.tic)
         return uid
 

@@ -10,39 +10,23 @@ copies or both); which cycle runs is the policy's plan (`policy`).
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import mlx.core as mx
 
 from ..draft import tree as trees
 from ..policy.plan import Outcome
-from ..sampling import Draws, Processed, SamplingParams
 from .passes import Draft, TreeVerified, logprob_rows, step, verify, verify_tree
+from .sequence import SequenceState
 
 
-@dataclass
-class Decoding:
-    """What every cycle of one request works on."""
+@dataclass(kw_only=True)
+class Decoding(SequenceState):
+    """A request alone: its sequence, and the target and caches every cycle works on."""
 
     target: Any  # the adapter's target
-    source: Any  # the draft source (`draft.source.DraftSource`)
-    dstate: Any  # the source's state for this request
     tcache: list  # the target's caches
-    params: SamplingParams
-    proc: Processed  # logits processors, each committed token fed to them
-    top: Optional[int] = None  # with `logprobs=k`: the k most likely tokens at each position
     tapped: bool = True  # plain steps compute taps: the request keeps the drafter's context
-    draws: Optional[Draws] = None  # a seeded sampled request's draws (None: rejection sampling)
-
-    def noise(self, n: int) -> Optional[mx.array]:
-        """The next n positions' draws (`Draws.noise`), None without a seed."""
-        return None if self.draws is None else self.draws.noise(n)
-
-    def commit(self, tokens: mx.array, n: int) -> None:
-        """n tokens committed: the logits processors see them, the draws move past them."""
-        self.proc.commit(tokens)
-        if self.draws is not None:
-            self.draws.advance(n)
 
 
 class PlainStep:
@@ -54,10 +38,10 @@ class PlainStep:
         self.pending = step(d.target, d.tcache, last, d.params, top=d.top, proc=d.proc, taps=d.tapped,
                             noise=d.noise(1))
         mx.async_eval(self.pending)
-        d.commit(self.pending.token, 1)
+        d.drawn(self.pending.token, 1)
         self.token = self.pending.token
 
-    def settle(self, also: Sequence = ()) -> Outcome:
+    def settle(self, also: tuple = ()) -> Outcome:
         token, hidden, lps = self.pending
         if lps is not None:
             mx.eval(token, lps)
@@ -78,7 +62,7 @@ class LinearCycle:
                                proc=d.proc, keep=keep, noise=noise)._replace(alternatives=proposal.alternatives)
         mx.async_eval(self.verified)
 
-    def settle(self, also: Sequence = ()) -> Outcome:
+    def settle(self, also: tuple = ()) -> Outcome:
         """`also`: lazy arrays to evaluate in the same synchronisation."""
         v = self.verified
         n, dt = v.drafts.shape[0], v.drafts.dtype
@@ -91,7 +75,7 @@ class LinearCycle:
         missed = None
         if v.alternatives is not None and accepted < n:
             missed = trees.missed(values[n + 2 :], v.alternatives.shape[1], accepted + 1, tokens[-1])
-        self.d.commit(mx.array(tokens), len(tokens))
+        self.d.drawn(mx.array(tokens), len(tokens))
         self.cut(accepted)
         hidden = v.hidden if v.hidden.shape[1] == accepted + 1 else v.hidden[:, : accepted + 1]
         return Outcome(accepted, tokens, v.token.reshape(1).astype(self.dtype), hidden,
@@ -122,7 +106,7 @@ class TreeCycle:
         """The caches keep the path's rows, moved to the front of the pass's."""
         self.d.target.keep_rows(self.d.tcache, path, self.verified.tree.size)
 
-    def settle(self, also: Sequence = ()) -> Outcome:
+    def settle(self, also: tuple = ()) -> Outcome:
         v: TreeVerified = self.verified
         t = v.tree
         N, B, W = t.size, t.branches, t.width

@@ -6,7 +6,7 @@ and hands it each `Outcome`."""
 
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -134,23 +134,13 @@ def proposal_scaler(pair, source, params: SamplingParams, proposal_scale):
 @dataclass
 class HandOver:
     """A request stopped at a cycle boundary, for another loop to go on with
-    (`batch.BatchStreams.adopt`): its caches hold every committed token but `last`."""
+    (`batch.BatchStreams.adopt`): its sequence, whose caches hold every committed token but
+    its last, and its text stream and stats."""
 
-    tcache: list  # the target's caches
-    source: Any  # the draft source and its state (the drafter's context)
-    dstate: Any
-    last: mx.array  # [1] the last committed token
-    taps: list  # target taps the drafter has not read yet (lazy)
-    max_tokens: int
-    generated: int  # tokens committed so far
+    seq: Decoding
     text: "TextStream"
     stats: GenerationStats
     tic: float  # when its first token was committed
-    history: List[int]  # the prompt and the committed tokens
-    params: SamplingParams
-    proc: Processed  # its logits processors, which have seen `history`
-    draws: Optional[Draws]  # a seeded request's draws, past `history`
-    top: Optional[int]  # with log probabilities: how many top tokens
 
 
 class Request:
@@ -202,14 +192,15 @@ class Request:
         # A seed fixes the text, whatever the widths (`sampling.Draws`); without one, rejection sampling.
         seeded = params.seed is not None and not params.greedy
         draws = Draws(params.seed, len(prompt), target.vocab_size) if seeded else None
-        self.scaler = None
+        scaler = None
         if not params.greedy and self.drafter and draws is None:
-            self.scaler = proposal_scaler(pair, source, params, proposal_scale)
-        self.d = Decoding(target, source, dstate, tcache, params, Processed(logits_processors, prompt), logprobs,
-                          tapped=self.drafter, draws=draws)
-        self.taps: list = []  # target taps of committed tokens not yet given to the drafter
-        self.unseen = 0  # rows of them (what the drafter's next drafted cycle catches up on)
-        self.history: List[int] = []  # prompt and committed tokens: the target's cache holds all but the last
+            scaler = proposal_scaler(pair, source, params, proposal_scale)
+        # Its taps: of committed tokens the drafter has not read; its history: the prompt and the
+        # committed tokens, all but the last of which the target's caches hold.
+        self.d = Decoding(target=target, source=source, dstate=dstate, tcache=tcache, params=params,
+                          proc=Processed(logits_processors, prompt), top=logprobs, tapped=self.drafter, draws=draws,
+                          scaler=scaler, max_tokens=max_tokens)
+        self.unseen = 0  # rows of taps the drafter has not read (what its next drafted cycle catches up on)
         self.chosen: Optional[Plan] = None  # the next plan, chosen while a plain step was in flight
         self.offer: List[int] = []
         self.scales = None  # this cycle's proposal scales
@@ -220,24 +211,24 @@ class Request:
         """The prompt through the target (but the rows a prompt cache holds) and the first token."""
         d, prompt = self.d, self.prompt
         trimmable = self.prompt_cache is None or can_trim(d.tcache)
-        logits, self.taps = prefill(d.target, d.source, d.dstate, mx.array(prompt[self.reused :]), d.tcache, step,
+        logits, self.d.taps = prefill(d.target, d.source, d.dstate, mx.array(prompt[self.reused :]), d.tcache, step,
                                     before_last=None if trimmable else self.keep_at_prompt, taps=self.drafter,
                                     skip=True, before=self.reused)
         logits = d.proc.row(logits[None])[0] if d.proc else logits
         last = pick(logits[None], self.params) if d.draws is None else choose(logits[None], self.params, d.noise(1))
-        d.commit(last, 1)
+        d.drawn(last, 1)
         lps = None if d.top is None else token_logprobs(logits[None], last, d.top)
         if lps is not None:
             mx.eval(last, lps)
             lps = logprob_rows(lps, 1)
         out = Outcome(0, [last.item()], last, logprobs=lps)
-        self.last = last
+        self.d.last = last
         self.stats.cached_tokens = self.reused
         self.stats.prompt_tps = len(prompt) / (time.perf_counter() - self.tic)
         if self.lookup or self.drafter:
             d.source.commit(d.dstate, prompt + out.tokens)
-        self.history = prompt + out.tokens
-        self.unseen = sum(t.shape[1] for t in self.taps)
+        self.d.history = prompt + out.tokens
+        self.unseen = sum(t.shape[1] for t in self.d.taps)
         self.tic = time.perf_counter()
         return out
 
@@ -270,27 +261,27 @@ class Request:
         copied = min(plan.copied, width - 1, len(self.offer))
         plan = Plan(width, copied, min(plan.branches, self.branches) if width > 1 and not copied else 0)
         self.scales = None
-        if self.scaler is not None and plan.drafts and not plan.branches:
-            self.scales = self.scaler.choose(plan.width - 1)
+        if self.d.scaler is not None and plan.drafts and not plan.branches:
+            self.scales = self.d.scaler.choose(plan.width - 1)
         return plan
 
     def launch(self, plan: Plan):
         """Start the cycle `plan` asks for; a drafted one first gives the drafter the taps it has not seen."""
         d = self.d
         if plan.width == 1:
-            return PlainStep(d, self.last)
+            return PlainStep(d, self.d.last)
         hidden = None
         if plan.drafts:
-            hidden = joined(caught_up(d.source, d.dstate, self.taps)) if self.taps else None
-            self.taps, self.unseen = [], 0
+            hidden = joined(caught_up(d.source, d.dstate, self.d.taps)) if self.d.taps else None
+            self.d.taps, self.unseen = [], 0
         if plan.branches:
-            return TreeCycle(d, self.last, draft_tree(d.source, d.dstate, self.last, hidden, plan.width,
+            return TreeCycle(d, self.d.last, draft_tree(d.source, d.dstate, self.d.last, hidden, plan.width,
                                                       plan.branches))
         noise = d.noise(plan.width)
-        proposal = draft(d.source, d.dstate, self.last, hidden, plan.width, self.params, self.offer[: plan.copied],
+        proposal = draft(d.source, d.dstate, self.d.last, hidden, plan.width, self.params, self.offer[: plan.copied],
                          d.proc, self.learn, self.scales, None if noise is None else noise[:-1])
-        return LinearCycle(d, self.last, proposal, plan.width,
-                           keep=self.scales is not None and self.scaler.learning(), noise=noise)
+        return LinearCycle(d, self.d.last, proposal, plan.width,
+                           keep=self.scales is not None and self.d.scaler.learning(), noise=noise)
 
     def step_ahead(self, cycle) -> Optional[PlainStep]:
         """While a plain step is in flight, the next cycle's plan; a plain step is
@@ -316,7 +307,7 @@ class Request:
         d = self.d
         if isinstance(cycle, LinearCycle):
             if self.learned is not None:  # an earlier cycle's, computed by now
-                self.scaler.update(*self.learned)
+                self.d.scaler.update(*self.learned)
                 self.learned = None
             if cycle.verified.logits is not None and out.accepted >= done.copied:
                 # What each scale would have had accepted at the drafter's positions this verify
@@ -325,22 +316,22 @@ class Request:
         elif isinstance(cycle, TreeCycle):
             self.stats.tree_cycles += 1
             self.stats.branch_cycles += out.branched
-        self.history += out.tokens
+        self.d.history += out.tokens
         if self.drafter:
-            self.taps.append(out.hidden)
+            self.d.taps.append(out.hidden)
             self.unseen += out.accepted + 1
         if self.lookup or self.drafter:
             d.source.commit(d.dstate, out.tokens)
-        if len(self.taps) == HELD_TAPS:
-            d.source.add_context(d.dstate, joined(self.taps))
-            self.taps, self.unseen = [], 0
+        if len(self.d.taps) == HELD_TAPS:
+            d.source.add_context(d.dstate, joined(self.d.taps))
+            self.d.taps, self.unseen = [], 0
         self.run.update(done, out)
         stats = self.stats
         stats.cycles += 1
         stats.draft_cycles += done.width > 1
         stats.lookup_cycles += done.copied > 0
         stats.acceptance_lengths.append(out.accepted + 1)
-        self.last = out.last
+        self.d.last = out.last
 
     def event(self, out: Outcome, finish: Optional[str]) -> GenerationEvent:
         """The committed tokens' text (held back where a stop string may start, cut where one ends it)."""
@@ -355,8 +346,8 @@ class Request:
         stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 else 0.0
         stats.peak_memory_gb = peak_memory_gb()
         stats.finish_reason = finish
-        if finish is not None and self.scaler is not None:
-            stats.proposal_scales = self.scaler.describe()
+        if finish is not None and self.d.scaler is not None:
+            stats.proposal_scales = self.d.scaler.describe()
         return GenerationEvent(segment, tokens, out.accepted, stats, finish, lps)
 
     def finish(self, inflight) -> None:
@@ -371,18 +362,17 @@ class Request:
         next loop copies their rows; the taps the drafter has not read go along, lazy). The
         other loop keeps what it computed in the prompt cache once it ends, so nothing here
         stands between the requests waiting for it and their first tokens."""
-        d = self.d
-        return HandOver(d.tcache, d.source, d.dstate, self.last, self.taps, self.max_tokens,
-                        self.stats.generation_tokens, self.text, self.stats, self.tic, self.history,
-                        self.params, d.proc, d.draws, d.top)
+        self.d.generated = self.stats.generation_tokens
+        return HandOver(self.d, self.text, self.stats, self.tic)
 
     def keep_caches(self, inflight) -> None:
         """Hand the caches to the prompt cache. A cycle still in flight has fed the
         last committed token: its row is kept (a verify is cropped to it) so the
         caches hold all of `history` but nothing beyond it; the drafter is given
         the taps it has not seen."""
-        d, taps = self.d, self.taps
-        rows = len(self.history) - 1
+        d = self.d
+        taps = d.taps
+        rows = len(self.d.history) - 1
         if inflight is not None:
             if isinstance(inflight, PlainStep):
                 hidden = inflight.pending.hidden
@@ -395,4 +385,4 @@ class Request:
         if taps:
             d.source.add_context(d.dstate, joined(caught_up(d.source, d.dstate, taps)))
         mx.eval([c.state for c in d.tcache], d.source.arrays(d.dstate))
-        self.prompt_cache.store(d.target, d.source, d.dstate, self.history[:rows], d.tcache, self.at_prompt)
+        self.prompt_cache.store(d.target, d.source, d.dstate, self.d.history[:rows], d.tcache, self.at_prompt)

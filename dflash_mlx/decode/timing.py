@@ -6,7 +6,7 @@ import time
 import mlx.core as mx
 
 from ..draft import tree as trees
-from ..sampling import Processed, SamplingParams
+from ..sampling import SamplingParams
 from .cycle import Decoding, LinearCycle, PlainStep, TreeCycle
 from .passes import PREFILL_STEP, Draft, draft, draft_tree
 
@@ -56,7 +56,7 @@ def cycle_parts(pair, n: int, branches: int = 0):
     greedy = SamplingParams()
     prompt = mx.random.randint(0, target.vocab_size, (n,), key=mx.random.key(n))
     tcache, dstate = target.make_cache(), source.new_state()
-    d = Decoding(target, source, dstate, tcache, greedy, Processed((), ()))
+    d = Decoding(target=target, source=source, dstate=dstate, tcache=tcache, params=greedy)
     chunks = []
     for s in range(0, n, PREFILL_STEP):  # in chunks, as a prefill runs: one pass over a long context would not fit
         _, t = target(prompt[None, s : s + PREFILL_STEP], tcache, last_only=True)
