@@ -227,33 +227,12 @@ def test_seeded_draws_follow_the_target_distribution_and_couple_the_drafts(small
     assert accept_rate > indep + 4 * sigma
 
 
-def test_batched_draws_follow_the_target_distribution(small_pair):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_batched_draws_follow_the_target_distribution(small_pair, seeded):
     """Sequences sampled together (`batch.BatchDecoder`: one drafter pass and one verify pass
-    for 250 of them, each with its own seed) follow the target's exact distribution."""
-    from dflash_mlx.batch.engine import Asks, BatchDecoder
-
-    pair, model = small_pair
-    params = SamplingParams(temp=1.0, top_k=4)
-    seqs, probs = exact_distribution(model, params)
-    counts, n = {}, 250
-    for start in range(10_000, 10_000 + SAMPLES, n):  # seeds the tests above do not use
-        dec = BatchDecoder(pair, BLOCK)
-        firsts = dec.add_many([PROMPT] * n, [N_TOKENS] * n,
-                              asks=[Asks(dataclasses.replace(params, seed=s)) for s in range(start, start + n)])
-        out = {f.uid: list(f.tokens) for f in firsts}
-        while len(dec):
-            for c in dec.step():
-                out[c.uid] += c.tokens
-        for toks in out.values():
-            counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
-    assert sum(counts.values()) == SAMPLES and all(len(t) == N_TOKENS for t in counts)
-    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
-
-
-def test_unseeded_batched_sequences_are_rejection_sampled_exactly(small_pair):
-    """Unseeded sequences sampled together are verified by rejection sampling against the
-    proposal their drafts were drawn from (learned scales included) and follow the target's
-    exact distribution."""
+    for 250 of them) follow the target's exact distribution: each with its own seed (checked
+    against its draws), or unseeded (rejection sampling against the proposal its drafts were
+    drawn from, learned scales included)."""
     from dflash_mlx.batch.engine import Asks, BatchDecoder
 
     pair, model = small_pair
@@ -261,10 +240,10 @@ def test_unseeded_batched_sequences_are_rejection_sampled_exactly(small_pair):
     seqs, probs = exact_distribution(model, params)
     counts, n = {}, 250
     mx.random.seed(20_000)
-    for _ in range(SAMPLES // n):
+    for start in range(10_000, 10_000 + SAMPLES, n):  # seeds the tests above do not use
+        asks = [Asks(dataclasses.replace(params, seed=s) if seeded else params) for s in range(start, start + n)]
         dec = BatchDecoder(pair, BLOCK)
-        firsts = dec.add_many([PROMPT] * n, [N_TOKENS] * n, asks=[Asks(params)] * n)
-        out = {f.uid: list(f.tokens) for f in firsts}
+        out = {f.uid: list(f.tokens) for f in dec.add_many([PROMPT] * n, [N_TOKENS] * n, asks=asks)}
         while len(dec):
             for c in dec.step():
                 out[c.uid] += c.tokens
