@@ -21,13 +21,16 @@ def blas_name() -> str:
 
 def _blas_of(paths) -> str:
     """The BLAS among loaded library `paths`. Only libraries MLX can resolve BLAS
-    symbols from count (numpy's bundled OpenBLAS is private to numpy), and only
-    by the library's own name or folder: MLX's JIT-compiled kernels are loaded
-    too, and their names spell out ops ("...MinimumKL..." holds "mkl")."""
+    symbols from count: a copy a wheel bundles in its `<package>.libs` folder
+    (numpy's and scipy's OpenBLAS) is private to that package, whichever test or
+    import loaded it. And only by the library's own name or folder: MLX's
+    JIT-compiled kernels are loaded too, and their names spell out ops
+    ("...MinimumKL..." holds "mkl")."""
     found = set()
     for path in paths:
         p = Path(path.lower())
-        if not p.name.startswith("lib") or ".so" not in p.name or "numpy" in path.lower():
+        if (not p.name.startswith("lib") or ".so" not in p.name or "numpy" in path.lower()
+                or p.parent.name.endswith(".libs")):
             continue
         if "openblas" in p.name or "openblas" in p.parent.name:  # Debian's: openblas-pthread/libblas.so.3
             found.add("openblas")

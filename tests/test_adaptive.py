@@ -1118,9 +1118,11 @@ def test_refining_runs_measure_a_round_even_when_one_exceeds_their_budget(monkey
 
 def test_the_blas_is_read_from_library_names_not_from_kernel_names():
     """Cost curves and the prompt cache's disk folders are keyed by the BLAS: MLX's
-    JIT-compiled kernels (loaded as libraries whose names spell out their ops) and
-    numpy's private OpenBLAS must not change it."""
+    JIT-compiled kernels (loaded as libraries whose names spell out their ops) and the
+    OpenBLAS copies numpy and scipy bundle for themselves (whichever import loaded them)
+    must not change it."""
     stock = ["/x/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0", "/x/numpy.libs/libscipy_openblas64_-32a4b2a6.so",
+             "/x/scipy.libs/libscipy_openblas-6cdc3b4a.so",
              "/tmp/mlx/0.32.4/cpu/libGf4ISubtractABHf4IMinimumKLNf4IMultiplyHMOf4_contiguous.so"]
     assert machine._blas_of(stock) == "reference (stock mlx[cpu])"
     assert machine._blas_of(stock + ["/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"]) == "openblas"
