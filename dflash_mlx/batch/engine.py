@@ -83,11 +83,11 @@ class Running(SequenceState):
     run: Any = None  # its run of the pair's sizer (`policy.sizer.SizerRun`): how much of a lookup offer to copy
     lesson: Optional[tuple] = None  # what its scales learn from its last drafted cycle (lazy)
 
-    def pick(self, logits: mx.array, drafts: Optional[mx.array], noise: Optional[mx.array]):
-        """Its tokens after each row of `logits` [n, V] of [last, drafts] (and their log probabilities):
-        greedy, its draws, or (unseeded) mlx-lm's sampler."""
+    def pick(self, logits: mx.array, noise: Optional[mx.array]):
+        """Its next token from its row of `logits` (and its log probabilities): greedy, its
+        draws, or (unseeded) mlx-lm's sampler."""
         if self.proc:
-            logits = self.proc(logits, drafts) if drafts is not None else self.proc.row(logits)
+            logits = self.proc.row(logits)
         picks = pick(logits, self.params) if self.rejection else choose(logits, self.params, noise)
         return picks, None if self.top is None else token_logprobs(logits, picks, self.top)
 
@@ -236,7 +236,7 @@ class BatchDecoder:
     def _filled(self, f: Filling, logits: mx.array, taps: list) -> Committed:
         """A prefilled sequence's first token; unless that ends it, it joins the batch."""
         seq = self._running(f.prompt, f.max_tokens, f.source, f.dstate, taps, f.asks, f.uid)
-        last, lps = seq.pick(logits[None], None, seq.noise(1))
+        last, lps = seq.pick(logits[None], seq.noise(1))
         mx.eval(last, lps, [c.state for c in f.tcache])
         out = self._start(seq, f.prompt, last, lps)
         if out.finish is None:
@@ -281,7 +281,7 @@ class BatchDecoder:
         for b, (p, m, source, a) in enumerate(zip(prompts, max_tokens, sources, asks)):
             taps = [hidden[b : b + 1, : rest[b]]] if self.width > 1 else []
             seqs.append(self._running(p, m, source, starts[b][1], taps, a))
-            picked.append(seqs[-1].pick(logits[b], None, seqs[-1].noise(1)))
+            picked.append(seqs[-1].pick(logits[b], seqs[-1].noise(1)))
         mx.eval(picked, [c.state for c in cache])
         self.joins.chunk(sum(rest), time.perf_counter() - tic)
         out, keep, joined_seqs = [], [], []

@@ -10,7 +10,7 @@ import mlx.core as mx
 from ..draft import tree as trees
 from ..kernels import verify_accept
 from ..draft.lookup import point_masses
-from ..policy.proposal import rescale, rescale_rows
+from ..policy.proposal import rescale_rows
 from ..sampling import Processed, SamplingParams, agreeing, choose, greedy_log_probs, log_probs, pick
 
 
@@ -191,7 +191,7 @@ def pick_drafts(logits: mx.array, params: SamplingParams, proc: Optional[Process
             tokens.append(choose(row, params, noise[i : i + 1]))
         else:
             lp = log_probs(row, params)
-            qs.append(lp if scales is None else rescale(lp, scales[i]))
+            qs.append(rescale_rows(lp, None if scales is None else scales[i : i + 1]))
             tokens.append(mx.random.categorical(qs[-1]).astype(mx.uint32))
     return Draft(mx.concatenate(tokens), mx.concatenate(qs) if kept else None, None)
 
