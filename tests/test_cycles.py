@@ -9,11 +9,11 @@ from test_lossless import PROMPTS
 from test_tree import ForkOracle, fork_logits
 
 import dflash_mlx
-from dflash_mlx.decode.cycle import Decoding, LinearCycle, PlainStep, TreeCycle
-from dflash_mlx.decode.passes import Draft, draft_tree
+from dflash_mlx.decode.cycle import Block, LinearCycle, PlainStep, Rows, TreeCycle
+from dflash_mlx.decode.passes import draft_tree
+from dflash_mlx.decode.sequence import SequenceState
 from dflash_mlx.draft.source import DraftSource
 from dflash_mlx.policy.plan import PLAIN, Outcome, Plan, Run
-from dflash_mlx.sampling import SamplingParams
 
 W = 6
 
@@ -43,22 +43,24 @@ def test_a_settled_cycle_leaves_what_its_committed_tokens_alone_would(pairs, bas
     cache = target.make_cache()
     target(mx.array([seq[:m]]), cache)
     last = mx.array(seq[m : m + 1], dtype=mx.uint32)
-    d = Decoding(target=target, source=None, dstate=None, tcache=cache, params=SamplingParams())
+    rows = Rows(target, cache, [SequenceState(source=None, dstate=None)])
     if kind == "plain":
-        out = PlainStep(d, last).settle()
-        assert out.accepted == 0
+        cycle = PlainStep(rows, last)
     elif kind.startswith("linear"):
         drafts = list(seq[m + 1 : m + W])
         if kind == "linear-rejected":
             drafts[2] = (drafts[2] + 1) % target.vocab_size  # the third draft is wrong
-        out = LinearCycle(d, last, Draft(mx.array(drafts, dtype=mx.uint32), None, None), W).settle()
-        assert out.accepted == (2 if kind == "linear-rejected" else W - 1)
+        cycle = LinearCycle(rows, Block(last, mx.array([drafts], dtype=mx.uint32), [None], [None]))
     else:
         class Forked(DraftSource):
             def propose(self, state, last, hidden, width):
                 return fork_logits(seq[m + 1 : m + width], 2, target.vocab_size)
 
-        out = TreeCycle(d, last, draft_tree(Forked(), None, last, None, W, 1)).settle()
+        cycle = TreeCycle(rows, draft_tree(Forked(), None, last, None, W, 1))
+    out = cycle.settle()[0]
+    cycle.cut([out.accepted + 1])
+    assert out.accepted == {"plain": 0, "linear": W - 1, "linear-rejected": 2}.get(kind, out.accepted)
+    if kind == "tree":
         assert out.branched and out.accepted >= 2
     after(target, seq, m, out, cache)
 

@@ -9,7 +9,8 @@ from test_lossless import PROMPTS
 
 import dflash_mlx
 from dflash_mlx.draft import tree as trees
-from dflash_mlx.decode.cycle import Decoding, TreeCycle
+from dflash_mlx.decode.cycle import Rows, TreeCycle
+from dflash_mlx.decode.sequence import SequenceState
 from dflash_mlx.decode.passes import draft_tree
 from dflash_mlx.decode.timing import cycle_parts
 from dflash_mlx.draft.source import DraftSource
@@ -109,8 +110,10 @@ def test_branch_accepted_at_every_fork_keeps_only_its_rows(pairs, baselines, fam
         cache = target.make_cache()
         target(mx.array([seq[:m]]), cache)
         last = mx.array(seq[m : m + 1])
-        d = Decoding(target=target, source=Forked(), dstate=None, tcache=cache, params=SamplingParams())
-        out = TreeCycle(d, last, draft_tree(Forked(), None, last, None, W, tree)).settle()
+        rows = Rows(target, cache, [SequenceState(source=Forked(), dstate=None)])
+        cycle = TreeCycle(rows, draft_tree(Forked(), None, last, None, W, tree))
+        out = cycle.settle()[0]
+        cycle.cut([out.accepted + 1])
         accepted, tokens, hidden, branched, missed = out.accepted, out.tokens, out.hidden, out.branched, out.missed
         assert branched and accepted == min(fork + L - 1, W - 1), fork
         assert missed == (fork, 2)  # for the sizer: the best path failed there, the 2nd choice was right

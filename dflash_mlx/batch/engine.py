@@ -19,7 +19,7 @@ proposal scales (`policy/proposal.py`), which it teaches as it goes.
 import time
 from dataclasses import dataclass, fields
 from itertools import count
-from typing import Any, Generator, List, NamedTuple, Optional, Sequence
+from typing import Any, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -29,10 +29,10 @@ from ..policy.join import JoinChunks
 from ..policy.plan import Plan
 from ..draft.lookup import point_masses
 from ..policy.proposal import reached_gains
-from ..sampling import (Draws, Processed, SamplingParams, agreeing, choose, greedy_log_probs, gumbel_rows, log_probs,
-                        pick)
-from ..decode.passes import (PREFILL_STEP, Draft, Verified, accept, caught_up, draft, drained, joined,
-                             logprob_rows, pick_drafts, prefill_steps, token_logprobs)
+from ..sampling import Draws, Processed, SamplingParams, choose, pick
+from ..decode.cycle import Block, LinearCycle, PlainStep, Rows
+from ..decode.passes import (PREFILL_STEP, Draft, caught_up, draft, drained, joined, logprob_rows, pick_drafts,
+                             prefill_steps, token_logprobs)
 from ..decode.request import HELD_TAPS, proposal_scaler
 from ..decode.sequence import GREEDY, SequenceState
 from .cache import add_to, batch_of
@@ -66,15 +66,6 @@ class Asks:
     logprobs: Optional[int] = None  # with each token its log probability and this many top tokens
 
 
-class Picked(NamedTuple):
-    """What a verify pass picked for a sequence (or, stacked, for the batch)."""
-
-    picks: mx.array  # the tokens after each row of the block ([w], or [B, w])
-    accepted: mx.array  # drafts accepted (a count, or [B])
-    logprobs: Any  # `token_logprobs` of the picks, None where not asked for (a list per sequence)
-    rows: Any  # the processed rows rejection sampling verified on, None where it did not (a list)
-
-
 @dataclass(kw_only=True)
 class Running(SequenceState):
     """One sequence of the batch."""
@@ -90,12 +81,6 @@ class Running(SequenceState):
             logits = self.proc.row(logits)
         picks = pick(logits, self.params) if self.rejection else choose(logits, self.params, noise)
         return picks, None if self.top is None else token_logprobs(logits, picks, self.top)
-
-    def verify(self, logits: mx.array, drafts: mx.array, noise: Optional[mx.array], q_lp: Optional[mx.array]):
-        """What its rows `logits` [w, V] of [last, drafts] accept (`passes.accept`: greedy, its
-        draws' `noise`, or rejection sampling against `q_lp`, the drafts' proposal)."""
-        a = accept(drafts, logits, self.params, q_lp, self.top, self.proc or None, noise)
-        return Picked(a.picks, a.accepted, a.logprobs, a.logits if self.rejection else None)
 
     def commit(self, tokens: List[int]) -> None:
         self.history += tokens
@@ -117,24 +102,11 @@ class Committed:
 
 @dataclass
 class Proposal:
-    """What a drafted cycle verifies."""
+    """What a drafted cycle verifies (`block`), and how each sequence's drafts were made."""
 
-    block: mx.array  # [B, width]: each sequence's last token, then its drafts
-    drafts: mx.array  # [B, width - 1]
-    noises: list  # per sequence, its draws' noise rows [width, V] (None unless seeded)
-    q_lps: list  # per sequence, the log probabilities its drafts were drawn from (unseeded sampling)
+    block: Block
     scales: list  # per sequence, the proposal scales of its drafter's positions (unseeded sampling)
     copies: List[List[int]]  # per sequence, the lookup tokens in its first draft positions
-
-
-@dataclass
-class Ahead:
-    """A plain step launched before the host read the one it follows."""
-
-    tokens: mx.array  # [B] each sequence's next token (on the device)
-    hidden: Optional[mx.array]  # its taps
-    logprobs: list  # per sequence, its `token_logprobs` (None where not asked)
-    before: Optional[dict]  # the recurrent states before it (`target.states`), to undo it
 
 
 @dataclass
@@ -179,7 +151,7 @@ class BatchDecoder:
         self.seqs: List[Running] = []
         self.filling: List[Filling] = []
         # A plain step launched from the last one's tokens before the host read them.
-        self._ahead: Optional[Ahead] = None
+        self._ahead: Optional[PlainStep] = None
         self._uids = count()
         self.joins = JoinChunks()  # how much of a joining prompt to prefill between cycles
 
@@ -376,37 +348,24 @@ class BatchDecoder:
             return self._plain_step(ahead=then is None or then <= 1)
         self._drop_ahead()
         p = self._propose(w)
-        logits, hidden = self.target(p.block, self.cache, taps=self.width > 1, record=self.target.recurrent)
-        picked = self._pick(logits, p)
-        lps = picked.logprobs
-        lessons = [s.lesson[1] for s in self.seqs if s.lesson is not None]
-        mx.eval(picked.accepted, picked.picks, p.block, lps, lessons)  # the cycle's one host synchronisation
-        acc, pk, blk = picked.accepted.tolist(), picked.picks.tolist(), p.block.tolist()
-        self._learn(p, acc, picked.rows)
-        out, kept_rows = [], []
-        for b, seq in enumerate(self.seqs):
-            a = acc[b]
-            c = Committed(seq.uid, blk[b][1 : 1 + a] + [pk[b][a]], accepted=a,
-                          logprobs=lps[b] and logprob_rows(lps[b], a + 1))
+        cycle = LinearCycle(self._rows(), p.block)
+        outcomes = cycle.settle(also=tuple(s.lesson[1] for s in self.seqs if s.lesson is not None))
+        self._learn(p, cycle, [o.accepted for o in outcomes])
+        out = []
+        for b, (seq, o) in enumerate(zip(self.seqs, outcomes)):
+            c = Committed(seq.uid, o.tokens, accepted=o.accepted, logprobs=o.logprobs)
             c.finish = self._finish(seq, c)
             out.append(c)
-            # The caches keep [last, accepted drafts]: a row per committed token but the newest;
-            # a finished sequence's, a row per token it committed (its history but the last token).
-            kept_rows.append(a + 1 if c.finish is None else len(c.tokens))
-            taps = None if hidden is None else hidden[b : b + 1, : kept_rows[-1]]
-            self._advance(b, seq, c, Plan(w, len(p.copies[b])), taps)
-        self.target.crop_each(self.cache, kept_rows, w)
+            # The caches keep a row per committed token but the newest: [last, accepted drafts], or
+            # for a finished sequence, the rows of the tokens it committed (its history but the last).
+            self._advance(b, seq, c, Plan(w, len(p.copies[b])), o.hidden[:, : len(c.tokens)])
+        cycle.cut([len(c.tokens) for c in out])
         self._leave([b for b, c in enumerate(out) if c.finish is None])
         return out
 
-    def _launch_plain(self, lasts: mx.array, pending: bool) -> Ahead:
-        """A plain step from `lasts` [B] (on the device), launched; `pending`: they are the
-        tokens of the step before, which the host has not committed yet."""
-        before = self.target.states(self.cache)
-        logits, hidden = self.target(lasts[:, None], self.cache, taps=self.width > 1)
-        tokens, lps = self._pick_next(logits[:, -1], lasts if pending else None)
-        mx.async_eval(tokens, [lp for lp in lps if lp is not None])
-        return Ahead(tokens, hidden, lps, before)
+    def _rows(self) -> Rows:
+        """The batch's sequences and caches, as its cycles decode them."""
+        return Rows(self.target, self.cache, self.seqs, taps=self.width > 1, batched=True)
 
     def _plain_step(self, ahead: bool) -> List[Committed]:
         """A plain batched step, as mlx-lm's: with `ahead`, the next one is launched from this
@@ -414,30 +373,27 @@ class BatchDecoder:
         no copy; recurrent states set back to those before it) where the batch changes before
         it runs (a sequence ends, joins or leaves) or the next cycle drafts after all."""
         if self._ahead is None:
-            self._ahead = self._launch_plain(mx.concatenate([s.last for s in self.seqs]), pending=False)
+            self._ahead = PlainStep(self._rows(), mx.concatenate([s.last for s in self.seqs]))
         step = self._ahead
-        self._ahead = self._launch_plain(step.tokens, pending=True) if ahead else None
-        picked = step.tokens.tolist()  # the cycle's one host synchronisation
-        hidden = step.hidden
+        self._ahead = PlainStep(self._rows(), step.tokens, pending=True) if ahead else None
+        outcomes = step.settle()
         out = []
-        for b, seq in enumerate(self.seqs):
-            lps = step.logprobs[b]
-            c = Committed(seq.uid, [picked[b]], logprobs=lps and logprob_rows(lps, 1))
+        for seq, o in zip(self.seqs, outcomes):
+            c = Committed(seq.uid, o.tokens, logprobs=o.logprobs)
             c.finish = self._finish(seq, c)
             out.append(c)
-        kept_rows = [1 if c.finish is None else len(c.tokens) for c in out]
         if any(c.finish for c in out):
             self._drop_ahead()
-            self.target.crop_each(self.cache, kept_rows, 1, before=step.before)
-        for b, (seq, c) in enumerate(zip(self.seqs, out)):
-            self._advance(b, seq, c, Plan(1), None if hidden is None else hidden[b : b + 1, : kept_rows[b]])
+            step.cut([len(c.tokens) for c in out])
+        for b, (seq, c, o) in enumerate(zip(self.seqs, out, outcomes)):
+            self._advance(b, seq, c, Plan(1), o.hidden if c.tokens else None)
         self._leave([b for b, c in enumerate(out) if c.finish is None])
         return out
 
     def _drop_ahead(self) -> None:
         """Undo the plain step launched ahead, if any: every sequence's row of it is cropped."""
         if self._ahead is not None:
-            self.target.crop_each(self.cache, [0] * len(self.seqs), 1, before=self._ahead.before)
+            self._ahead.drop()
             self._ahead = None
 
     def _propose(self, width: int) -> "Proposal":
@@ -450,8 +406,7 @@ class BatchDecoder:
             drawn = self._draft_pooled(lasts, width, noises, copies, scales)
         else:
             drawn = [self._draft(s, width, n, c, sc) for s, n, c, sc in zip(self.seqs, noises, copies, scales)]
-        drafts = mx.stack([d.tokens for d in drawn])
-        return Proposal(mx.concatenate([lasts[:, None], drafts], axis=1), drafts, noises, [d.q_lp for d in drawn],
+        return Proposal(Block(lasts, mx.stack([d.tokens for d in drawn]), [d.q_lp for d in drawn], noises),
                         scales, copies)
 
     def _advance(self, b: int, seq: Running, c: Committed, plan: Plan, taps: Optional[mx.array]) -> None:
@@ -461,7 +416,7 @@ class BatchDecoder:
         seq.commit(c.tokens)
         if seq.run is not None:
             seq.run.record(plan, c.accepted, c.tokens)
-        if taps is not None and taps.shape[1]:
+        if taps is not None and (isinstance(taps, tuple) or taps.shape[1]):
             seq.taps.append(taps)
             if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
                 if self.pool is not None and b < len(self.pool):
@@ -604,59 +559,16 @@ class BatchDecoder:
         return draft(seq.source, seq.dstate, seq.last, hidden, width, seq.params, copies, proc=seq.proc or None,
                      scales=scales, noise=None if noise is None else noise[:-1])
 
-    def _pick_next(self, logits: mx.array, pending: Optional[mx.array]):
-        """Each sequence's next token [B] from its row of `logits` [B, V], and per sequence its
-        log probabilities (or None). Sequences drawing from the same distribution are picked in
-        one op, their draws' noise made in one call. `pending` [B]: tokens not committed yet that
-        the rows follow (a step launched ahead): processors see them, draws are a position on."""
-        B = len(self.seqs)
-        if any(s.proc for s in self.seqs):
-            logits = mx.concatenate([
-                s.proc.row(logits[b : b + 1], None if pending is None else pending[b : b + 1]) if s.proc
-                else logits[b : b + 1] for b, s in enumerate(self.seqs)])
-        groups = {}
-        for b, s in enumerate(self.seqs):
-            groups.setdefault((s.params.key, s.rejection), []).append(b)
-        parts, order, skip = [], [], 0 if pending is None else 1
-        for (_, unseeded), members in groups.items():
-            params = self.seqs[members[0]].params
-            rows = logits if len(members) == B else logits[mx.array(members)]
-            if params.greedy:
-                parts.append(mx.argmax(greedy_log_probs(rows), axis=-1))
-            elif unseeded:
-                parts.append(pick(rows, params))
-            else:
-                keys = mx.array([self.seqs[b].draws.key(skip) for b in members], dtype=mx.uint32)
-                parts.append(mx.argmax(log_probs(rows, params) + gumbel_rows(keys, rows.shape[-1]), axis=-1))
-            order += members
-        tokens = parts[0] if len(parts) == 1 else mx.concatenate(parts)[mx.argsort(mx.array(order))]
-        tokens = tokens.astype(mx.uint32)
-        lps = [None if s.top is None else token_logprobs(logits[b : b + 1], tokens[b : b + 1], s.top)
-               for b, s in enumerate(self.seqs)]
-        return tokens, lps
-
-    def _pick(self, logits: mx.array, p: Proposal) -> Picked:
-        """What each sequence picks from its rows of `logits` [B, w, V] (`Running.verify`), stacked;
-        greedy sequences with nothing to process in one op."""
-        B = len(self.seqs)
-        if all(s.params.greedy and not s.proc and s.top is None for s in self.seqs):
-            picks = mx.argmax(greedy_log_probs(logits), axis=-1).astype(mx.uint32)
-            return Picked(picks, agreeing(p.drafts, picks), [None] * B, [None] * B)
-        each = [s.verify(logits[b], p.drafts[b], p.noises[b], p.q_lps[b]) for b, s in enumerate(self.seqs)]
-        return Picked(mx.stack([e.picks.astype(mx.uint32) for e in each]), mx.stack([e.accepted for e in each]),
-                      [e.logprobs for e in each], [e.rows for e in each])
-
-    def _learn(self, p: Proposal, accepted: List[int], rows: list) -> None:
+    def _learn(self, p: Proposal, cycle: LinearCycle, accepted: List[int]) -> None:
         """Unseeded sampled sequences' proposal scales learn from the last cycle's lessons (read at
         this cycle's synchronisation); this cycle's are left lazy, to be read at the next one's."""
         for b, s in enumerate(self.seqs):
             if s.lesson is not None:
                 s.scaler.update(*s.lesson)
                 s.lesson = None
-            copied = len(p.copies[b])
-            if rows[b] is not None and accepted[b] >= copied and s.scaler.learning():
-                verified = Verified(p.drafts[b], None, None, None, None, logits=rows[b], q_lp=p.q_lps[b])
-                s.lesson = reached_gains(verified, copied, accepted[b], p.scales[b], s.params)
+            copied, rows = len(p.copies[b]), cycle.processed[b]
+            if rows is not None and accepted[b] >= copied and s.scaler.learning():
+                s.lesson = reached_gains(rows, p.block.q_lps[b], copied, accepted[b], p.scales[b], s.params)
 
     def _finish(self, seq: "Running", c: Committed) -> Optional[str]:
         """Cut `c`'s tokens (and log probabilities) at the budget and at EOS; the finish

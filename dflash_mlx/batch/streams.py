@@ -67,7 +67,7 @@ class BatchStreams:
 
     def adopt(self, h: HandOver) -> int:
         """Go on with a request another loop started (`stream_generate(hand_over=...)`); its uid."""
-        uid = self.decoder.adopt(h.seq, h.seq.tcache)
+        uid = self.decoder.adopt(h.seq, h.tcache)
         self.streams[uid] = _Stream(h.text, h.stats, h.tic)
         return uid
 

@@ -1,112 +1,199 @@
-"""One cycle of the loop as an object: made, it is launched on the device
-(`mx.async_eval`); `settle()` makes its one host synchronisation, cuts the
-caches to what it committed and returns an `Outcome`.
+"""One cycle of the loop as an object, over the rows of every sequence decoded
+together: made, it is launched on the device (`mx.async_eval`); `settle()`
+makes its one host synchronisation and returns an `Outcome` per sequence; `cut`
+then crops the caches to what each sequence keeps (no copy).
 
-Three kinds: a `PlainStep` (width 1, mlx-lm's step), a `LinearCycle` (a
-`Draft` of width - 1 tokens and the verify pass over them) and a `TreeCycle`
-(the drafter's best path and its branches in one verify pass, greedy). A
-cycle does not care where its proposal came from (the drafter, the lookup's
-copies or both); which cycle runs is the policy's plan (`policy`).
+Three kinds: a `PlainStep` (width 1, mlx-lm's step for each sequence), a
+`LinearCycle` (each sequence's `Block` of drafts and one verify pass over the
+[B, width] block) and a `TreeCycle` (one sequence: the drafter's best path and
+its branches in one verify pass, greedy). A cycle does not care where its
+drafts came from (the drafter, the lookup's copies or both); which cycle runs
+is the policy's plan (`policy`). A sequence alone and a batch's run the same
+cycles: `Rows` holds the target's own caches for one sequence, batched ones
+(`batch.cache`) for several.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..draft import tree as trees
 from ..policy.plan import Outcome
-from .passes import Draft, TreeVerified, logprob_rows, step, verify, verify_tree
+from ..sampling import agreeing, greedy_log_probs, gumbel_rows, log_probs, pick
+from .passes import TreeVerified, accept, logprob_rows, token_logprobs, verify_tree
 from .sequence import SequenceState
 
 
-@dataclass(kw_only=True)
-class Decoding(SequenceState):
-    """A request alone: its sequence, and the target and caches every cycle works on."""
+@dataclass
+class Rows:
+    """What a cycle decodes: its sequences, in the caches' order, and the target's caches
+    holding them (`batched`: a batch's, `batch.cache`; else one sequence's own)."""
 
     target: Any  # the adapter's target
-    tcache: list  # the target's caches
-    tapped: bool = True  # plain steps compute taps: the request keeps the drafter's context
+    cache: list  # per layer
+    seqs: List[SequenceState]
+    taps: bool = True  # plain steps compute taps: a sequence's drafter will read them
+    batched: bool = False
+
+    def crop(self, keeps: Sequence[int], width: int, before: Optional[dict] = None) -> None:
+        """Sequence b keeps the first keeps[b] of the last `width` positions (`before`: the
+        recurrent states from before a pass that was not recorded, to drop it)."""
+        if self.batched:
+            self.target.crop_each(self.cache, keeps, width, before)
+        else:
+            self.target.crop(self.cache, keeps[0], width, before)
+
+
+def pick_next(seqs: Sequence[SequenceState], logits: mx.array, pending: Optional[mx.array] = None):
+    """Each sequence's next token [B] from its row of `logits` [B, V] (greedy, its seed's draws,
+    or mlx-lm's sampler), and per sequence its log probabilities (or None). Sequences drawing
+    from the same distribution are picked in one op. `pending` [B]: tokens not committed yet
+    that the rows follow (a step launched ahead): processors see them, draws are a position on."""
+    B = len(seqs)
+    if any(s.proc for s in seqs):
+        logits = mx.concatenate([
+            s.proc.row(logits[b : b + 1], None if pending is None else pending[b : b + 1]) if s.proc
+            else logits[b : b + 1] for b, s in enumerate(seqs)])
+    groups = {}
+    for b, s in enumerate(seqs):
+        groups.setdefault((s.params.key, s.rejection), []).append(b)
+    parts, order, skip = [], [], 0 if pending is None else 1
+    for (_, unseeded), members in groups.items():
+        params = seqs[members[0]].params
+        rows = logits if len(members) == B else logits[mx.array(members)]
+        if params.greedy or unseeded:
+            parts.append(pick(rows, params))
+        else:
+            keys = mx.array([seqs[b].draws.key(skip) for b in members], dtype=mx.uint32)
+            parts.append(mx.argmax(log_probs(rows, params) + gumbel_rows(keys, rows.shape[-1]), axis=-1))
+        order += members
+    tokens = parts[0] if len(parts) == 1 else mx.concatenate(parts)[mx.argsort(mx.array(order))]
+    tokens = tokens.astype(mx.uint32)
+    lps = [None if s.top is None else token_logprobs(logits[b : b + 1], tokens[b : b + 1], s.top)
+           for b, s in enumerate(seqs)]
+    return tokens, lps
 
 
 class PlainStep:
-    """Width 1: one plain decoding step. Its `token` is on the device before the
-    host reads it, so the next step can be launched first, as mlx-lm's
-    `generate_step` does."""
+    """Width 1: one plain decoding step for every sequence. Its `tokens` [B] are on the
+    device before the host reads them, so the next step can be launched from them first
+    (`pending`), as mlx-lm's `generate_step` does; a step launched so and not wanted after
+    all is undone with `drop`."""
 
-    def __init__(self, d: Decoding, last: mx.array):
-        self.pending = step(d.target, d.tcache, last, d.params, top=d.top, proc=d.proc, taps=d.tapped,
-                            noise=d.noise(1))
-        mx.async_eval(self.pending)
-        d.drawn(self.pending.token, 1)
-        self.token = self.pending.token
+    def __init__(self, rows: Rows, lasts: mx.array, pending: bool = False):
+        self.rows = rows
+        self.before = rows.target.states(rows.cache)  # references: what `drop` sets back
+        alone = len(rows.seqs) == 1  # its taps as the tapped layers' outputs, joined later (`joined`)
+        logits, self.hidden = rows.target(lasts[:, None], rows.cache,
+                                          taps=("layers" if alone else True) if rows.taps else False)
+        self.tokens, self.logprobs = pick_next(rows.seqs, logits[:, -1], lasts if pending else None)
+        mx.async_eval(self.tokens, [lp for lp in self.logprobs if lp is not None])
 
-    def settle(self, also: tuple = ()) -> Outcome:
-        token, hidden, lps = self.pending
-        if lps is not None:
-            mx.eval(token, lps)
-            lps = logprob_rows(lps, 1)
-        return Outcome(0, [token.item()], token, hidden, lps)  # the cycle's one host synchronisation
+    def settle(self, also: tuple = ()) -> List[Outcome]:
+        """`also`: lazy arrays to evaluate in the same synchronisation."""
+        lps = [lp for lp in self.logprobs if lp is not None]
+        if lps or also:
+            mx.eval(self.tokens, lps, *also)
+        picked = self.tokens.tolist()  # the cycle's one host synchronisation
+        alone = len(picked) == 1
+        return [Outcome(0, [t], self.tokens[b : b + 1],
+                        None if self.hidden is None else self.hidden if alone else self.hidden[b : b + 1],
+                        lp and logprob_rows(lp, 1)) for b, (t, lp) in enumerate(zip(picked, self.logprobs))]
+
+    def cut(self, keeps: Sequence[int]) -> None:
+        """Sequence b keeps its step's row where keeps[b] is 1 (a plain step is not recorded:
+        its recurrent states go back to those before it where a row is dropped)."""
+        if not all(keeps):
+            self.rows.crop(keeps, 1, self.before)
+
+    def drop(self) -> None:
+        """Undo the step: every sequence's row of it is cropped."""
+        self.rows.crop([0] * len(self.rows.seqs), 1, self.before)
+
+
+@dataclass
+class Block:
+    """What a drafted cycle verifies: each sequence's last token and its drafts."""
+
+    lasts: mx.array  # [B]
+    drafts: mx.array  # [B, width - 1]
+    q_lps: list  # per sequence: the log probabilities its drafts were drawn from (rejection sampling), or None
+    noises: list  # per sequence: its seed's draws' noise rows [width, V], or None
+    alternatives: Optional[mx.array] = None  # one sequence: the drafter's 2nd and 3rd choices [width - 1, 2]
 
 
 class LinearCycle:
-    """A draft and one verify pass over [last, draft]: the longest agreeing
-    prefix (greedy) or the rejection sampler's (sampling) and one token of the
-    target's own. With `keep`, the block's logits stay for the proposal scales."""
+    """Each sequence's drafts and one verify pass over the [B, width] block [last, drafts]: per
+    sequence the longest agreeing prefix (greedy), its draws' (seeded) or the rejection sampler's
+    (`passes.accept`), and one token of the target's own."""
 
-    def __init__(self, d: Decoding, last: mx.array, proposal: Draft, width: int, keep: bool = False,
-                 noise: Optional[mx.array] = None):
-        """`noise`: with a seeded request's draws, the rows [width, V] the proposal was drawn with."""
-        self.d, self.width, self.dtype = d, width, last.dtype
-        self.verified = verify(d.target, d.tcache, last, proposal.tokens, proposal.q_lp, d.params, top=d.top,
-                               proc=d.proc, keep=keep, noise=noise)._replace(alternatives=proposal.alternatives)
-        mx.async_eval(self.verified)
+    def __init__(self, rows: Rows, block: Block):
+        self.rows, self.block = rows, block
+        self.width = block.drafts.shape[1] + 1
+        tokens = mx.concatenate([block.lasts[:, None], block.drafts], axis=1)
+        logits, self.hidden = rows.target(tokens, rows.cache, record=True)
+        seqs = rows.seqs
+        self.processed = [None] * len(seqs)  # per sequence, the rows rejection sampling verified on
+        if len(seqs) > 1 and all(s.params.greedy and not s.proc and s.top is None for s in seqs):
+            self.picks = mx.argmax(greedy_log_probs(logits), axis=-1).astype(mx.uint32)  # one op for all
+            self.accepted, self.logprobs = agreeing(block.drafts, self.picks), [None] * len(seqs)
+        else:
+            each = [accept(block.drafts[b], logits[b], s.params, block.q_lps[b], s.top, s.proc or None,
+                           block.noises[b]) for b, s in enumerate(seqs)]
+            self.picks = mx.stack([a.picks.astype(mx.uint32) for a in each])
+            self.accepted = mx.stack([a.accepted for a in each]).astype(mx.uint32)
+            self.logprobs = [a.logprobs for a in each]
+            self.processed = [a.logits if s.rejection else None for a, s in zip(each, seqs)]
+        mx.async_eval(self.picks, self.accepted)
 
-    def settle(self, also: tuple = ()) -> Outcome:
+    def settle(self, also: tuple = ()) -> List[Outcome]:
         """`also`: lazy arrays to evaluate in the same synchronisation."""
-        v = self.verified
-        n, dt = v.drafts.shape[0], v.drafts.dtype
-        out = mx.concatenate([v.accepted.reshape(1).astype(dt), v.drafts, v.token.reshape(1).astype(dt)]
-                             + ([] if v.alternatives is None else [v.alternatives.reshape(-1).astype(dt)]))
-        mx.eval(out, v.logprobs, *also)  # the cycle's one host synchronisation
+        B, W = len(self.rows.seqs), self.width
+        alts = self.block.alternatives
+        out = mx.concatenate([self.accepted.reshape(-1), self.picks.reshape(-1), self.block.drafts.reshape(-1)]
+                             + ([] if alts is None else [alts.reshape(-1).astype(mx.uint32)]))
+        mx.eval(out, [lp for lp in self.logprobs if lp is not None], *also)  # the cycle's one host synchronisation
         values = out.tolist()
-        accepted = values[0]
-        tokens = values[1 : 1 + accepted] + [values[n + 1]]
-        missed = None
-        if v.alternatives is not None and accepted < n:
-            missed = trees.missed(values[n + 2 :], v.alternatives.shape[1], accepted + 1, tokens[-1])
-        self.d.drawn(mx.array(tokens), len(tokens))
-        self.cut(accepted)
-        hidden = v.hidden if v.hidden.shape[1] == accepted + 1 else v.hidden[:, : accepted + 1]
-        return Outcome(accepted, tokens, v.token.reshape(1).astype(self.dtype), hidden,
-                       v.logprobs and logprob_rows(v.logprobs, accepted + 1), missed)
+        accepted, picks = values[:B], values[B : B + B * W]
+        drafts = values[B + B * W : B + B * W + B * (W - 1)]
+        outcomes = []
+        for b, a in enumerate(accepted):
+            tokens = drafts[b * (W - 1) : b * (W - 1) + a] + [picks[b * W + a]]
+            missed = None
+            if alts is not None and a < W - 1:
+                missed = trees.missed(values[B + B * W + B * (W - 1) :], alts.shape[1], a + 1, tokens[-1])
+            hidden = self.hidden if B == 1 else self.hidden[b : b + 1]
+            hidden = hidden if hidden.shape[1] == a + 1 else hidden[:, : a + 1]
+            lps = self.logprobs[b]
+            outcomes.append(Outcome(a, tokens, self.picks[b, a : a + 1], hidden, lps and logprob_rows(lps, a + 1),
+                                    missed))
+        return outcomes
 
-    def cut(self, accepted: int) -> None:
-        """The caches keep [last, accepted drafts] of the block (no copy)."""
-        self.d.target.crop(self.d.tcache, accepted + 1, self.width)
+    def cut(self, keeps: Sequence[int]) -> None:
+        """Sequence b's caches keep the first keeps[b] rows of its block (no copy)."""
+        self.rows.crop(keeps, self.width)
 
 
 class TreeCycle:
-    """The drafter's best path and its branches (`draft/tree.py`) in one verify pass,
-    greedy; the walk keeps the longest path the target agrees with, and the
-    caches keep that path's rows."""
+    """One sequence's drafter's best path and its branches (`draft/tree.py`) in one verify
+    pass, greedy; the walk keeps the longest path the target agrees with, and `cut` keeps
+    that path's rows."""
 
-    def __init__(self, d: Decoding, last: mx.array, tree: trees.Tree):
-        self.d, self.dtype = d, last.dtype
-        self.verified = verify_tree(d.target, d.tcache, tree, d.top)
+    def __init__(self, rows: Rows, tree: trees.Tree):
+        assert len(rows.seqs) == 1 and not rows.batched, "a tree is verified for one sequence"
+        self.rows = rows
+        self.verified = verify_tree(rows.target, rows.cache, tree, rows.seqs[0].top)
         mx.async_eval(self.verified)
+        self.path: List[int] = []
 
-    def path(self, values: List[int]):
+    def walk(self, values: List[int]):
         """The accepted path's nodes and the target's token after it."""
         t = self.verified.tree
         N, B, W = t.size, t.branches, t.width
         return trees.walk(W, t.length, values[2 * N : 2 * N + B], values[:N], values[N : 2 * N])
 
-    def cut(self, path: List[int]) -> None:
-        """The caches keep the path's rows, moved to the front of the pass's."""
-        self.d.target.keep_rows(self.d.tcache, path, self.verified.tree.size)
-
-    def settle(self, also: tuple = ()) -> Outcome:
+    def settle(self, also: tuple = ()) -> List[Outcome]:
         v: TreeVerified = self.verified
         t = v.tree
         N, B, W = t.size, t.branches, t.width
@@ -114,8 +201,8 @@ class TreeCycle:
                               t.alternatives.reshape(-1)])
         mx.eval(out, v.logprobs, *also)  # the cycle's one host synchronisation
         values = out.tolist()
-        path, bonus = self.path(values)
-        self.cut(path)
+        path, bonus = self.walk(values)
+        self.path = path
         accepted = len(path) - 1
         hidden = mx.take(v.hidden, mx.array(path), axis=1) if path[-1] >= W else v.hidden[:, : accepted + 1]
         lps = v.logprobs and [logprob_rows(v.logprobs, N)[i] for i in path]
@@ -123,5 +210,9 @@ class TreeCycle:
         alts = values[2 * N + B :]
         missed = None if held == W - 1 else trees.missed(alts, len(alts) // (W - 1), held + 1, values[N + held])
         tokens = [values[i] for i in path[1:]] + [bonus]
-        return Outcome(accepted, tokens, mx.array(tokens[-1]).reshape(1).astype(self.dtype), hidden, lps, missed,
-                       branched=path[-1] >= W)
+        return [Outcome(accepted, tokens, mx.array(tokens[-1]).reshape(1).astype(t.tokens.dtype), hidden, lps,
+                        missed, branched=path[-1] >= W)]
+
+    def cut(self, keeps: Sequence[int]) -> None:
+        """The caches keep the first keeps[0] rows of the accepted path, moved to the front of the pass's."""
+        self.rows.target.keep_rows(self.rows.cache, self.path[: keeps[0]], self.verified.tree.size)

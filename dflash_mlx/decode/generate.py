@@ -102,7 +102,7 @@ def stream_generate(
         if hand_over is not None and hand_over():
             if deferred:  # nothing in flight yet: hand the request over as it is
                 return req.hand_over()
-            out = cycle.settle(also=req.learning())
+            out = cycle.settle(also=req.learning())[0]
             req.absorb(cycle, plan, out)
             event = req.event(out, req.commit(out))
             yield event
@@ -114,7 +114,7 @@ def stream_generate(
             cycle = req.launch(plan)
 
         ahead = req.step_ahead(cycle)
-        out = cycle.settle(also=req.learning())
+        out = cycle.settle(also=req.learning())[0]
         req.absorb(cycle, plan, out)
 
 

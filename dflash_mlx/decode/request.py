@@ -18,9 +18,10 @@ from ..machine import peak_memory_gb
 from ..cache.prompt_cache import can_trim, snapshot
 from ..policy.proposal import FixedScale, ProposalScales, reached_gains
 from ..sampling import Draws, Processed, SamplingParams, choose, pick
-from .cycle import Decoding, LinearCycle, PlainStep, TreeCycle
+from .cycle import Block, LinearCycle, PlainStep, Rows, TreeCycle
 from .events import GenerationEvent, GenerationStats
 from .passes import caught_up, draft, draft_tree, joined, logprob_rows, prefill, token_logprobs
+from .sequence import SequenceState
 
 # Held taps of plain steps beyond this many are given to the drafter in one
 # batched projection: a long run without the drafter must not hold them all.
@@ -137,7 +138,8 @@ class HandOver:
     (`batch.BatchStreams.adopt`): its sequence, whose caches hold every committed token but
     its last, and its text stream and stats."""
 
-    seq: Decoding
+    seq: SequenceState
+    tcache: list  # the target's caches: every committed token but the last
     text: "TextStream"
     stats: GenerationStats
     tic: float  # when its first token was committed
@@ -197,9 +199,9 @@ class Request:
             scaler = proposal_scaler(pair, source, params, proposal_scale)
         # Its taps: of committed tokens the drafter has not read; its history: the prompt and the
         # committed tokens, all but the last of which the target's caches hold.
-        self.d = Decoding(target=target, source=source, dstate=dstate, tcache=tcache, params=params,
-                          proc=Processed(logits_processors, prompt), top=logprobs, tapped=self.drafter, draws=draws,
-                          scaler=scaler, max_tokens=max_tokens)
+        self.d = SequenceState(source=source, dstate=dstate, params=params, proc=Processed(logits_processors, prompt),
+                               top=logprobs, draws=draws, scaler=scaler, max_tokens=max_tokens)
+        self.rows = Rows(target, tcache, [self.d], taps=self.drafter)  # what its cycles decode
         self.unseen = 0  # rows of taps the drafter has not read (what its next drafted cycle catches up on)
         self.chosen: Optional[Plan] = None  # the next plan, chosen while a plain step was in flight
         self.offer: List[int] = []
@@ -209,9 +211,9 @@ class Request:
 
     def prefill(self, step: int) -> Outcome:
         """The prompt through the target (but the rows a prompt cache holds) and the first token."""
-        d, prompt = self.d, self.prompt
-        trimmable = self.prompt_cache is None or can_trim(d.tcache)
-        logits, self.d.taps = prefill(d.target, d.source, d.dstate, mx.array(prompt[self.reused :]), d.tcache, step,
+        d, prompt, rows = self.d, self.prompt, self.rows
+        trimmable = self.prompt_cache is None or can_trim(rows.cache)
+        logits, self.d.taps = prefill(rows.target, d.source, d.dstate, mx.array(prompt[self.reused :]), rows.cache, step,
                                     before_last=None if trimmable else self.keep_at_prompt, taps=self.drafter,
                                     skip=True, before=self.reused)
         logits = d.proc.row(logits[None])[0] if d.proc else logits
@@ -269,19 +271,18 @@ class Request:
         """Start the cycle `plan` asks for; a drafted one first gives the drafter the taps it has not seen."""
         d = self.d
         if plan.width == 1:
-            return PlainStep(d, self.d.last)
+            return PlainStep(self.rows, d.last)
         hidden = None
         if plan.drafts:
-            hidden = joined(caught_up(d.source, d.dstate, self.d.taps)) if self.d.taps else None
-            self.d.taps, self.unseen = [], 0
+            hidden = joined(caught_up(d.source, d.dstate, d.taps)) if d.taps else None
+            d.taps, self.unseen = [], 0
         if plan.branches:
-            return TreeCycle(d, self.d.last, draft_tree(d.source, d.dstate, self.d.last, hidden, plan.width,
-                                                      plan.branches))
+            return TreeCycle(self.rows, draft_tree(d.source, d.dstate, d.last, hidden, plan.width, plan.branches))
         noise = d.noise(plan.width)
-        proposal = draft(d.source, d.dstate, self.d.last, hidden, plan.width, self.params, self.offer[: plan.copied],
+        proposal = draft(d.source, d.dstate, d.last, hidden, plan.width, self.params, self.offer[: plan.copied],
                          d.proc, self.learn, self.scales, None if noise is None else noise[:-1])
-        return LinearCycle(d, self.d.last, proposal, plan.width,
-                           keep=self.scales is not None and self.d.scaler.learning(), noise=noise)
+        return LinearCycle(self.rows, Block(d.last, proposal.tokens[None], [proposal.q_lp], [noise],
+                                            proposal.alternatives))
 
     def step_ahead(self, cycle) -> Optional[PlainStep]:
         """While a plain step is in flight, the next cycle's plan; a plain step is
@@ -295,7 +296,7 @@ class Request:
         if left > 1 and not (self.lookup and self.source.may_offer(self.d.dstate) and self.run.lookup_pays(context)):
             self.chosen = self.run.choose(context, unseen=self.unseen + 1, left=left - 1)
             if self.chosen == PLAIN:
-                return PlainStep(self.d, cycle.token)
+                return PlainStep(self.rows, cycle.tokens, pending=True)
         return None
 
     def learning(self) -> tuple:
@@ -305,14 +306,17 @@ class Request:
     def absorb(self, cycle, done: Plan, out: Outcome) -> None:
         """A settled cycle (run as `done`): what the scales and the policy learn, the drafter's context, the stats."""
         d = self.d
-        if isinstance(cycle, LinearCycle):
+        cycle.cut([out.accepted + 1])
+        d.drawn(out.last if len(out.tokens) == 1 else mx.array(out.tokens), len(out.tokens))
+        if isinstance(cycle, LinearCycle) and self.scales is not None:
             if self.learned is not None:  # an earlier cycle's, computed by now
-                self.d.scaler.update(*self.learned)
+                d.scaler.update(*self.learned)
                 self.learned = None
-            if cycle.verified.logits is not None and out.accepted >= done.copied:
+            if d.scaler.learning() and out.accepted >= done.copied:
                 # What each scale would have had accepted at the drafter's positions this verify
                 # reached: left lazy, so it runs behind the next cycle, and read at its synchronisation.
-                self.learned = reached_gains(cycle.verified, done.copied, out.accepted, self.scales, self.params)
+                self.learned = reached_gains(cycle.processed[0], cycle.block.q_lps[0], done.copied, out.accepted,
+                                             self.scales, self.params)
         elif isinstance(cycle, TreeCycle):
             self.stats.tree_cycles += 1
             self.stats.branch_cycles += out.branched
@@ -363,26 +367,26 @@ class Request:
         other loop keeps what it computed in the prompt cache once it ends, so nothing here
         stands between the requests waiting for it and their first tokens."""
         self.d.generated = self.stats.generation_tokens
-        return HandOver(self.d, self.text, self.stats, self.tic)
+        return HandOver(self.d, self.rows.cache, self.text, self.stats, self.tic)
 
     def keep_caches(self, inflight) -> None:
         """Hand the caches to the prompt cache. A cycle still in flight has fed the
         last committed token: its row is kept (a verify is cropped to it) so the
         caches hold all of `history` but nothing beyond it; the drafter is given
         the taps it has not seen."""
-        d = self.d
+        d, target, tcache = self.d, self.rows.target, self.rows.cache
         taps = d.taps
         rows = len(self.d.history) - 1
         if inflight is not None:
             if isinstance(inflight, PlainStep):
-                hidden = inflight.pending.hidden
+                hidden = inflight.hidden
             else:
-                hidden = inflight.verified.hidden
-                d.target.crop(d.tcache, 1, hidden.shape[1])  # a tree pass is wider than its plan
+                hidden = inflight.verified.hidden if isinstance(inflight, TreeCycle) else inflight.hidden
+                target.crop(tcache, 1, hidden.shape[1])  # a tree pass is wider than its plan
                 hidden = hidden[:, :1]
             taps.append(hidden)
             rows += 1
         if taps:
             d.source.add_context(d.dstate, joined(caught_up(d.source, d.dstate, taps)))
-        mx.eval([c.state for c in d.tcache], d.source.arrays(d.dstate))
-        self.prompt_cache.store(d.target, d.source, d.dstate, self.d.history[:rows], d.tcache, self.at_prompt)
+        mx.eval([c.state for c in tcache], d.source.arrays(d.dstate))
+        self.prompt_cache.store(target, d.source, d.dstate, self.d.history[:rows], tcache, self.at_prompt)

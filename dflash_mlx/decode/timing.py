@@ -7,33 +7,25 @@ import mlx.core as mx
 
 from ..draft import tree as trees
 from ..sampling import SamplingParams
-from .cycle import Decoding, LinearCycle, PlainStep, TreeCycle
-from .passes import PREFILL_STEP, Draft, draft, draft_tree
+from .cycle import Block, LinearCycle, PlainStep, Rows, TreeCycle
+from .passes import PREFILL_STEP, draft, draft_tree
+from .sequence import SequenceState
 
 # Plain steps a width-1 timing runs back to back: the loop launches each step before
 # the host reads the one before, and one step timed alone would pay for its own read.
 PLAIN_STEPS = 4
 
 
-class TimedLinear(LinearCycle):
-    def cut(self, accepted: int) -> None:
-        self.d.target.crop(self.d.tcache, 0, self.width)
-
-
 class TimedTree(TreeCycle):
     """Always through a branch: its rows are the ones moved, the dearer case."""
 
-    def path(self, values):
+    def walk(self, values):
         t = self.verified.tree
         W, L = t.width, t.length
-        path, bonus = super().path(values)
+        path, bonus = super().walk(values)
         if path[-1] < W:
             path = (list(range(values[2 * t.size])) + list(range(W, W + L)))[:W]
         return path, bonus
-
-    def cut(self, path) -> None:
-        super().cut(path)
-        self.d.target.crop(self.d.tcache, 0, len(path))
 
 
 def cycle_parts(pair, n: int, branches: int = 0):
@@ -56,7 +48,7 @@ def cycle_parts(pair, n: int, branches: int = 0):
     greedy = SamplingParams()
     prompt = mx.random.randint(0, target.vocab_size, (n,), key=mx.random.key(n))
     tcache, dstate = target.make_cache(), source.new_state()
-    d = Decoding(target=target, source=source, dstate=dstate, tcache=tcache, params=greedy)
+    rows = Rows(target, tcache, [SequenceState(source=source, dstate=dstate)])
     chunks = []
     for s in range(0, n, PREFILL_STEP):  # in chunks, as a prefill runs: one pass over a long context would not fit
         _, t = target(prompt[None, s : s + PREFILL_STEP], tcache, last_only=True)
@@ -82,9 +74,9 @@ def cycle_parts(pair, n: int, branches: int = 0):
 
     def run_verify(w, proposal):
         if w == 1:
-            ahead = PlainStep(d, last)
+            ahead = PlainStep(rows, last)
             for _ in range(PLAIN_STEPS - 1):
-                nxt = PlainStep(d, ahead.token)
+                nxt = PlainStep(rows, ahead.tokens, pending=True)
                 ahead.settle()
                 ahead = nxt
             ahead.settle()
@@ -93,8 +85,11 @@ def cycle_parts(pair, n: int, branches: int = 0):
                     c.trim(PLAIN_STEPS)
             return PLAIN_STEPS
         if isinstance(proposal, trees.Tree):
-            TimedTree(d, last, proposal).settle()
+            cycle = TimedTree(rows, proposal)
+            cycle.cut([len(cycle.settle()[0].tokens)])
+            target.crop(tcache, 0, len(cycle.path))
         else:  # draft tokens, the drafter's or copied ones
-            TimedLinear(d, last, Draft(proposal, None, None), w).settle()
+            LinearCycle(rows, Block(last, proposal[None], [None], [None])).settle()
+            target.crop(tcache, 0, w)
 
     return run_draft, run_verify, catch_up

@@ -61,14 +61,15 @@ def acceptance_by_scale(p_lp: mx.array, q_lp: mx.array, used: Sequence[float],
     return mx.minimum(mx.exp(p_lp)[:, None], q).sum(axis=-1)
 
 
-def reached_gains(verified, copied: int, accepted: int, scales: Sequence[float],
+def reached_gains(logits: mx.array, q_lp: mx.array, copied: int, accepted: int, scales: Sequence[float],
                   params: SamplingParams) -> Tuple[int, mx.array]:
     """(first draft position, `acceptance_by_scale` [n, scales]) at the drafter's positions a
-    verify reached: from the first after the `copied` ones through the first rejected one."""
-    stop = min(accepted, verified.drafts.shape[0] - 1) + 1
+    verify reached (`logits`: its rows [n + 1, V] of [last, n drafts] drawn from `q_lp` [n, V]):
+    from the first after the `copied` ones through the first rejected one."""
+    stop = min(accepted, q_lp.shape[0] - 1) + 1
     rows = slice(copied, stop)
-    p_lp = log_probs(verified.logits[rows], params)
-    return copied, acceptance_by_scale(p_lp, verified.q_lp[rows], scales[copied:stop])
+    p_lp = log_probs(logits[rows], params)
+    return copied, acceptance_by_scale(p_lp, q_lp[rows], scales[copied:stop])
 
 
 class ProposalScales:

@@ -574,17 +574,20 @@ class TargetAdapter:
             )
         self._checked = True
 
-    def crop(self, cache, keep: int, width: int):
-        """Keep the first `keep` of the last `width` positions (after a recorded pass)."""
+    def crop(self, cache, keep: int, width: int, before: Optional[dict] = None):
+        """Keep the first `keep` of the last `width` positions (after a recorded pass, or
+        given the recurrent states from before it, `states`, none of a pass that was not)."""
         drop = width - keep
         if drop == 0:
             self._taps.tape.clear()
             return
         for i, c in enumerate(cache):
-            if i in self._gdn:
+            if i not in self._gdn:
+                c.trim(drop)
+            elif before is None:
                 self._gdn[i].rollback(c, keep)
             else:
-                c.trim(drop)
+                c.cache = list(before[i])
         self._taps.tape.clear()
 
     def crop_each(self, cache, keeps: Sequence[int], width: int, before: Optional[dict] = None):
