@@ -143,7 +143,10 @@ class BatchDecoder:
         self.width = min(width, self.source.block_size)
         self.eos = set(pair.tokenizer.eos_token_ids) if pair.tokenizer is not None else set()
         self.window = getattr(self.target.args, "max_position_embeddings", None)
-        self.cache: list = []  # per layer: a `RaggedKVCache`, or an `ArraysCache` of recurrent states
+        # Per layer: one sequence's own cache (the target's kinds), or for several a `RaggedKVCache`
+        # or an `ArraysCache` of recurrent states (`batched`).
+        self.cache: list = []
+        self.batched = False
         # The drafter's contexts of the first len(pool) sequences, drafted in one pass (`batch.drafts`);
         # a sequence joins it at its first drafted cycle. None: each sequence drafts on its own.
         self.pool: Optional[DraftBatch] = None
@@ -268,11 +271,13 @@ class BatchDecoder:
                 c.filter(keep)
             self._drop_ahead()
             if self.cache:
+                self._batch_caches()
                 for batch, c in zip(self.cache, cache):
                     batch.join(c)
             else:
-                self.cache = cache
+                self.cache, self.batched = cache, True
             self.seqs += joined_seqs
+            self._alone_if_one()
         return out
 
     def _running(self, prompt, max_tokens: int, source, dstate, taps: list, asks: Optional[Asks],
@@ -320,14 +325,27 @@ class BatchDecoder:
         return running.uid
 
     def _join(self, seq: "Running", tcache: list) -> None:
-        """Its caches' rows are copied into the batch's."""
+        """A sequence alone decodes on its own caches; beside others, its caches' rows are
+        copied into the batch's."""
         self._drop_ahead()
         if self.cache:
+            self._batch_caches()
             for batch, c in zip(self.cache, tcache):
                 add_to(batch, c)
         else:
-            self.cache = [batch_of(c) for c in tcache]
+            self.cache, self.batched = list(tcache), False
         self.seqs.append(seq)
+
+    def _batch_caches(self) -> None:
+        """A sequence alone's caches made the first of a batch's (its rows copied once)."""
+        if not self.batched:
+            self.cache, self.batched = [batch_of(c) for c in self.cache], True
+
+    def _alone_if_one(self) -> None:
+        """A batch down to one sequence: its rows become caches of its own (copied once), on which
+        it decodes as a request alone does (the target's own cache kinds, trees where they run)."""
+        if self.batched and len(self.seqs) == 1:
+            self.cache, self.batched = [c.extract(0) for c in self.cache], False
 
     def step(self, width: Optional[int] = None, then: Optional[int] = None) -> List[Committed]:
         """One cycle for every sequence in the batch at `width` (default: the largest);
@@ -365,7 +383,7 @@ class BatchDecoder:
 
     def _rows(self) -> Rows:
         """The batch's sequences and caches, as its cycles decode them."""
-        return Rows(self.target, self.cache, self.seqs, taps=self.width > 1, batched=True)
+        return Rows(self.target, self.cache, self.seqs, taps=self.width > 1, batched=self.batched)
 
     def _plain_step(self, ahead: bool) -> List[Committed]:
         """A plain batched step, as mlx-lm's: with `ahead`, the next one is launched from this
@@ -439,7 +457,7 @@ class BatchDecoder:
             for b, s in enumerate(self.seqs):
                 if b not in kept:
                     self._unpool_one(b, s)
-                    self.finished.append((s, [c.extract(b) for c in self.cache]))
+                    self.finished.append((s, [c.extract(b) for c in self.cache] if self.batched else self.cache))
         self._keep_only(keep)
 
     def gains(self, widths: Sequence[int]) -> Optional[dict]:
@@ -481,13 +499,14 @@ class BatchDecoder:
         if len(keep) < len(self.seqs):
             self._drop_ahead()
         if not keep:
-            self.cache, self.seqs, self.pool = [], [], None
+            self.cache, self.seqs, self.pool, self.batched = [], [], None, False
         elif len(keep) < len(self.seqs):
             for c in self.cache:
                 c.filter(keep)
             if self.pool is not None:
                 self.pool.filter([b for b in keep if b < len(self.pool)])
             self.seqs = [self.seqs[b] for b in keep]
+            self._alone_if_one()
 
     def _pooling(self) -> bool:
         """Whether this cycle drafts every sequence in one pass: every sequence drafts with the
