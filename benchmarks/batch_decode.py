@@ -33,7 +33,7 @@ def ours(pair, prompts, max_tokens, width, apart=False):
 
     dec = BatchDecoder(pair, width)
     if apart:
-        dec.poolable = None
+        dec.drafting.poolable = None
     out, cycles = {}, 0
     for p in prompts:
         first = dec.add(p, max_tokens)

@@ -12,7 +12,9 @@ idles, so that a shared machine's drift falls on both alike. Reported per server
 aggregate tokens/s (all tokens over the wall time from the first request sent to the
 last token received), time to first token per request (median, max), and whether every
 answer equals that server's answer to the same prompt sent alone. Each N runs
-`--repeats` times; figures are medians.
+`--repeats` times; figures are medians. With `--before CHECKOUT` (a git worktree of an
+earlier commit), that checkout's `dflash-mlx serve` runs as a third server, "before": a
+before/after run of a change, taking turns with the others.
 """
 
 import argparse
@@ -50,14 +52,19 @@ def wait_ready(url: str, proc, seconds: float = 600) -> None:
     raise RuntimeError("the server did not come up")
 
 
-def start(kind: str, pair: Path, log):
+def start(kind: str, pair: Path, log, before: Path = None):
     port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    serve = ["serve", "--model", str(pair / "target"), "--draft", str(pair / "drafter"), "--port", str(port)]
     if kind == "dflash-mlx":
-        cmd = [str(Path(sys.executable).parent / "dflash-mlx"), "serve", "--model", str(pair / "target"),
-               "--draft", str(pair / "drafter"), "--port", str(port)]
+        cmd = [str(Path(sys.executable).parent / "dflash-mlx")] + serve
+    elif kind == "before":  # the other checkout's package first on the path
+        env["PYTHONPATH"] = str(before)
+        cmd = [sys.executable, "-c", "from dflash_mlx.cli.main import app; app()"] + serve
     else:
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(pair / "target"), "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    # Not from this checkout's folder: Python puts the working directory first on the path.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd="/" if kind == "before" else None)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc)
     return proc, url
@@ -105,6 +112,8 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--servers", default="dflash-mlx,mlx-lm")
+    ap.add_argument("--before", default=None, metavar="CHECKOUT",
+                    help="another checkout of this repository, served beside ours as 'before'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -118,14 +127,15 @@ def main(argv=None):
     prompts = load_prompts("code")["code"]
     if max(levels) > len(prompts):
         prompts = [f"{p}\n# variant {i}" for i in range(-(-max(levels) // len(prompts))) for p in prompts]
-    kinds = args.servers.split(",")
+    kinds = args.servers.split(",") + (["before"] if args.before else [])
+    before = Path(args.before).resolve() if args.before else None
     servers, logs = {}, {}
     try:
         for kind in kinds:
             logs[kind] = open(f"/tmp/serve-load-{kind}.log", "w")
-            proc, url = start(kind, pair, logs[kind])
+            proc, url = start(kind, pair, logs[kind], before)
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
-            model = client.models.list().data[0].id if kind == "dflash-mlx" else "default_model"
+            model = client.models.list().data[0].id if kind != "mlx-lm" else "default_model"
             servers[kind] = proc, client, model
         alone = {kind: {} for kind in kinds}
         for kind, (_, client, model) in servers.items():
@@ -158,7 +168,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         vs = f"{r['tps'] / base[r['clients']]:.2f}x" if r["clients"] in base else "-"
-        own1 = ours1 if r["server"] == "dflash-mlx" else base.get(1)
+        own1 = next((o["tps"] for o in rows if o["server"] == r["server"] and o["clients"] == 1), None) or ours1
         print(f"| {r['server']} | {r['clients']} | {r['tps']:.1f} | {vs} | {r['tps'] / own1:.2f}x | "
               f"{r['ttft_median']:.2f} / {r['ttft_max']:.2f} s | {r['identical']} |")
     if args.out:

@@ -181,7 +181,7 @@ class ResultsTarget:
         self.cycles.append([n, n])
         return logits, mx.zeros((1, n, self._taps[0]), self._taps[1])
 
-    def crop(self, cache, keep, width):
+    def crop(self, cache, keep, width, before=None):
         self.pos -= width - keep
         self.cycles[-1][1] = keep
 

@@ -256,18 +256,26 @@ def build_small_pair(drafter_cls, source_cls, drafter_config, init=None):
     return DFlashPair(adapter, drafter, None, source_cls(drafter, adapter), None, None), target
 
 
-def handed_over(pair, prompt, after: int, **kwargs):
-    """`stream_generate` asked to hand over at its `after`-th check: (the tokens it gave, its `HandOver`)."""
-    import dflash_mlx
+def joined_mid_stream(streams, prompt, after: int, newcomer, max_tokens: int, newcomer_tokens: int = 20, asks=None):
+    """A request decoding alone in `streams` (a `BatchStreams`: its own policy's cycles) is joined
+    after its `after`-th event by `newcomer`: (its tokens, the newcomer's)."""
+    from dflash_mlx.batch.streams import Joining
 
-    asked = []
-    run = dflash_mlx.stream_generate(pair, prompt, hand_over=lambda: len(asked.append(1) or asked) >= after, **kwargs)
-    got = []
-    while True:
-        try:
-            got += next(run).tokens
-        except StopIteration as done:
-            return got, done.value
+    kwargs = {} if asks is None else {"asks": asks}
+    uid, event = streams.add(Joining(list(prompt), max_tokens, **kwargs))
+    got, seen = list(event.tokens), 1
+    while seen < after and event.finish_reason is None:
+        (_, event), = streams.step()
+        got += event.tokens
+        seen += 1
+    theirs = []
+    if newcomer is not None:
+        (_, first), = streams.add_many([Joining(list(newcomer), newcomer_tokens)])
+        theirs = list(first.tokens)
+    while len(streams):
+        for u, event in streams.step():
+            (got if u == uid else theirs).extend(event.tokens)
+    return got, theirs
 
 
 class ScriptedWidths:

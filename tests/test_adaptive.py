@@ -1075,13 +1075,13 @@ def test_timed_cycles_leave_the_context_as_they_found_it(pairs, family):
     from dflash_mlx.decode.timing import PLAIN_STEPS, cycle_parts
 
     offsets = []
-    real_step = cycle_mod.step
+    real_step = cycle_mod.PlainStep.__init__
 
-    def watched(target, tcache, *a, **kw):
-        offsets.append([c.offset for c in tcache if c.is_trimmable()])
-        return real_step(target, tcache, *a, **kw)
+    def watched(self, rows, *a, **kw):
+        offsets.append([c.offset for c in rows.cache if c.is_trimmable()])
+        return real_step(self, rows, *a, **kw)
 
-    cycle_mod.step = watched
+    cycle_mod.PlainStep.__init__ = watched
     try:
         run_draft, run_verify, catch_up = cycle_parts(pairs[family], 24)
         assert catch_up > 0  # seconds per row of the drafter's catch-up on the context
@@ -1093,7 +1093,7 @@ def test_timed_cycles_leave_the_context_as_they_found_it(pairs, family):
             assert run_verify(w, tokens) == (PLAIN_STEPS if w == 1 else None)
         assert all(mx.array_equal(run_draft(w), first[w]) for w in first)
     finally:
-        cycle_mod.step = real_step
+        cycle_mod.PlainStep.__init__ = real_step
     # Both width-1 timings start from the same context, and each step follows the one before.
     assert len(offsets) == 2 * PLAIN_STEPS and offsets[0] == offsets[PLAIN_STEPS]
     assert all(b == [o + 1 for o in a] for a, b in zip(offsets, offsets[1:PLAIN_STEPS]))

@@ -285,7 +285,8 @@ def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines,
     first = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
     answers = run(first, 20)
     assert answers == [plain_greedy(base, p, 20, eos=eos) for p in first]
-    assert len(cache) == 3 and cache.hits == 0
+    # A recurrent state cannot be trimmed back: its state at the prompt's end is kept beside it.
+    assert len(cache) == 3 * (2 if pair.target.recurrent else 1) and cache.hits == 0
     # The three conversations go on, and two new ones (prefilled together) join them.
     second = [p + a + pair.tokenizer.encode(" and then") for p, a in zip(first, answers)]
     second += [pair.tokenizer.encode(t) for t in TEXTS[3:5]]
@@ -384,16 +385,16 @@ def test_sampled_penalised_and_logprob_requests_in_a_batch_equal_each_alone(pair
 
 
 @pytest.mark.parametrize("family, after", [("qwen3", 1), ("qwen3", 3), ("qwen3_5", 1), ("qwen3_5", 3)])
-def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family, after):
-    """`stream_generate(hand_over=...)` stops a running request at a cycle boundary (`after`
-    1: right after its first token, before its first drafted cycle is launched) and
-    `BatchStreams.adopt` goes on with it beside a newcomer: greedy and seeded sampled
-    requests (a hybrid's recurrent state included) give the text they give alone."""
-    from conftest import handed_over
+def test_a_request_joined_mid_stream_goes_on_in_a_batch(pairs, family, after):
+    """A request decoding alone (its own policy's cycles, on its own caches) is joined after its
+    `after`-th event (1: right after its first token, before its first drafted cycle) by a
+    newcomer and goes on beside it in one batch: greedy and seeded sampled requests (a hybrid's
+    recurrent state included) give the text they give alone, and so does the newcomer."""
+    from conftest import joined_mid_stream
 
     import dflash_mlx
     from dflash_mlx.batch.engine import Asks
-    from dflash_mlx.batch.streams import BatchStreams, Joining
+    from dflash_mlx.batch.streams import BatchStreams
     from dflash_mlx.sampling import SamplingParams
 
     pair = pairs[family]
@@ -401,19 +402,9 @@ def test_a_request_handed_over_mid_stream_goes_on_in_a_batch(pairs, family, afte
         want = [t for ev in dflash_mlx.stream_generate(pair, TEXTS[0], max_tokens=30, sampling=params)
                 for t in ev.tokens]
         other = [t for ev in dflash_mlx.stream_generate(pair, TEXTS[1], max_tokens=20) for t in ev.tokens]
-        cache = dflash_mlx.PromptCache(pair)
-        got, handed = handed_over(pair, TEXTS[0], after, max_tokens=30, sampling=params, prompt_cache=cache)
-        assert handed is not None and 0 < len(got) < 30 and (after > 1 or len(got) == 1)
-        streams = BatchStreams(pair, 4, prompt_cache=cache)
-        uid = streams.adopt(handed)
-        (new, first), = streams.add_many([Joining(pair.tokenizer.encode(TEXTS[1]), 20, asks=Asks())])
-        theirs = list(first.tokens)
-        while len(streams):
-            for u, ev in streams.step():
-                if u == uid:
-                    got += ev.tokens
-                else:
-                    theirs += ev.tokens
+        streams = BatchStreams(pair, 4, prompt_cache=dflash_mlx.PromptCache(pair))
+        got, theirs = joined_mid_stream(streams, pair.tokenizer.encode(TEXTS[0]), after,
+                                        pair.tokenizer.encode(TEXTS[1]), 30, asks=Asks(params))
         assert got == want and theirs == other, (family, params)
 
 
@@ -466,7 +457,7 @@ def test_a_batch_drafts_in_one_pass_and_accepts_as_drafting_apart(pairs, baselin
     def run(pooling, intrude_at=None):
         dec = BatchDecoder(pair, 8)
         if not pooling:
-            dec.poolable = None
+            dec.drafting.poolable = None
         out, accepted, pooled = {}, [], []
         for first in dec.add_many(prompts, [24] * len(prompts)):
             out[first.uid] = list(first.tokens)
@@ -476,7 +467,7 @@ def test_a_batch_drafts_in_one_pass_and_accepts_as_drafting_apart(pairs, baselin
                 first = dec.add(intruder, 12, oracle)
                 out[first.uid] = list(first.tokens)
             committed = dec.step([8, 4, 1, 8][cycle % 4])
-            pooled.append(dec.pool is not None)
+            pooled.append(dec.drafting.pool is not None)
             accepted.append(sorted((c.uid, c.accepted) for c in committed if c.uid < len(prompts)))
             for c in committed:
                 out[c.uid] += c.tokens
@@ -586,7 +577,7 @@ def test_batch_gains_count_the_lookup_offers(pairs, monkeypatch):
         dec.step(8)
     offered, not_offered = [], []
     for _ in range(20):
-        extra = dec.gains([8])[8] - sum(s.run.expected_tokens(8) for s in dec.seqs)
+        extra = dec.gains([8])[8] - sum(s.sizer.expected_tokens(8) for s in dec.seqs)
         committed = sum(len(c.tokens) for c in dec.step(8))
         (offered if extra > 1 else not_offered).append(committed)
     assert len(offered) >= 3 and not_offered

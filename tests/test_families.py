@@ -9,7 +9,7 @@ import json
 
 import mlx.core as mx
 import pytest
-from conftest import ScriptedWidths, check_rollback_at_every_position, greedy_ref, handed_over, plain_greedy
+from conftest import ScriptedWidths, check_rollback_at_every_position, greedy_ref, joined_mid_stream, plain_greedy
 from test_lossless import PROMPTS
 
 import dflash_mlx
@@ -179,10 +179,11 @@ def test_batched_sequences_equal_each_alone(fams, family):
     assert [out[uid] for uid in range(len(prompts))] == [greedy_ref(base, p, 30) for p in prompts]
 
 
-def test_sliding_windows_batch_with_the_prompt_cache_and_hand_overs(fams):
+def test_sliding_windows_batch_with_the_prompt_cache_and_joins_mid_stream(fams):
     """A sliding-window target's sequences leave a batch as window caches the prompt cache keeps
-    (a later batch's requests start from them), and a request running alone is handed over
-    into a batch with its window's rows: every output is the target's greedy decoding."""
+    (a later batch's requests start from them), and a request running alone on its own window
+    cache is joined by another and goes on in a batch with its window's rows: every output is
+    the target's greedy decoding."""
     from dflash_mlx.batch.engine import BatchDecoder
     from dflash_mlx.batch.streams import BatchStreams
 
@@ -205,13 +206,9 @@ def test_sliding_windows_batch_with_the_prompt_cache_and_hand_overs(fams):
     assert run(second, 12) == [greedy_ref(base, p, 12) for p in second] and cache.hits == 2
 
     prompt = pair.tokenizer.encode(PROMPTS[2])
-    got, handed = handed_over(pair, prompt, 5, max_tokens=30, block_size=4)
-    assert handed is not None and len(prompt) + len(got) > 8  # past the window of 8
-    streams = BatchStreams(pair, 4)
-    uid = streams.adopt(handed)
-    while len(streams):
-        got += [t for u, ev in streams.step() if u == uid for t in ev.tokens]
-    assert got == greedy_ref(base, prompt, 30)
+    got, theirs = joined_mid_stream(BatchStreams(pair, 4), prompt, 5, first[0], 30)
+    assert len(prompt) + 5 > 8  # the newcomer joins past the window of 8
+    assert got == greedy_ref(base, prompt, 30) and theirs == greedy_ref(base, first[0], 20)
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss", "qwen3_next"])

@@ -1,15 +1,17 @@
 """A `BatchDecoder`'s sequences as requests: each with its text stream, stop strings and
-stats, handed back as the same `GenerationEvent`s `stream_generate` gives."""
+stats, handed back as `GenerationEvent`s (what `stream_generate` yields for a request alone)."""
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..decode.events import GenerationEvent, GenerationStats
-from ..decode.request import HandOver, TextStream, check_prompt
+from ..decode.passes import PREFILL_STEP
+from ..decode.request import TextStream, check_prompt
 from ..machine import peak_memory_gb
 from ..policy.batch import BatchWidths
-from .engine import Asks, BatchDecoder, Committed
+from .engine import BatchDecoder
+from .running import Asks, Committed
 
 
 @dataclass
@@ -20,6 +22,7 @@ class Joining:
     max_tokens: int
     stop: Sequence[str] = ()
     asks: Asks = field(default_factory=Asks)
+    source: Any = None  # its own draft source (default: the pair's drafter)
 
 
 @dataclass
@@ -32,18 +35,29 @@ class _Stream:
 class BatchStreams:
     """Requests decoded together (`BatchDecoder`), each event tagged with its request's uid."""
 
-    def __init__(self, pair, width: int, policy=None, prompt_cache=None, lookup: bool = False):
-        """`width`: the widest cycle; `policy` (`policy.batch.BatchWidths`, default) picks each
-        cycle's; with a `prompt_cache`, requests start from it and are kept in it (`keep`);
-        `lookup`: drafts may copy from each request's n-gram lookup (`BatchDecoder`)."""
+    def __init__(self, pair, width: int, policy=None, prompt_cache=None, lookup: bool = False, block_size=None):
+        """`width`: the widest cycle of several requests; `policy` (`policy.batch.BatchWidths`,
+        default) picks each such cycle's; a request alone runs its own policy's plans
+        (`block_size`: the decoder's default, `BatchDecoder`); with a `prompt_cache`, requests
+        start from it and are kept in it (`keep`); `lookup`: a batch's drafts may copy from each
+        request's n-gram lookup."""
         self.pair = pair
-        self.decoder = BatchDecoder(pair, width, prompt_cache, lookup)
+        self.decoder = BatchDecoder(pair, width, prompt_cache, lookup, block_size)
         self.policy = policy or BatchWidths(self.decoder.width)
         self.streams: Dict[int, _Stream] = {}
         self._then: Optional[Tuple[int, int]] = None  # (batch size, width) chosen for the next cycle
 
     def __len__(self) -> int:
         return len(self.decoder)
+
+    def add(self, request: Joining, prefill_step: int = PREFILL_STEP) -> Tuple[int, GenerationEvent]:
+        """Prefill one request (in chunks of `prefill_step` tokens) and let it join; its uid and
+        first event (which may be its last)."""
+        check_prompt(request.prompt, self.pair.target)
+        tic = time.perf_counter()
+        first = self.decoder.add(request.prompt, request.max_tokens, request.source, request.asks,
+                                 prefill_step=prefill_step)
+        return first.uid, self._started(request, first, tic)
 
     def add_many(self, requests: Sequence[Joining]) -> List[Tuple[int, Optional[GenerationEvent]]]:
         """Prefill the requests, together where short, and let them join; each one's uid and
@@ -54,22 +68,14 @@ class BatchStreams:
             check_prompt(r.prompt, self.pair.target)
         tic = time.perf_counter()
         firsts = self.decoder.add_many([r.prompt for r in requests], [r.max_tokens for r in requests],
-                                       asks=[r.asks for r in requests], chunked=True)
-        now = time.perf_counter()
-        prompt_tps = sum(len(r.prompt) for r, f in zip(requests, firsts) if not f.filling) / (now - tic)
-        out = []
-        for r, first in zip(requests, firsts):
-            stats = GenerationStats(prompt_tokens=len(r.prompt), prompt_tps=0.0 if first.filling else prompt_tps)
-            self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, r.stop), stats, tic if first.filling
-                                              else now)
-            out.append((first.uid, None if first.filling else self._event(first, 0, first=True)))
-        return out
+                                       [r.source for r in requests], asks=[r.asks for r in requests], chunked=True)
+        return [(first.uid, self._started(r, first, tic)) for r, first in zip(requests, firsts)]
 
-    def adopt(self, h: HandOver) -> int:
-        """Go on with a request another loop started (`stream_generate(hand_over=...)`); its uid."""
-        uid = self.decoder.adopt(h.seq, h.tcache)
-        self.streams[uid] = _Stream(h.text, h.stats, h.tic)
-        return uid
+    def _started(self, r: Joining, first: Committed, tic: float) -> Optional[GenerationEvent]:
+        """A joined request's stream, and its first event (None while its prompt is prefilled)."""
+        stats = GenerationStats(prompt_tokens=len(r.prompt), cached_tokens=first.cached)
+        self.streams[first.uid] = _Stream(TextStream(self.pair.tokenizer, r.stop), stats, tic)
+        return None if first.filling else self._first(first)
 
     def step(self) -> List[Tuple[int, GenerationEvent]]:
         """A prefill chunk of each request still prefilling (the first events of those done), then
@@ -78,18 +84,25 @@ class BatchStreams:
         B = len(self.decoder.seqs)
         if B == 0:
             return out
-        # Widths are chosen a cycle ahead, so that a plain step launches the next one only where
-        # it will run; where the batch has changed, this cycle runs what is chosen now.
-        then = self.policy.choose(B, self.decoder.gains(self.policy.widths))
-        width = self._then[1] if self._then is not None and self._then[0] == B else then
-        self._then = (B, then)
-        tic = time.perf_counter()
-        committed = self.decoder.step(width, then)
-        self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed))
+        if B == 1:  # a request alone: its own policy plans the cycle
+            self._then = None
+            committed = self.decoder.step()
+        else:
+            # Widths are chosen a cycle ahead, so that a plain step launches the next one only where
+            # it will run; where the batch has changed, this cycle runs what is chosen now.
+            then = self.policy.choose(B, self.decoder.gains(self.policy.widths))
+            width = self._then[1] if self._then is not None and self._then[0] == B else then
+            self._then = (B, then)
+            tic = time.perf_counter()
+            committed = self.decoder.step(width, then)
+            self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed))
         for c in committed:
             stats = self.streams[c.uid].stats
             stats.cycles += 1
-            stats.draft_cycles += width > 1
+            stats.draft_cycles += c.plan.width > 1
+            stats.lookup_cycles += c.plan.copied > 0
+            stats.tree_cycles += c.plan.branches > 0
+            stats.branch_cycles += c.branched
             stats.acceptance_lengths.append(c.accepted + 1)
             out.append((c.uid, self._event(c, c.accepted)))
         return out
@@ -105,7 +118,7 @@ class BatchStreams:
         self.streams.pop(uid, None)
 
     def _first(self, c: Committed) -> GenerationEvent:
-        """The first event of a request whose prompt was prefilled chunk by chunk."""
+        """A request's first event, once its prompt is prefilled."""
         s = self.streams[c.uid]
         now = time.perf_counter()
         s.stats.prompt_tps = s.stats.prompt_tokens / (now - s.tic)
@@ -128,5 +141,6 @@ class BatchStreams:
         stats.peak_memory_gb = peak_memory_gb()
         stats.finish_reason = finish
         if finish is not None:
+            stats.proposal_scales = c.proposal_scales
             self.streams.pop(c.uid)
         return GenerationEvent(segment, tokens, accepted, stats, finish, lps)

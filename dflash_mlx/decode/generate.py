@@ -9,15 +9,16 @@ the cycles (`cycle.py`) run the model passes (`passes.py`); the policy
 (`policy`) picks each cycle's plan.
 """
 
-from typing import Callable, Generator, Optional, Sequence, Union
+from typing import Generator, Optional, Sequence, Union
 
-from ..policy.plan import PLAIN
-from ..draft.source import DraftSource
+from ..batch.running import Asks
+from ..batch.streams import BatchStreams, Joining
 from ..cache.prompt_cache import PromptCache
+from ..draft.source import DraftSource
 from ..sampling import SamplingParams
 from .events import GenerationEvent
 from .passes import PREFILL_STEP
-from .request import HandOver, Request
+from .request import block_policy, check_options, check_prompt
 
 
 def stream_generate(
@@ -35,8 +36,7 @@ def stream_generate(
     logits_processors: Sequence = (),
     tree: Optional[int] = None,
     proposal_scale: Union[str, float, object] = "auto",
-    hand_over: Optional[Callable[[], bool]] = None,
-) -> Generator[GenerationEvent, None, Optional[HandOver]]:
+    ) -> Generator[GenerationEvent, None, None]:
     """Generate with DFlash, yielding one event per verify cycle.
 
     With `lookup`, the policy may draft from the source's free offers (an
@@ -68,54 +68,32 @@ def stream_generate(
     A caller that stops early (closes the generator, or drops it) ends the request as a stop
     string would: its caches go to the prompt cache.
 
-    `hand_over()`, asked after each event, stops the loop early when it says
-    so: the cycle in flight is settled and its event yielded, and the
-    generator returns the request's state (`HandOver`, in `StopIteration.value`)
-    for another loop to go on with, a batch's (`batch.BatchStreams.adopt`).
+    The request is decoded as a batch of one (`batch.BatchDecoder`, the decoder the server's
+    requests share): alone, each cycle is the one its policy plans.
     """
-    req = Request(pair, prompt, max_tokens, sampling or SamplingParams(), block_size, stop,
-                  draft_source or pair.draft_source, lookup, prompt_cache, logprobs, logits_processors, tree,
-                  proposal_scale)
-    out = req.prefill(prefill_step)
-    ahead = None
-    while True:
-        finish = req.commit(out)  # this cycle's tokens, up to EOS and the budget
-
-        # Launch the next cycle before the host detokenizes and hands text
-        # over; but the prompt's token first: the first drafted cycle may
-        # make the drafter catch up on the whole prompt.
-        cycle, plan, deferred = ahead, PLAIN, False  # a plain step may be under way already
-        if finish is None and cycle is None:
-            plan = req.plan()
-            deferred = req.stats.cycles == 0 and plan.width > 1
-            cycle = None if deferred else req.launch(plan)
-
-        event = req.event(out, finish)
-        try:
-            yield event
-        except GeneratorExit:  # the caller stopped early: keep what was computed, as at a stop string
-            req.finish(cycle)
-            raise
-        if event.finish_reason is not None:
-            req.finish(cycle)
-            return
-        if hand_over is not None and hand_over():
-            if deferred:  # nothing in flight yet: hand the request over as it is
-                return req.hand_over()
-            out = cycle.settle(also=req.learning())[0]
-            req.absorb(cycle, plan, out)
-            event = req.event(out, req.commit(out))
+    params = sampling or SamplingParams()
+    source = draft_source or pair.draft_source
+    check_options(max_tokens, params, tree, logprobs, proposal_scale)
+    block_policy(pair, source, block_size, tree or 0, params)  # a bad block size is refused before any work
+    if isinstance(prompt, str):
+        prompt = pair.tokenizer.encode(prompt)
+    check_prompt(prompt, pair.target)
+    width = block_size if isinstance(block_size, int) else source.block_size
+    streams = BatchStreams(pair, max(1, min(width, source.block_size)), prompt_cache=prompt_cache,
+                           block_size=block_size or source.block_size)
+    asks = Asks(params, logits_processors, logprobs, tree=tree, lookup=lookup, proposal_scale=proposal_scale)
+    uid, event = streams.add(Joining(list(prompt), max_tokens, stop, asks, source), prefill_step)
+    try:
+        while True:
             yield event
             if event.finish_reason is not None:
-                req.finish(None)
-                return None
-            return req.hand_over()
-        if deferred:
-            cycle = req.launch(plan)
-
-        ahead = req.step_ahead(cycle)
-        out = cycle.settle(also=req.learning())[0]
-        req.absorb(cycle, plan, out)
+                break
+            event = next(e for u, e in streams.step() if u == uid)
+    except GeneratorExit:  # the caller stopped early: keep what was computed, as at a stop string
+        streams.remove(uid)
+        streams.keep()
+        raise
+    streams.keep()
 
 
 def generate(pair, prompt, **kwargs):

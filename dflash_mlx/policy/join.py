@@ -16,7 +16,7 @@ from typing import Optional
 # the joiner's prefill within about 1.5 times its time alone.
 JOIN_CYCLES = 2.0
 # Tokens of a join's chunk before a prefill row or a cycle has been timed (every prefill the batch
-# runs is timed, so this is the first join after a hand-over): small, since a large one stalls.
+# runs is timed, so this is the first join of a fresh decoder's): small, since a large one stalls.
 FIRST_CHUNK = 32
 MIN_CHUNK = 16  # below this a chunk's fixed cost (a pass through every layer) is most of its time
 MAX_CHUNK = 2048  # mlx-lm's prefill_step_size: a chunk holds no more memory than a prefill alone

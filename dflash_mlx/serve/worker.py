@@ -150,9 +150,9 @@ class Engine:
         return job
 
     def _run(self):
-        """Jobs in arrival order. A job that finds the engine idle and nothing queued runs
-        alone (`stream_generate`: the prompt cache and the adaptive block size); jobs that
-        queue up behind others are decoded together (`_run_batch`) where they can be."""
+        """Jobs in arrival order, decoded together (`_run_batch`: a job alone runs as its own
+        policy plans, and those that come while it runs join it), or one at a time where the
+        target cannot be batched (`_run_alone`)."""
         waiting = self.waiting
         while True:
             if not waiting:
@@ -169,7 +169,7 @@ class Engine:
                 waiting.popleft()
                 self.stats["cancelled"] += 1
                 job.events.put(None)
-            elif len(waiting) > 1 and self._batchable(job) and self._batchable(waiting[1]):
+            elif self._batchable(job):
                 self._run_batch(waiting)
             else:
                 self._run_alone(waiting.popleft())
@@ -190,15 +190,14 @@ class Engine:
         """Whether a job can join a batch: any job, where the engine batches at all (`batch_width`)."""
         return self.batch_width is not None
 
-    def _run_batch(self, waiting, adopted=None) -> None:
-        """Decode the batchable jobs at the head of `waiting` together (and `adopted`, a job
-        `stream_generate` handed over), letting in those that queue up while it runs, until
-        the batch is empty; a job that cannot join waits for it (arrival order is kept)."""
+    def _run_batch(self, waiting) -> None:
+        """Decode the batchable jobs at the head of `waiting` together, letting in those that
+        queue up while it runs, until the batch is empty; a job that cannot join waits for it
+        (arrival order is kept)."""
         batch = BatchStreams(self.pair, self.batch_width, self.batch_policy, self.prompt_cache,
-                             lookup=self.block_size == "auto")
+                             lookup=self.block_size == "auto",
+                             block_size=self.block_size or self.pair.draft_source.block_size)
         jobs = {}
-        if adopted is not None:
-            jobs[batch.adopt(adopted[1])] = adopted[0]
         while True:
             self._drain(waiting)
             joining = []
@@ -276,29 +275,17 @@ class Engine:
         job.events.put(None)
 
     def _run_alone(self, job: Job) -> None:
-        """One job through `stream_generate`; if a job that can join it arrives meanwhile (and
-        this one can be batched), it goes on in a batch with the newcomers (`_run_batch`)."""
+        """One job through `stream_generate` (a target that cannot be batched, or ranks that
+        mirror each request)."""
         self.stats["active"] = 1
-        handed = None
-
-        def others_wait() -> bool:
-            self._drain(self.waiting)
-            return bool(self.waiting) and self.waiting[0] is not None and self._batchable(self.waiting[0])
-
         try:
             if self.channel is not None:
                 self._mirror(job)
             events = stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
                                      sampling=job.params, block_size=self.block_size, stop=job.stop,
                                      prompt_cache=self.prompt_cache, logprobs=job.logprobs,
-                                     logits_processors=make_processors(job.processor_args),
-                                     hand_over=others_wait if self._batchable(job) else None)
-            while True:
-                try:
-                    event = next(events)
-                except StopIteration as done:
-                    handed = done.value
-                    break
+                                     logits_processors=make_processors(job.processor_args))
+            for event in events:
                 self.stats["generated_tokens"] += len(event.tokens)
                 if event.finish_reason is not None:
                     self._count(event.stats)
@@ -307,9 +294,9 @@ class Engine:
                 if self.channel is not None:
                     stop = not self.channel.keep_going(stop)
                 if stop:
+                    events.close()
                     break
-            if handed is None:
-                self.stats["cancelled" if job.cancelled.is_set() else "completed"] += 1
+            self.stats["cancelled" if job.cancelled.is_set() else "completed"] += 1
         except DFlashError as e:
             self.stats["failed"] += 1
             job.events.put(APIError(400, str(e)))
@@ -317,11 +304,8 @@ class Engine:
             self.stats["failed"] += 1
             job.events.put(APIError(500, f"generation failed: {e}", "server_error"))
         finally:
-            if handed is None:
-                self.stats["active"] = 0
-                job.events.put(None)
-        if handed is not None:
-            self._run_batch(self.waiting, (job, handed))
+            self.stats["active"] = 0
+            job.events.put(None)
 
     def _mirror(self, job: Job) -> None:
         """Send the request to the other ranks. An unseeded sampled one gets a seed for

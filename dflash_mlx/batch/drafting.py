@@ -1,0 +1,143 @@
+"""A batch's drafts: each sequence's block for a drafted cycle, from one drafter pass over the
+pooled contexts of sequences that share the pair's poolable drafter (`drafts.DraftBatch`), or
+else from each sequence's own source; a lookup's copies in the first positions; and what the
+unseeded sampled sequences' proposal scales learn from the verify."""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..decode.cycle import Block, LinearCycle
+from ..decode.passes import Draft, caught_up, draft, joined, pick_drafts
+from ..draft.lookup import point_masses
+from ..policy.proposal import reached_gains
+from .drafts import DraftBatch
+from .running import Proposal, Running
+
+
+class Drafting:
+    """Drafts for the decoder's sequences (`seqs`, in the caches' order)."""
+
+    def __init__(self, poolable):
+        """`poolable`: the pair's drafter as a source several sequences can draft with in one pass
+        (`DraftSource.pooled`), or None: each sequence drafts on its own."""
+        self.poolable = poolable
+        # The drafter's contexts of the first len(pool) sequences, drafted in one pass; a sequence
+        # joins it at its first drafted cycle beside others. None: each drafts on its own.
+        self.pool: Optional[DraftBatch] = None
+
+    def propose(self, seqs: List[Running], width: int, copies: List[List[int]],
+                alternatives: bool = False) -> Proposal:
+        """Every sequence's block for a cycle of `width`: its last token, then its drafts (its
+        `copies` first); with `alternatives`, a sequence alone's drafter's 2nd and 3rd choices."""
+        lasts = mx.concatenate([s.last for s in seqs])
+        noises = [s.noise(width) for s in seqs]
+        scales = [None if s.scaler is None else s.scaler.choose(width - 1) for s in seqs]
+        if self._pooling(seqs):
+            drawn = self._pooled(seqs, lasts, width, noises, copies, scales)
+        else:
+            drawn = [self._own(s, width, n, c, sc, alternatives) for s, n, c, sc in zip(seqs, noises, copies, scales)]
+        alts = drawn[0].alternatives if len(drawn) == 1 else None
+        return Proposal(Block(lasts, mx.stack([d.tokens for d in drawn]), [d.q_lp for d in drawn], noises, alts),
+                        scales, copies)
+
+    @staticmethod
+    def copies(seq: Running, width: int) -> List[int]:
+        """The lookup tokens a batch's drafted cycle of `width` copies for `seq` (first positions),
+        as many as its sizer run expects to pay."""
+        if seq.sizer is None:
+            return []
+        offer = seq.source.offer(seq.dstate, width - 1)
+        return list(offer[: seq.sizer.copies(offer, width)])
+
+    @staticmethod
+    def learn(seqs: List[Running], p: Proposal, cycle: LinearCycle, accepted: List[int]) -> None:
+        """Unseeded sampled sequences' proposal scales learn from the last cycle's lessons (read at
+        this cycle's synchronisation); this cycle's are left lazy, to be read at the next one's."""
+        for b, s in enumerate(seqs):
+            if s.lesson is not None:
+                s.scaler.update(*s.lesson)
+                s.lesson = None
+            copied, rows = len(p.copies[b]), cycle.processed[b]
+            drafted = copied < p.block.drafts.shape[1]  # the drafter filled positions: its scales were used
+            if rows is not None and drafted and s.scaler.learning() and accepted[b] >= copied:
+                s.lesson = reached_gains(rows, p.block.q_lps[b], copied, accepted[b], p.scales[b], s.params)
+
+    def read_held(self, seqs: List[Running], b: int) -> None:
+        """Sequence b holds `HELD_TAPS` taps (a long plain run): its drafter reads them in one pass
+        (with the pool's other sequences', where it is pooled)."""
+        if self.pool is not None and b < len(self.pool):
+            pooled = seqs[: len(self.pool)]
+            self.pool.add_context([joined(s.take_taps()) if s.taps else None for s in pooled])
+        else:
+            seq = seqs[b]
+            seq.source.add_context(seq.dstate, joined(seq.take_taps()))
+
+    def unpool(self, b: int, seq: Running) -> None:
+        """Sequence b's drafter context, if the pool holds it, back into its own state."""
+        if self.pool is not None and b < len(self.pool):
+            seq.source.context(seq.dstate)[:] = self.pool.extract(b)
+
+    def keep_only(self, keep: List[int]) -> None:
+        """The sequences at indices `keep` stay (the pool's others are dropped)."""
+        if not keep:
+            self.pool = None
+        elif self.pool is not None:
+            self.pool.filter([b for b in keep if b < len(self.pool)])
+
+    def _pooling(self, seqs: List[Running]) -> bool:
+        """Whether this cycle drafts every sequence in one pass: several sequences, each drafting
+        with the pair's poolable source. Sequences not pooled yet join the pool (their held taps
+        read into their own context first, which is then copied in); where they cannot, the
+        pool's contexts go back to their sequences."""
+        if self.poolable is None or len(seqs) == 1 or any(s.source.pooled() is not self.poolable for s in seqs):
+            if self.pool is not None:
+                for b, s in enumerate(seqs[: len(self.pool)]):
+                    self.unpool(b, s)
+                self.pool = None
+            return False
+        if self.pool is None:
+            self.pool = DraftBatch(self.poolable)
+        joining = seqs[len(self.pool) :]
+        for s in joining:
+            if s.taps:
+                s.source.add_context(s.dstate, joined(caught_up(s.source, s.dstate, s.take_taps())))
+        if joining:
+            self.pool.join([s.source.context(s.dstate) for s in joining])
+        return True
+
+    def _pooled(self, seqs: List[Running], lasts: mx.array, width: int, noises: list, copies: List[List[int]],
+                scales: list) -> List[Draft]:
+        """Every sequence's drafts from one drafter pass, each sequence's `copies` in its first
+        positions (point masses, for rejection sampling)."""
+        hiddens = [joined(s.take_taps()) if s.taps else None for s in seqs]
+        logits = self.pool.propose(lasts, hiddens, width)
+        if all(s.params.greedy and not s.proc for s in seqs):
+            tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            drawn = [Draft(tokens[b], None, None) for b in range(len(seqs))]
+        else:
+            drawn = [pick_drafts(logits[b], s.params, s.proc or None, None if n is None else n[:-1], sc)
+                     for b, (s, n, sc) in enumerate(zip(seqs, noises, scales))]
+        return [d if not c else _copied(d, c) for d, c in zip(drawn, copies)]
+
+    @staticmethod
+    def _own(seq: Running, width: int, noise: Optional[mx.array], copies: Sequence[int] = (),
+             scales: Optional[List[float]] = None, alternatives: bool = False) -> Draft:
+        """A sequence's drafts from its own source (the lookup's `copies` first)."""
+        if len(copies) == width - 1:  # no drafter pass: its taps wait for the next one
+            tokens = mx.array(copies, dtype=mx.uint32)
+            return Draft(tokens, point_masses(tokens, seq.source.vocab_size) if seq.rejection else None, None)
+        hidden = joined(caught_up(seq.source, seq.dstate, seq.take_taps())) if seq.taps else None
+        return draft(seq.source, seq.dstate, seq.last, hidden, width, seq.params, copies, proc=seq.proc or None,
+                     alternatives=alternatives, scales=scales, noise=None if noise is None else noise[:-1])
+
+
+def _copied(d: Draft, copies: List[int]) -> Draft:
+    """`d` with a lookup's `copies` in its first positions."""
+    k, n = len(copies), d.tokens.shape[0]
+    copied = mx.array(copies, dtype=mx.uint32)
+    tokens = mx.concatenate([copied, d.tokens[k:]]) if k < n else copied
+    if d.q_lp is None:
+        return Draft(tokens, None, None)
+    masses = point_masses(copied, d.q_lp.shape[-1])
+    return Draft(tokens, mx.concatenate([masses, d.q_lp[k:]]) if k < n else masses, None)
