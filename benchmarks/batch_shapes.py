@@ -43,10 +43,10 @@ def timed(dec, width):
     B = len(dec.seqs)
     block = mx.zeros((B, width), mx.uint32)
     tic = time.perf_counter()
-    logits, hidden = dec.target(block, dec.cache, taps=True, record=dec.target.recurrent)
+    logits, hidden = dec.target(block, dec.caches.layers, taps=True, record=dec.target.recurrent)
     mx.eval(logits, hidden)
     seconds = time.perf_counter() - tic
-    dec.target.crop_each(dec.cache, [0] * B, width)
+    dec.target.crop_each(dec.caches.layers, [0] * B, width)
     return seconds
 
 

@@ -141,3 +141,20 @@ def _copied(d: Draft, copies: List[int]) -> Draft:
         return Draft(tokens, None, None)
     masses = point_masses(copied, d.q_lp.shape[-1])
     return Draft(tokens, mx.concatenate([masses, d.q_lp[k:]]) if k < n else masses, None)
+
+
+def expected_gains(seqs: List[Running], widths: Sequence[int]) -> Optional[dict]:
+    """The tokens the sequences expect a cycle of each width to commit, in all, from their sizer
+    runs' acceptance statistics and their lookup offers, copied as `Drafting.copies` would (None
+    unless every sequence has a sizer run)."""
+    if not widths or not seqs or any(s.sizer is None for s in seqs):
+        return None
+    gains = dict.fromkeys(widths, 0.0)
+    for s in seqs:
+        offer = s.source.offer(s.dstate, max(widths) - 1)
+        order = getattr(offer, "order", 0)
+        alphas = s.sizer.alphas()
+        look = s.sizer.lookup_alphas(order) if offer else None
+        for w in widths:
+            gains[w] += 1 + s.sizer.best_copies(len(offer), order, min(w, s.sizer.max_width), alphas, look)[1]
+    return gains

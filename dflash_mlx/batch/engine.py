@@ -34,8 +34,8 @@ from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
-from .cache import add_to, batch_of
-from .drafting import Drafting
+from .cache import Caches, add_to, batch_of
+from .drafting import Drafting, expected_gains
 from .running import Asks, Committed, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
@@ -93,10 +93,7 @@ class BatchDecoder:
         self.block_size = width if block_size is None else block_size
         self.eos = set(pair.tokenizer.eos_token_ids) if pair.tokenizer is not None else set()
         self.window = getattr(self.target.args, "max_position_embeddings", None)
-        # Per layer: one sequence's own cache (the target's kinds), or for several a `RaggedKVCache`
-        # or an `ArraysCache` of recurrent states (`batched`).
-        self.cache: list = []
-        self.batched = False
+        self.caches = Caches()
         self.drafting = Drafting(self.source.pooled() if self.width > 1 else None)
         self.seqs: List[Running] = []
         self.filling: List[Filling] = []
@@ -201,30 +198,12 @@ class BatchDecoder:
             return [self.add(*a, chunked=chunked) for a in zip(prompts, max_tokens, sources, asks)]
         if self.window and max(lens) > self.window:
             raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
-        # Each starts from its cached prefix (rows of its own in the ragged caches); the rest of
-        # every prompt goes through in one right-padded pass.
         starts = [self._fetch(p, s) for p, s in zip(prompts, sources)]
         seqs = [self._running(p, m, s, dstate, tcache, a)
                 for p, m, s, (tcache, dstate, _), a in zip(prompts, max_tokens, sources, starts, asks)]
-        rest = [n - reused for n, (_, _, reused) in zip(lens, starts)]
-        L = max(rest)
-        block = mx.array([list(p[len(p) - r :]) + [0] * (L - r) for p, r in zip(prompts, rest)])
-        cache = [batch_of(c) for c in starts[0][0]]
-        for tcache, _, _ in starts[1:]:
-            for batch, c in zip(cache, tcache):
-                add_to(batch, c)
         tic = time.perf_counter()
-        tapped = any(s.tapped for s in seqs)
-        logits, hidden = self.target(block, cache, taps=tapped, rows=mx.array(rest) - 1)
-        for c in cache:
-            c.crop([L - r for r in rest])
-        picked = []
-        for b, seq in enumerate(seqs):
-            if seq.tapped:
-                seq.hold(hidden[b : b + 1, : rest[b]])
-            picked.append(seq.pick(logits[b], seq.noise(1)))
-        mx.eval(picked, [c.state for c in cache])
-        self.joins.chunk(sum(rest), time.perf_counter() - tic)
+        cache, picked = prefill_together(self.target, prompts, starts, seqs)
+        self.joins.chunk(sum(len(p) - reused for p, (_, _, reused) in zip(prompts, starts)), time.perf_counter() - tic)
         out, keep = [], []
         for b, (p, seq) in enumerate(zip(prompts, seqs)):
             c = self._start(seq, p, *picked[b])
@@ -238,14 +217,9 @@ class BatchDecoder:
             for c in cache:
                 c.filter(keep)
             self._drop_ahead()
-            if self.cache:
-                self._batch_caches()
-                for batch, c in zip(self.cache, cache):
-                    batch.join(c)
-            else:
-                self.cache, self.batched = cache, True
+            self.caches.join(cache)
             self.seqs += [seqs[b] for b in keep]
-            self._alone_if_one()
+            self.caches.keep_only(list(range(len(self.seqs))), len(self.seqs))  # one alone: caches of its own
         return out
 
     def _running(self, prompt, max_tokens: int, source, dstate, tcache: list, asks: Asks) -> Running:
@@ -259,7 +233,7 @@ class BatchDecoder:
         """The sequence's first token `last` (evaluated, and its log probabilities): its `Committed`."""
         seq.last = last
         out = Committed(seq.uid, last.tolist(), logprobs=lps and logprob_rows(lps, 1))
-        out.finish = self._finish(seq, out)
+        out.finish = seq.finish(out, self.eos)
         seq.history = list(prompt)
         seq.commit(out.tokens)
         if seq.lookup or seq.tapped:
@@ -270,24 +244,8 @@ class BatchDecoder:
         """A sequence alone decodes on its own caches; beside others, its caches' rows are
         copied into the batch's."""
         self._drop_ahead()
-        if self.cache:
-            self._batch_caches()
-            for batch, c in zip(self.cache, tcache):
-                add_to(batch, c)
-        else:
-            self.cache, self.batched = list(tcache), False
+        self.caches.add(tcache)
         self.seqs.append(seq)
-
-    def _batch_caches(self) -> None:
-        """A sequence alone's caches made the first of a batch's (its rows copied once)."""
-        if not self.batched:
-            self.cache, self.batched = [batch_of(c) for c in self.cache], True
-
-    def _alone_if_one(self) -> None:
-        """A batch down to one sequence: its rows become caches of its own (copied once), on which
-        it decodes as a request alone does (the target's own cache kinds, trees where they run)."""
-        if self.batched and len(self.seqs) == 1:
-            self.cache, self.batched = [c.extract(0) for c in self.cache], False
 
     def step(self, width: Optional[int] = None, then: Optional[int] = None) -> List[Committed]:
         """One cycle for every sequence in the batch at `width` (default: a sequence alone, its
@@ -337,7 +295,8 @@ class BatchDecoder:
 
     def _rows(self) -> Rows:
         """The batch's sequences and caches, as its cycles decode them."""
-        return Rows(self.target, self.cache, self.seqs, taps=any(s.tapped for s in self.seqs), batched=self.batched)
+        return Rows(self.target, self.caches.layers, self.seqs, taps=any(s.tapped for s in self.seqs),
+                    batched=self.caches.batched)
 
     def _plain_step(self, ahead) -> List[Committed]:
         """A plain batched step, as mlx-lm's: with `ahead` (or where `ahead()` says so, asked
@@ -360,7 +319,7 @@ class BatchDecoder:
         for seq, o, plan in zip(self.seqs, outcomes, plans):
             c = Committed(seq.uid, o.tokens, accepted=o.accepted, logprobs=o.logprobs, plan=plan,
                           branched=o.branched)
-            c.finish = self._finish(seq, c)
+            c.finish = seq.finish(c, self.eos)
             out.append(c)
         if any(c.finish for c in out):
             self._drop_ahead()
@@ -375,6 +334,8 @@ class BatchDecoder:
         if self._ahead is not None:
             self._ahead.drop()
             self._ahead = None
+            for s in self.seqs:
+                s.chosen = None  # a plan chosen for the dropped step's successor
 
     def _advance(self, b: int, seq: Running, c: Committed, o) -> None:
         """Sequence b past its committed tokens: its processors, draws, policy runs, lookup
@@ -399,9 +360,7 @@ class BatchDecoder:
         for b, s in enumerate(self.seqs):
             if b not in kept:
                 self.drafting.unpool(b, s)
-                caches = None if self.prompt_cache is None else [c.extract(b) for c in self.cache] if self.batched \
-                    else self.cache
-                self._ended(s, caches, len(s.history) - 1)
+                self._ended(s, None if self.prompt_cache is None else self.caches.of(b), len(s.history) - 1)
         self._keep_only(keep)
 
     def _ended(self, seq: Running, tcache: list, rows: int) -> None:
@@ -413,20 +372,8 @@ class BatchDecoder:
             self.pair.keep_rates()  # what the pair's sizers learnt outlives the process, as its cost curve does
 
     def gains(self, widths: Sequence[int]) -> Optional[dict]:
-        """The tokens the sequences expect a cycle of each width to commit, in all, from their
-        sizer runs' acceptance statistics and their lookup offers, copied as `_copies` would
-        (None unless every sequence has a sizer run)."""
-        if not widths or not self.seqs or any(s.sizer is None for s in self.seqs):
-            return None
-        gains = dict.fromkeys(widths, 0.0)
-        for s in self.seqs:
-            offer = s.source.offer(s.dstate, max(widths) - 1)
-            order = getattr(offer, "order", 0)
-            alphas = s.sizer.alphas()
-            look = s.sizer.lookup_alphas(order) if offer else None
-            for w in widths:
-                gains[w] += 1 + s.sizer.best_copies(len(offer), order, min(w, s.sizer.max_width), alphas, look)[1]
-        return gains
+        """The tokens the sequences expect a cycle of each width to commit, in all (`expected_gains`)."""
+        return expected_gains(self.seqs, widths)
 
     def keep(self) -> None:
         """Hand what finished sequences computed to the prompt cache (after their answers are out):
@@ -450,26 +397,29 @@ class BatchDecoder:
         if len(keep) < len(self.seqs):
             self._drop_ahead()
         self.drafting.keep_only(keep)
-        if not keep:
-            self.cache, self.seqs, self.batched = [], [], False
-        elif len(keep) < len(self.seqs):
-            for c in self.cache:
-                c.filter(keep)
-            self.seqs = [self.seqs[b] for b in keep]
-            self._alone_if_one()
+        self.caches.keep_only(keep, len(self.seqs))
+        self.seqs = [self.seqs[b] for b in keep]
 
-    def _finish(self, seq: "Running", c: Committed) -> Optional[str]:
-        """Cut `c`'s tokens (and log probabilities) at the budget and at EOS; the finish
-        reason, if this ends the sequence."""
-        c.tokens = c.tokens[: seq.max_tokens - seq.generated]
-        seq.generated += len(c.tokens)
-        finish = "length" if seq.generated >= seq.max_tokens else None
-        for i, t in enumerate(c.tokens):
-            if t in self.eos:
-                c.tokens, finish = c.tokens[:i], "stop"
-                break
-        if c.logprobs is not None:
-            c.logprobs = c.logprobs[: len(c.tokens)]
-        if finish is not None and seq.scaler is not None:
-            c.proposal_scales = seq.scaler.describe()
-        return finish
+
+def prefill_together(target, prompts: Sequence[Sequence[int]], starts: list, seqs: List[Running]):
+    """Several prompts in one target pass, each from its cached prefix (`starts`: its caches,
+    draft state and tokens reused) and the rests right-padded to the longest, each sequence's
+    padding cropped after: the batch's caches and each sequence's first token (and log
+    probabilities), evaluated; each tapped sequence holds its prompt's taps."""
+    rest = [len(p) - reused for p, (_, _, reused) in zip(prompts, starts)]
+    L = max(rest)
+    block = mx.array([list(p[len(p) - r :]) + [0] * (L - r) for p, r in zip(prompts, rest)])
+    cache = [batch_of(c) for c in starts[0][0]]
+    for tcache, _, _ in starts[1:]:
+        for batch, c in zip(cache, tcache):
+            add_to(batch, c)
+    logits, hidden = target(block, cache, taps=any(s.tapped for s in seqs), rows=mx.array(rest) - 1)
+    for c in cache:
+        c.crop([L - r for r in rest])
+    picked = []
+    for b, seq in enumerate(seqs):
+        if seq.tapped:
+            seq.hold(hidden[b : b + 1, : rest[b]])
+        picked.append(seq.pick(logits[b], seq.noise(1)))
+    mx.eval(picked, [c.state for c in cache])
+    return cache, picked

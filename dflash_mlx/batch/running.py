@@ -57,6 +57,22 @@ class Running(SequenceState):
         self.history += tokens
         self.drawn(mx.array(tokens), len(tokens))
 
+    def finish(self, c: "Committed", eos) -> Optional[str]:
+        """Cut `c`'s tokens (and log probabilities) at its budget and at EOS (`eos`: the ids), and
+        count them; the finish reason, if this ends it."""
+        c.tokens = c.tokens[: self.max_tokens - self.generated]
+        self.generated += len(c.tokens)
+        finish = "length" if self.generated >= self.max_tokens else None
+        for i, t in enumerate(c.tokens):
+            if t in eos:
+                c.tokens, finish = c.tokens[:i], "stop"
+                break
+        if c.logprobs is not None:
+            c.logprobs = c.logprobs[: len(c.tokens)]
+        if finish is not None and self.scaler is not None:
+            c.proposal_scales = self.scaler.describe()
+        return finish
+
     def hold(self, taps) -> None:
         """Taps of committed rows its drafter will read (an array of rows, or a plain step's layers)."""
         self.taps.append(taps)
