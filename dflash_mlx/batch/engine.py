@@ -27,8 +27,7 @@ import mlx.core as mx
 
 from ..cache.prompt_cache import can_trim, snapshot
 from ..decode.cycle import LinearCycle, PlainStep, Rows, TreeCycle
-from ..decode.passes import (PREFILL_STEP, caught_up, draft_tree, drained, joined, logprob_rows,
-                             prefill_steps)
+from ..decode.passes import (PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps)
 from ..decode.request import HELD_TAPS
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
@@ -113,9 +112,9 @@ class BatchDecoder:
         tokens are picked and its cycles chosen (default: greedy, the decoder's block size).
         `chunked`, while others decode: a prompt longer than a join chunk (`policy.join`: sized by
         time) is prefilled a chunk per cycle (`fill`), and its `Committed` says `filling`."""
-        self._check_room(prompt)
+        check_room(prompt, self.window, self.target, busy=len(self) > 0)
         source = source or self.source
-        tcache, dstate, reused = self._fetch(prompt, source)
+        tcache, dstate, reused = fetch(self.prompt_cache, self.target, prompt, source)
         seq = self._running(prompt, max_tokens, source, dstate, tcache, asks or Asks())
         later = chunked and bool(self.seqs) and len(prompt) - reused > self.joins.size()
         before_last = None
@@ -133,21 +132,6 @@ class BatchDecoder:
         out = self._filled(f, *drained(steps))
         self.joins.chunk(len(prompt) - reused, time.perf_counter() - tic)  # what a prefill row costs here
         return out
-
-    def _check_room(self, prompt: Sequence[int]) -> None:
-        if not prompt:
-            raise DFlashError("The prompt is empty.")
-        if self.window and len(prompt) > self.window:
-            raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {self.window}.")
-        if len(self) and not can_batch(self.target):
-            raise DFlashError(f"'{self.target.model_type}' has caches batched decoding cannot hold together: "
-                              "its sequences are decoded one at a time.")
-
-    def _fetch(self, prompt: Sequence[int], source):
-        """(target caches, draft state, tokens reused): from the prompt cache's longest prefix, or fresh."""
-        if self.prompt_cache is None:
-            return self.target.make_cache(), source.new_state(), 0
-        return self.prompt_cache.fetch(self.target, source, prompt)
 
     def fill(self) -> List[Committed]:
         """One prefill chunk of each sequence still prefilling; those done join the batch
@@ -170,7 +154,7 @@ class BatchDecoder:
             seq.hold(t)
         last, lps = seq.pick(logits[None], seq.noise(1))
         mx.eval(last, lps, [c.state for c in f.tcache])
-        out = self._start(seq, f.prompt, last, lps)
+        out = seq.first(f.prompt, last, lps, self.eos)
         out.cached = f.reused
         if out.finish is None:
             self._join(seq, f.tcache)
@@ -198,7 +182,7 @@ class BatchDecoder:
             return [self.add(*a, chunked=chunked) for a in zip(prompts, max_tokens, sources, asks)]
         if self.window and max(lens) > self.window:
             raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
-        starts = [self._fetch(p, s) for p, s in zip(prompts, sources)]
+        starts = [fetch(self.prompt_cache, self.target, p, s) for p, s in zip(prompts, sources)]
         seqs = [self._running(p, m, s, dstate, tcache, a)
                 for p, m, s, (tcache, dstate, _), a in zip(prompts, max_tokens, sources, starts, asks)]
         tic = time.perf_counter()
@@ -206,7 +190,7 @@ class BatchDecoder:
         self.joins.chunk(sum(len(p) - reused for p, (_, _, reused) in zip(prompts, starts)), time.perf_counter() - tic)
         out, keep = [], []
         for b, (p, seq) in enumerate(zip(prompts, seqs)):
-            c = self._start(seq, p, *picked[b])
+            c = seq.first(p, *picked[b], self.eos)
             c.cached = starts[b][2]
             out.append(c)
             if c.finish is None:
@@ -228,17 +212,6 @@ class BatchDecoder:
             max_tokens = min(max_tokens, self.window - len(prompt) + 1)
         return new_sequence(self.pair, next(self._uids), prompt, max_tokens, source, dstate, tcache, asks,
                             self.block_size, self.prompt_cache is not None, self.lookup and self.width > 1)
-
-    def _start(self, seq: Running, prompt, last: mx.array, lps) -> Committed:
-        """The sequence's first token `last` (evaluated, and its log probabilities): its `Committed`."""
-        seq.last = last
-        out = Committed(seq.uid, last.tolist(), logprobs=lps and logprob_rows(lps, 1))
-        out.finish = seq.finish(out, self.eos)
-        seq.history = list(prompt)
-        seq.commit(out.tokens)
-        if seq.lookup or seq.tapped:
-            seq.source.commit(seq.dstate, seq.history)
-        return out
 
     def _join(self, seq: Running, tcache: list) -> None:
         """A sequence alone decodes on its own caches; beside others, its caches' rows are
@@ -379,10 +352,7 @@ class BatchDecoder:
         """Hand what finished sequences computed to the prompt cache (after their answers are out):
         the caches hold every committed token but the last, the drafter has read their taps."""
         for seq, tcache, rows in self.finished:
-            if seq.taps:
-                seq.source.add_context(seq.dstate, joined(caught_up(seq.source, seq.dstate, seq.take_taps())))
-            mx.eval([c.state for c in tcache], seq.source.arrays(seq.dstate))
-            self.prompt_cache.store(self.target, seq.source, seq.dstate, seq.history[:rows], tcache, seq.at_prompt)
+            store(self.prompt_cache, self.target, seq, tcache, rows)
         self.finished = []
 
     def remove(self, uid: int) -> None:
@@ -423,3 +393,31 @@ def prefill_together(target, prompts: Sequence[Sequence[int]], starts: list, seq
         picked.append(seq.pick(logits[b], seq.noise(1)))
     mx.eval(picked, [c.state for c in cache])
     return cache, picked
+
+
+def fetch(prompt_cache, target, prompt: Sequence[int], source):
+    """(target caches, draft state, tokens reused): from the prompt cache's longest prefix, or fresh."""
+    if prompt_cache is None:
+        return target.make_cache(), source.new_state(), 0
+    return prompt_cache.fetch(target, source, prompt)
+
+
+def store(prompt_cache, target, seq: Running, tcache: list, rows: int) -> None:
+    """A finished sequence's caches (holding `rows` tokens of its history) and its drafter's
+    context (given the taps it has not read) kept in the prompt cache."""
+    if seq.taps:
+        seq.source.add_context(seq.dstate, joined(caught_up(seq.source, seq.dstate, seq.take_taps())))
+    mx.eval([c.state for c in tcache], seq.source.arrays(seq.dstate))
+    prompt_cache.store(target, seq.source, seq.dstate, seq.history[:rows], tcache, seq.at_prompt)
+
+
+def check_room(prompt: Sequence[int], window: Optional[int], target, busy: bool) -> None:
+    """A prompt the decoder can take: not empty, within the model's window, and (where the target's
+    caches cannot be batched) while no other sequence decodes."""
+    if not prompt:
+        raise DFlashError("The prompt is empty.")
+    if window and len(prompt) > window:
+        raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {window}.")
+    if busy and not can_batch(target):
+        raise DFlashError(f"'{target.model_type}' has caches batched decoding cannot hold together: "
+                          "its sequences are decoded one at a time.")

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence
 import mlx.core as mx
 
 from ..decode.cycle import Block
-from ..decode.passes import token_logprobs
+from ..decode.passes import logprob_rows, token_logprobs
 from ..decode.request import block_policy, proposal_scaler
 from ..decode.sequence import GREEDY, SequenceState
 from ..draft import tree as trees
@@ -56,6 +56,17 @@ class Running(SequenceState):
     def commit(self, tokens: List[int]) -> None:
         self.history += tokens
         self.drawn(mx.array(tokens), len(tokens))
+
+    def first(self, prompt: Sequence[int], last: mx.array, lps, eos) -> "Committed":
+        """Its first token `last` (evaluated, with its log probabilities) after `prompt`: its `Committed`."""
+        self.last = last
+        out = Committed(self.uid, last.tolist(), logprobs=lps and logprob_rows(lps, 1))
+        out.finish = self.finish(out, eos)
+        self.history = list(prompt)
+        self.commit(out.tokens)
+        if self.lookup or self.tapped:
+            self.source.commit(self.dstate, self.history)
+        return out
 
     def finish(self, c: "Committed", eos) -> Optional[str]:
         """Cut `c`'s tokens (and log probabilities) at its budget and at EOS (`eos`: the ids), and
