@@ -253,6 +253,38 @@ def test_batched_draws_follow_the_target_distribution(small_pair, seeded):
     assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
 
 
+def test_an_unseeded_request_joined_mid_stream_follows_the_target_distribution(small_pair):
+    """A request sampling alone (its own policy's cycles, on its own caches) that another joins
+    after its first token, or after its first cycle, goes on beside it in one batch: its texts
+    and its joiner's follow the target's exact distribution (rejection sampling alone and in the
+    batch, the pair's learned proposal scales included)."""
+    from dflash_mlx.batch.engine import Asks, BatchDecoder
+
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0, top_k=4)
+    seqs, probs = exact_distribution(model, params)
+    counts, joined, groups = {}, {}, SAMPLES // 2
+    mx.random.seed(30_000)
+    for i in range(groups):
+        dec = BatchDecoder(pair, BLOCK)
+        first = dec.add(PROMPT, N_TOKENS, asks=Asks(params))
+        out = {first.uid: list(first.tokens)}
+        if i % 2:  # a cycle alone first
+            for c in dec.step():
+                out[c.uid] += c.tokens
+        other = dec.add(PROMPT, N_TOKENS, asks=Asks(params))
+        out[other.uid] = list(other.tokens)
+        while len(dec):
+            for c in dec.step():
+                out[c.uid] += c.tokens
+        for toks in out.values():
+            counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+        joined[tuple(out[first.uid])] = joined.get(tuple(out[first.uid]), 0) + 1
+    assert all(len(t) == N_TOKENS for t in counts)
+    assert gof_pvalue(counts, seqs, probs, 2 * groups) > ALPHA
+    assert gof_pvalue(joined, seqs, probs, groups) > ALPHA
+
+
 def test_an_unseeded_sequence_in_a_batch_of_one_draws_what_it_draws_alone(small_pair):
     """Alone and in a batch an unseeded sampled request makes the same random draws in the same
     order (drafts from the same proposal scales, the same rejection sampling), so under one

@@ -213,6 +213,9 @@ class Engine:
                 joining.append(waiting.popleft())
             if joining:
                 self._join(batch, jobs, joining)
+                self._drain(waiting)
+                if waiting and waiting[0] is not None and len(batch) < MAX_BATCH:
+                    continue  # requests that came during the prefill join before the next cycle
             for uid, job in list(jobs.items()):
                 if job.cancelled.is_set():
                     batch.remove(uid)
