@@ -1,12 +1,12 @@
 """The DFlash loop: prefill, then cycles (draft -> verify -> accept -> crop)
 until EOS, a stop string or the token budget.
 
-Each cycle is launched on the device before the host reads the one before it
-where it can be (a plain step runs one step ahead, as mlx-lm's
-`generate_step`), and each makes one host synchronisation when it settles.
-The request (`request.py`) holds what one generation keeps between cycles;
-the cycles (`cycle.py`) run the model passes (`passes.py`); the policy
-(`policy`) picks each cycle's plan.
+`stream_generate` decodes a request as a batch of one through the decoder the
+server's requests share (`batch/engine.py`): alone, each cycle is the one its
+policy plans (`policy`), launched on the device where it can be before the host
+reads the one before it (a plain step runs one step ahead, as mlx-lm's
+`generate_step`), with one host synchronisation when it settles. The cycles
+(`cycle.py`) run the model passes (`passes.py`).
 """
 
 from typing import Generator, Optional, Sequence, Union

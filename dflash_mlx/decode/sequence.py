@@ -3,8 +3,8 @@
 How its tokens are drawn (sampling settings, logits processors that have seen its history, a
 seed's draws, log probabilities, proposal scales), its draft source and that source's state,
 the target taps its drafter has not read yet, its last token and what it has committed. A
-request alone (`request.Request.d`) and a batch's sequence (`batch.engine.Running`) are both
-one, and the cycles (`cycle.py`) decode either.
+sequence of the decoder (`batch.running.Running`) is one, alone or in a batch, and the cycles
+(`cycle.py`) decode it either way.
 """
 
 from dataclasses import dataclass, field
