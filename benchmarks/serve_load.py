@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def wait_ready(url: str, proc, seconds: float = 600) -> None:
     raise RuntimeError("the server did not come up")
 
 
-def start(kind: str, pair: Path, log, before: Path = None):
+def start(kind: str, pair: Path, log, before: Optional[Path] = None):
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     serve = ["serve", "--model", str(pair / "target"), "--draft", str(pair / "drafter"), "--port", str(port)]

@@ -267,7 +267,12 @@ class Caches:
         elif len(keep) < count:
             for c in self.layers:
                 c.filter(keep)
-        if self.batched and len(keep) == 1:
+        self.fit(len(keep))
+
+    def fit(self, count: int) -> None:
+        """`count` sequences hold the caches: one alone gets caches of its own again (its rows
+        copied once), the target's kinds, trees where they run."""
+        if self.batched and count == 1:
             self.layers, self.batched = [c.extract(0) for c in self.layers], False
 
     def _batch(self) -> None:

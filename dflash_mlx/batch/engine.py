@@ -28,14 +28,13 @@ import mlx.core as mx
 from ..cache.prompt_cache import can_trim, snapshot
 from ..decode.cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from ..decode.passes import (PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps)
-from ..decode.request import HELD_TAPS
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
 from .cache import Caches, add_to, batch_of
 from .drafting import Drafting, expected_gains
-from .running import Asks, Committed, Running, new_sequence
+from .running import HELD_TAPS, Asks, Committed, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
 # beyond, each is prefilled alone in mlx-lm's chunks, so a long prompt holds memory as it does alone.
@@ -173,15 +172,15 @@ class BatchDecoder:
         sources = [s or self.source for s in (sources or [None] * len(prompts))]
         asks = [a or Asks() for a in (asks or [None] * len(prompts))]
         lens = [len(p) for p in prompts]
-        held = [0] * len(prompts)
-        if self.prompt_cache is not None:
-            held = [self.prompt_cache.reach(self.target, s, p) for p, s in zip(prompts, sources)]
         # A recurrent state would run through the padding: such prompts are prefilled alone.
-        if (len(prompts) < 2 or sum(lens) - sum(held) > BATCH_PREFILL or min(lens) == 0
-                or self.target.recurrent or not can_batch(self.target)):
+        alone = len(prompts) < 2 or min(lens) == 0 or self.target.recurrent or not can_batch(self.target)
+        if not alone and self.prompt_cache is not None:
+            lens = [n - self.prompt_cache.reach(self.target, s, p) for n, p, s in zip(lens, prompts, sources)]
+        if alone or sum(lens) > BATCH_PREFILL:
             return [self.add(*a, chunked=chunked) for a in zip(prompts, max_tokens, sources, asks)]
-        if self.window and max(lens) > self.window:
-            raise DFlashError(f"A prompt has {max(lens)} tokens but the model reads at most {self.window}.")
+        if self.window and max(map(len, prompts)) > self.window:
+            raise DFlashError(f"A prompt has {max(map(len, prompts))} tokens but the model reads at most "
+                              f"{self.window}.")
         starts = [fetch(self.prompt_cache, self.target, p, s) for p, s in zip(prompts, sources)]
         seqs = [self._running(p, m, s, dstate, tcache, a)
                 for p, m, s, (tcache, dstate, _), a in zip(prompts, max_tokens, sources, starts, asks)]
@@ -203,7 +202,7 @@ class BatchDecoder:
             self._drop_ahead()
             self.caches.join(cache)
             self.seqs += [seqs[b] for b in keep]
-            self.caches.keep_only(list(range(len(self.seqs))), len(self.seqs))  # one alone: caches of its own
+            self.caches.fit(len(self.seqs))
         return out
 
     def _running(self, prompt, max_tokens: int, source, dstate, tcache: list, asks: Asks) -> Running:

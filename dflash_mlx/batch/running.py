@@ -15,6 +15,11 @@ from ..policy.plan import PLAIN, Plan
 from ..sampling import Draws, Processed, SamplingParams, choose, pick
 
 
+# Held taps of plain steps beyond this many are given to the drafter in one
+# batched projection: a long run without the drafter must not hold them all.
+HELD_TAPS = 256
+
+
 @dataclass
 class Asks:
     """How a sequence wants its tokens picked, and how it wants its cycles chosen while it
@@ -55,7 +60,7 @@ class Running(SequenceState):
 
     def commit(self, tokens: List[int]) -> None:
         self.history += tokens
-        self.drawn(mx.array(tokens), len(tokens))
+        self.drawn(tokens)
 
     def first(self, prompt: Sequence[int], last: mx.array, lps, eos) -> "Committed":
         """Its first token `last` (evaluated, with its log probabilities) after `prompt`: its `Committed`."""

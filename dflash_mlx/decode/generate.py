@@ -18,7 +18,7 @@ from ..draft.source import DraftSource
 from ..sampling import SamplingParams
 from .events import GenerationEvent
 from .passes import PREFILL_STEP
-from .request import block_policy, check_options, check_prompt
+from .request import block_policy, check_options
 
 
 def stream_generate(
@@ -77,7 +77,6 @@ def stream_generate(
     block_policy(pair, source, block_size, tree or 0, params)  # a bad block size is refused before any work
     if isinstance(prompt, str):
         prompt = pair.tokenizer.encode(prompt)
-    check_prompt(prompt, pair.target)
     width = block_size if isinstance(block_size, int) else source.block_size
     streams = BatchStreams(pair, max(1, min(width, source.block_size)), prompt_cache=prompt_cache,
                            block_size=block_size or source.block_size)

@@ -11,10 +11,6 @@ from ..errors import DFlashError
 from ..policy.proposal import FixedScale, ProposalScales
 from ..sampling import SamplingParams
 
-# Held taps of plain steps beyond this many are given to the drafter in one
-# batched projection: a long run without the drafter must not hold them all.
-HELD_TAPS = 256
-
 
 class TextStream:
     """Detokenizes committed tokens and holds back text that may start a stop string."""

@@ -41,10 +41,9 @@ class SequenceState:
         """The next n positions' draws (`Draws.noise`), None without a seed."""
         return None if self.draws is None else self.draws.noise(n)
 
-    def drawn(self, tokens: mx.array, n: int) -> None:
-        """n tokens committed (perhaps not read by the host yet): the logits processors see them,
-        the draws move past them."""
+    def drawn(self, tokens: List[int]) -> None:
+        """Tokens committed: the logits processors see them, the draws move past them."""
         if self.proc:
-            self.proc.commit(tokens)
+            self.proc.commit(mx.array(tokens))
         if self.draws is not None:
-            self.draws.advance(n)
+            self.draws.advance(len(tokens))
