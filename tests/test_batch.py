@@ -786,3 +786,61 @@ def test_a_joining_prompt_is_prefilled_in_chunks_of_the_measured_size(pairs):
     assert dec.joins.asked[0] == 20 and len(long) - 1 > 45
     assert dec.joins.chunks == [7, 33, 5, len(long) - 1 - 45]
     assert dec.joins.cycles >= 3
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_sequence_alone_launches_its_next_drafted_cycle_before_its_tokens_are_read(pairs, baselines, family):
+    """Alone, each cycle's successor (drafted too) is launched before `step` hands its tokens
+    back. A prompt that joins runs it to its end first (its tokens come with the next `step`,
+    no pass is computed to be dropped); a sequence that leaves drops it, and its caches (a
+    hybrid target's recurrent states too) hold its conversation as of its last token: kept in
+    the prompt cache, it continues as plain decoding continues it."""
+    from conftest import plain_greedy
+
+    import dflash_mlx
+    from dflash_mlx.batch.engine import BatchDecoder
+
+    pair, base = pairs[family], baselines[family]
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
+    counted = _Counted(pair.target)
+    dec = BatchDecoder(pair, 4, block_size=4)
+    dec.target = counted
+    first = dec.add(prompts[0], 30)
+    prefills = counted.passes
+    out, drafted_ahead, ran, steps = {first.uid: list(first.tokens)}, 0, 1, 0
+    while len(dec):
+        if steps == 4:
+            before = counted.passes
+            late = dec.add(prompts[1], 12)
+            prefills += counted.passes - before
+            out[late.uid] = list(late.tokens)
+            assert [c.uid for c in dec.early] == [first.uid]  # the cycle ahead ran, its tokens wait
+        ran += not dec.early
+        for c in dec.step():
+            out[c.uid] += c.tokens
+        steps += 1
+        ahead = dec._ahead
+        drafted_ahead += ahead is not None and not ahead.plain
+    assert drafted_ahead > 3
+    assert counted.passes == prefills + ran  # one target pass per cycle, none dropped
+    assert out == {first.uid: plain_greedy(base, prompts[0], 30, eos=eos),
+                   late.uid: plain_greedy(base, prompts[1], 12, eos=eos)}
+
+    cache = dflash_mlx.PromptCache(pair)
+    dec = BatchDecoder(pair, 4, prompt_cache=cache, block_size=4)
+    first = dec.add(prompts[2], 40)
+    answer = list(first.tokens)
+    for _ in range(5):
+        answer += dec.step()[0].tokens
+    assert dec._ahead is not None and not dec._ahead.plain
+    dec.remove(first.uid)
+    dec.keep()
+    later = prompts[2] + answer + pair.tokenizer.encode(" and then")
+    dec = BatchDecoder(pair, 4, prompt_cache=cache, block_size=4)
+    again = dec.add(later, 10)
+    tokens = list(again.tokens)
+    while len(dec):
+        tokens += dec.step()[0].tokens
+    assert again.cached > len(prompts[2])
+    assert tokens == plain_greedy(base, later, 10, eos=eos)

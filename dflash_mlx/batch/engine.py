@@ -21,7 +21,7 @@ pair's learned proposal scales (`policy/proposal.py`), which it teaches as it go
 import time
 from dataclasses import dataclass
 from itertools import count
-from typing import Generator, List, Optional, Sequence
+from typing import Any, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -34,7 +34,7 @@ from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
 from .cache import Caches, add_to, batch_of
 from .drafting import Drafting, expected_gains
-from .running import HELD_TAPS, Asks, Committed, Running, new_sequence
+from .running import HELD_TAPS, Asks, Committed, Proposal, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
 # beyond, each is prefilled alone in mlx-lm's chunks, so a long prompt holds memory as it does alone.
@@ -70,6 +70,19 @@ class Filling:
         return self.seq.uid
 
 
+@dataclass
+class Launched:
+    """A cycle on the device, as its sequences' plans made it."""
+
+    cycle: Any  # decode.cycle's PlainStep, LinearCycle or TreeCycle
+    plans: List[Plan]  # per sequence
+    proposal: Optional[Proposal] = None  # a drafted cycle's drafts, which proposal scales learn from
+
+    @property
+    def plain(self) -> bool:
+        return self.plans[0].width == 1
+
+
 class BatchDecoder:
     """Sequences decoded together, each cycle at a width of at most `width` (1: plain batched
     decoding); a sequence alone runs the cycles its own policy plans."""
@@ -95,8 +108,9 @@ class BatchDecoder:
         self.drafting = Drafting(self.source.pooled() if self.width > 1 else None)
         self.seqs: List[Running] = []
         self.filling: List[Filling] = []
-        # A plain step launched from the last one's tokens before the host read them.
-        self._ahead: Optional[PlainStep] = None
+        # The next cycle, launched before the host read the last one's tokens.
+        self._ahead: Optional[Launched] = None
+        self.early: List[Committed] = []  # what the cycle ahead committed, settled as the batch changed
         self._uids = count()
         self.joins = JoinChunks()  # how much of a joining prompt to prefill between cycles
 
@@ -112,6 +126,7 @@ class BatchDecoder:
         `chunked`, while others decode: a prompt longer than a join chunk (`policy.join`: sized by
         time) is prefilled a chunk per cycle (`fill`), and its `Committed` says `filling`."""
         check_room(prompt, self.window, self.target, busy=len(self) > 0)
+        self._settle_ahead()
         source = source or self.source
         tcache, dstate, reused = fetch(self.prompt_cache, self.target, prompt, source)
         seq = self._running(prompt, max_tokens, source, dstate, tcache, asks or Asks())
@@ -169,6 +184,7 @@ class BatchDecoder:
         prefix, the rests right-padded to the longest, each sequence's padding cropped after.
         Long prompts go one at a time, in chunks (with `chunked`, between the cycles of the
         sequences decoding)."""
+        self._settle_ahead()
         sources = [s or self.source for s in (sources or [None] * len(prompts))]
         asks = [a or Asks() for a in (asks or [None] * len(prompts))]
         lens = [len(p) for p in prompts]
@@ -199,7 +215,6 @@ class BatchDecoder:
         if keep:
             for c in cache:
                 c.filter(keep)
-            self._drop_ahead()
             self.caches.join(cache)
             self.seqs += [seqs[b] for b in keep]
             self.caches.fit(len(self.seqs))
@@ -215,7 +230,7 @@ class BatchDecoder:
     def _join(self, seq: Running, tcache: list) -> None:
         """A sequence alone decodes on its own caches; beside others, its caches' rows are
         copied into the batch's."""
-        self._drop_ahead()
+        self._settle_ahead()
         self.caches.add(tcache)
         self.seqs.append(seq)
 
@@ -223,8 +238,13 @@ class BatchDecoder:
         """One cycle for every sequence in the batch at `width` (default: a sequence alone, its
         policy's plan; several, the largest); finished sequences leave it. `then`: the width of
         the cycle after it (default: the same); a plain step launches the next before the host
-        reads its tokens only where that is plain too, so no step is computed to be dropped. Its
-        seconds size join chunks."""
+        reads its tokens only where that is plain too, so no step is computed to be dropped. A
+        sequence alone has its next cycle launched before this one's tokens are handed back. Its
+        seconds size join chunks. Where a cycle launched ahead was settled when the batch changed
+        (`early`), this step hands back what it committed instead, and runs nothing."""
+        if self.early:
+            out, self.early = self.early, []
+            return out
         tic = time.perf_counter()
         out = self._cycle(width, then)
         if out:
@@ -241,29 +261,34 @@ class BatchDecoder:
             w = 1  # a sequence without a drafter's context cannot draft
         if w == 1:
             return self._plain_step(then is None or then <= 1)
-        return self._linear(w, [self.drafting.copies(s, w) for s in self.seqs])
+        self._drop_ahead()
+        return self._run(self._linear(w, [self.drafting.copies(s, w) for s in self.seqs]))
 
     def _alone(self, seq: Running) -> List[Committed]:
-        """A cycle of a sequence alone, as its policy plans it."""
+        """A cycle of a sequence alone, as its policy plans it; unless a prompt is joining, the next
+        is launched before the host reads this one's tokens (a plain step's from them on the device,
+        a drafted cycle's once this one is committed)."""
+        launched, self._ahead = self._ahead or self._launch_alone(seq), None
+        out = self._run(launched, ahead=seq.plain_next)
+        if len(self.seqs) == 1 and not self.filling and self._ahead is None:
+            self._ahead = self._launch_alone(self.seqs[0])
+        return out
+
+    def _launch_alone(self, seq: Running) -> "Launched":
+        """A sequence alone's next cycle, as its policy plans it, launched."""
         plan, copies = seq.plan_alone()
         if plan.width == 1:
-            return self._plain_step(seq.plain_next)
+            return Launched(PlainStep(self._rows(), seq.last), [PLAIN])
         if not plan.branches:
             return self._linear(plan.width, [copies], alternatives=seq.run.learns_branches)
-        self._drop_ahead()
         hidden = joined(caught_up(seq.source, seq.dstate, seq.take_taps())) if seq.taps else None
-        cycle = TreeCycle(self._rows(), draft_tree(seq.source, seq.dstate, seq.last, hidden, plan.width,
-                                                   plan.branches))
-        return self._commit(cycle, [plan], cycle.settle())
+        tree = draft_tree(seq.source, seq.dstate, seq.last, hidden, plan.width, plan.branches)
+        return Launched(TreeCycle(self._rows(), tree), [plan])
 
-    def _linear(self, width: int, copies: List[List[int]], alternatives: bool = False) -> List[Committed]:
-        """A drafted cycle of `width` for every sequence, `copies` of their lookups first."""
-        self._drop_ahead()
+    def _linear(self, width: int, copies: List[List[int]], alternatives: bool = False) -> "Launched":
+        """A drafted cycle of `width` for every sequence, `copies` of their lookups first, launched."""
         p = self.drafting.propose(self.seqs, width, copies, alternatives)
-        cycle = LinearCycle(self._rows(), p.block)
-        outcomes = cycle.settle(also=tuple(s.lesson[1] for s in self.seqs if s.lesson is not None))
-        self.drafting.learn(self.seqs, p, cycle, [o.accepted for o in outcomes])
-        return self._commit(cycle, [Plan(width, len(c)) for c in copies], outcomes)
+        return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in copies], p)
 
     def _rows(self) -> Rows:
         """The batch's sequences and caches, as its cycles decode them."""
@@ -271,17 +296,29 @@ class BatchDecoder:
                     batched=self.caches.batched)
 
     def _plain_step(self, ahead) -> List[Committed]:
-        """A plain batched step, as mlx-lm's: with `ahead` (or where `ahead()` says so, asked
-        while this step is in flight), the next one is launched from this one's tokens on the
-        device before the host reads them. It is dropped (its row cropped, no copy; recurrent
-        states set back to those before it) where the batch changes before it runs (a sequence
-        ends, joins or leaves) or the next cycle drafts after all."""
-        if self._ahead is None:
-            self._ahead = PlainStep(self._rows(), mx.concatenate([s.last for s in self.seqs]))
-        step = self._ahead
-        self._ahead = PlainStep(self._rows(), step.tokens, pending=True) if (ahead() if callable(ahead) else ahead) \
-            else None
-        return self._commit(step, [PLAIN] * len(self.seqs), step.settle())
+        """A plain batched step, as mlx-lm's, the next one launched ahead with `ahead` (`_run`)."""
+        if self._ahead is not None and not self._ahead.plain:
+            self._drop_ahead()
+        launched, self._ahead = self._ahead, None
+        if launched is None:
+            launched = Launched(PlainStep(self._rows(), mx.concatenate([s.last for s in self.seqs])),
+                                [PLAIN] * len(self.seqs))
+        return self._run(launched, ahead)
+
+    def _run(self, launched: "Launched", ahead=False) -> List[Committed]:
+        """Settle a launched cycle and commit it. A plain step with `ahead` (or where `ahead()` says
+        so, asked while the step is in flight) first launches the next one from its tokens on the
+        device, before the host reads them; that one is dropped (its row cropped, no copy; recurrent
+        states set back to those before it) where a sequence ends or leaves before it runs, or the
+        next cycle drafts after all."""
+        cycle, p = launched.cycle, launched.proposal
+        if launched.plain and (ahead() if callable(ahead) else ahead):
+            self._ahead = Launched(PlainStep(self._rows(), cycle.tokens, pending=True), [PLAIN] * len(self.seqs))
+        if p is None:
+            return self._commit(cycle, launched.plans, cycle.settle())
+        outcomes = cycle.settle(also=tuple(s.lesson[1] for s in self.seqs if s.lesson is not None))
+        self.drafting.learn(self.seqs, p, cycle, [o.accepted for o in outcomes])
+        return self._commit(cycle, launched.plans, outcomes)
 
     def _commit(self, cycle, plans: List[Plan], outcomes) -> List[Committed]:
         """What a settled cycle committed for each sequence, cut at EOS and budgets; each
@@ -302,12 +339,19 @@ class BatchDecoder:
         return out
 
     def _drop_ahead(self) -> None:
-        """Undo the plain step launched ahead, if any: every sequence's row of it is cropped."""
+        """Undo the cycle launched ahead, if any: every sequence's rows of it are cropped."""
         if self._ahead is not None:
-            self._ahead.drop()
+            self._ahead.cycle.drop()
             self._ahead = None
             for s in self.seqs:
                 s.chosen = None  # a plan chosen for the dropped step's successor
+
+    def _settle_ahead(self) -> None:
+        """Before the batch changes, the cycle launched ahead (if any) runs to its end: what it
+        commits is handed back by the next `step` (`early`)."""
+        if self._ahead is not None:
+            launched, self._ahead = self._ahead, None
+            self.early += self._run(launched)
 
     def _advance(self, b: int, seq: Running, c: Committed, o) -> None:
         """Sequence b past its committed tokens: its processors, draws, policy runs, lookup
@@ -358,6 +402,7 @@ class BatchDecoder:
         """Drop a sequence before it finished (nothing if it is not in the batch); with a prompt
         cache, what it computed is kept there as a finished one's is (`keep`)."""
         self.filling = [f for f in self.filling if f.uid != uid]
+        self.early = [c for c in self.early if c.uid != uid]
         self._drop_ahead()  # its caches then hold every committed token but the last
         self._leave([b for b, s in enumerate(self.seqs) if s.uid != uid])
 

@@ -84,7 +84,9 @@ class BatchStreams:
         B = len(self.decoder.seqs)
         if B == 0:
             return out
-        if B == 1:  # a request alone: its own policy plans the cycle
+        if self.decoder.early:  # the cycle launched ahead, settled as requests joined
+            committed = self.decoder.step()
+        elif B == 1:  # a request alone: its own policy plans the cycle
             self._then = None
             committed = self.decoder.step()
         else:

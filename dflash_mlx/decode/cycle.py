@@ -1,7 +1,8 @@
 """One cycle of the loop as an object, over the rows of every sequence decoded
 together: made, it is launched on the device (`mx.async_eval`); `settle()`
 makes its one host synchronisation and returns an `Outcome` per sequence; `cut`
-then crops the caches to what each sequence keeps (no copy).
+then crops the caches to what each sequence keeps (no copy), and `drop` undoes a
+cycle launched ahead that is not wanted after all.
 
 Three kinds: a `PlainStep` (width 1, mlx-lm's step for each sequence), a
 `LinearCycle` (each sequence's `Block` of drafts and one verify pass over the
@@ -174,6 +175,10 @@ class LinearCycle:
         """Sequence b's caches keep the first keeps[b] rows of its block (no copy)."""
         self.rows.crop(keeps, self.width)
 
+    def drop(self) -> None:
+        """Undo the cycle, launched and not wanted after all: every row of its block is cropped."""
+        self.cut([0] * len(self.rows.seqs))
+
 
 class TreeCycle:
     """One sequence's drafter's best path and its branches (`draft/tree.py`) in one verify
@@ -216,3 +221,8 @@ class TreeCycle:
     def cut(self, keeps: Sequence[int]) -> None:
         """The caches keep the first keeps[0] rows of the accepted path, moved to the front of the pass's."""
         self.rows.target.keep_rows(self.rows.cache, self.path[: keeps[0]], self.verified.tree.size)
+
+    def drop(self) -> None:
+        """Undo the cycle, launched and not wanted after all: every row of its pass is cropped."""
+        self.path = []
+        self.cut([0])
