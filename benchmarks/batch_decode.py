@@ -6,7 +6,7 @@
 For each batch size B the first B prompts of the `code` suite (past its last, the
 same marked as variants) are decoded greedily, `--max-tokens` each: by mlx-lm's
 `batch_generate` (its continuous batching, plain decoding) and by
-`dflash_mlx.batch.BatchDecoder` at each width (1: plain batched
+`dflash_mlx.decode.decoder.Decoder` at each width (1: plain batched
 decoding through this package; above 1: batched speculation, with `--apart` also
 each sequence drafting in a drafter pass of its own). Reported: aggregate
 decode tok/s (tokens after each sequence's first, over the time from the first
@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO))
 
 
 def ours(pair, prompts, max_tokens, width, apart=False):
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
-    dec = BatchDecoder(pair, width)
+    dec = Decoder(pair, width)
     if apart:
         dec.drafting.poolable = None
     out, cycles = {}, 0

@@ -28,9 +28,9 @@ sys.path.insert(0, str(REPO))
 
 def batch_of(pair, n, context, seed):
     """A decoder holding n sequences of `context` random prompt tokens each."""
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
-    dec = BatchDecoder(pair, 16)
+    dec = Decoder(pair, 16)
     key = mx.random.key(seed)
     prompts = mx.random.randint(0, pair.target.vocab_size, (n, context), key=key).tolist()
     for p in prompts:

@@ -1,8 +1,8 @@
 """DFlash block-diffusion speculative decoding on MLX.
 
 The public API is here: `load`, `generate`, `stream_generate`, `PromptCache`,
-`SamplingParams`. The folders: `decode/` (one request's loop) and `batch/` (many
-requests decoded together), `policy/` (each cycle's plan), `draft/` (the drafters,
+`SamplingParams`. The folders: `decode/` (the decoder: one request, or many decoded
+together), `policy/` (each cycle's plan), `draft/` (the drafters,
 lookup, trees), `target/` (the mlx-lm model behind its adapter), `cache/` (the
 prompt cache), `kernels/`, and `serve/` (the HTTP server); docs/how-it-works.md
 maps every module.

@@ -257,9 +257,9 @@ def build_small_pair(drafter_cls, source_cls, drafter_config, init=None):
 
 
 def joined_mid_stream(streams, prompt, after: int, newcomer, max_tokens: int, newcomer_tokens: int = 20, asks=None):
-    """A request decoding alone in `streams` (a `BatchStreams`: its own policy's cycles) is joined
+    """A request decoding alone in `streams` (a `Streams`: its own policy's cycles) is joined
     after its `after`-th event by `newcomer`: (its tokens, the newcomer's)."""
-    from dflash_mlx.batch.streams import Joining
+    from dflash_mlx.decode.streams import Joining
 
     kwargs = {} if asks is None else {"asks": asks}
     uid, event = streams.add(Joining(list(prompt), max_tokens, **kwargs))

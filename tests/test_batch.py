@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx.batch.cache import RaggedKVCache
+from dflash_mlx.target.ragged import RaggedKVCache
 
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [8, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 40, 41]]
 
@@ -26,10 +26,10 @@ def same(a, b):
 def generate_batch(pair, prompts, max_tokens, width, join_at=None):
     """Each prompt's greedy tokens, decoded in one batch (`join_at[i]`: the cycle at which prompt i
     joins, prefilled together with the others joining then; the rest join before the first)."""
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     join_at = join_at or {}
-    dec = BatchDecoder(pair, width)
+    dec = Decoder(pair, width)
     out, uid_of, cycle = {}, {}, 0
     waiting = list(range(len(prompts)))
     while waiting or len(dec):
@@ -132,7 +132,7 @@ def test_each_sequence_is_cropped_at_its_own_rejection(pairs, baselines, family,
     output is plain greedy decoding."""
     from conftest import ROLLBACK_SCHEDULES, OracleSource, greedy_ref
 
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair, base = pairs[family], baselines[family]
     n = width * (width + 1) // 2 + 4  # the cycling schedule reaches every position
@@ -141,7 +141,7 @@ def test_each_sequence_is_cropped_at_its_own_rejection(pairs, baselines, family,
     refs = [greedy_ref(base, p, n) for p in prompts]
     sources = [OracleSource(p + r, pair.target.vocab_size, feature_dim, corrupt)
                for p, r, corrupt in zip(prompts, refs, ROLLBACK_SCHEDULES.values())]
-    dec = BatchDecoder(pair, width)
+    dec = Decoder(pair, width)
     assert dec.width == width
     out, accepted = {}, {}
     for p, s in zip(prompts, sources):
@@ -164,11 +164,11 @@ def test_the_width_may_change_every_cycle(pairs, baselines, family):
     every committed token's taps (plain steps' included) and the output is plain greedy."""
     from conftest import plain_greedy
 
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair = pairs[family]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
-    dec = BatchDecoder(pair, 8)
+    dec = Decoder(pair, 8)
     out = {}
     for p in prompts:
         first = dec.add(p, 30)
@@ -266,14 +266,14 @@ def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines,
     from conftest import plain_greedy
 
     import dflash_mlx
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair, base = pairs[family], baselines[family]
     eos = tuple(pair.tokenizer.eos_token_ids)
     cache = dflash_mlx.PromptCache(pair)
 
     def run(prompts, n):
-        dec = BatchDecoder(pair, 4, prompt_cache=cache)
+        dec = Decoder(pair, 4, prompt_cache=cache)
         firsts = dec.add_many(prompts, [n] * len(prompts))
         out = {f.uid: list(f.tokens) for f in firsts}
         while len(dec):
@@ -298,7 +298,7 @@ def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines,
 def test_the_batch_width_follows_the_block_size(pairs):
     """`batch_width`: the widest cycle a server's batches run (hybrid targets too); None where the
     target cannot be batched (sliding windows: tests/test_families.py checks which families batch)."""
-    from dflash_mlx.batch.engine import batch_width
+    from dflash_mlx.decode.decoder import batch_width
 
     assert batch_width(pairs["qwen3"], "auto") == min(8, pairs["qwen3"].draft_source.block_size)
     assert batch_width(pairs["qwen3_5"], "auto") == min(8, pairs["qwen3_5"].draft_source.block_size)
@@ -306,9 +306,9 @@ def test_the_batch_width_follows_the_block_size(pairs):
 
 
 def run_streams(pair, joining, widths, join_at=None, width=8):
-    """Each request's events, decoded together by `BatchStreams` at the cycle widths `widths`
+    """Each request's events, decoded together by `Streams` at the cycle widths `widths`
     (cycling; `join_at[i]`: the cycle request i joins at)."""
-    from dflash_mlx.batch.streams import BatchStreams
+    from dflash_mlx.decode.streams import Streams
     from dflash_mlx.policy.batch import FixedBatchWidth
 
     class Scripted(FixedBatchWidth):
@@ -319,7 +319,7 @@ def run_streams(pair, joining, widths, join_at=None, width=8):
             return widths[self.cycle % len(widths)]
 
     join_at = join_at or {}
-    streams = BatchStreams(pair, width, Scripted(width))
+    streams = Streams(pair, width, Scripted(width))
     events, index, cycle = {}, {}, 0
     waiting = list(range(len(joining)))
     while waiting or len(streams):
@@ -346,8 +346,8 @@ def test_sampled_penalised_and_logprob_requests_in_a_batch_equal_each_alone(pair
     seed and its positions only (`sampling.Draws`), also in a plain step launched before the
     one it follows is read (its processors see that step's token, its draws are a position on)."""
     import dflash_mlx
-    from dflash_mlx.batch.engine import Asks
-    from dflash_mlx.batch.streams import Joining
+    from dflash_mlx.decode.decoder import Asks
+    from dflash_mlx.decode.streams import Joining
     from dflash_mlx.sampling import SamplingParams, make_processors
 
     pair = pairs[family]
@@ -393,8 +393,8 @@ def test_a_request_joined_mid_stream_goes_on_in_a_batch(pairs, family, after):
     from conftest import joined_mid_stream
 
     import dflash_mlx
-    from dflash_mlx.batch.engine import Asks
-    from dflash_mlx.batch.streams import BatchStreams
+    from dflash_mlx.decode.decoder import Asks
+    from dflash_mlx.decode.streams import Streams
     from dflash_mlx.sampling import SamplingParams
 
     pair = pairs[family]
@@ -402,7 +402,7 @@ def test_a_request_joined_mid_stream_goes_on_in_a_batch(pairs, family, after):
         want = [t for ev in dflash_mlx.stream_generate(pair, TEXTS[0], max_tokens=30, sampling=params)
                 for t in ev.tokens]
         other = [t for ev in dflash_mlx.stream_generate(pair, TEXTS[1], max_tokens=20) for t in ev.tokens]
-        streams = BatchStreams(pair, 4, prompt_cache=dflash_mlx.PromptCache(pair))
+        streams = Streams(pair, 4, prompt_cache=dflash_mlx.PromptCache(pair))
         got, theirs = joined_mid_stream(streams, pair.tokenizer.encode(TEXTS[0]), after,
                                         pair.tokenizer.encode(TEXTS[1]), 30, asks=Asks(params))
         assert got == want and theirs == other, (family, params)
@@ -414,7 +414,7 @@ def test_one_drafter_pass_drafts_what_each_sequence_drafts_alone(pairs, family):
     each given a different number of new rows per pass) and drafts every block in one pass:
     each sequence's draft logits are those of its own pass over its own context; a sequence
     handed back (`extract`) goes on alone as if it had never been pooled."""
-    from dflash_mlx.batch.drafts import DraftBatch
+    from dflash_mlx.draft.pool import DraftBatch
 
     pair = pairs[family]
     source = pair.draft_source.pooled()
@@ -446,7 +446,7 @@ def test_a_batch_drafts_in_one_pass_and_accepts_as_drafting_apart(pairs, baselin
     which go on drafting apart from exactly where they were (and pool again once it left)."""
     from conftest import OracleSource, greedy_ref, plain_greedy
 
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair = pairs["qwen3"]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
@@ -455,7 +455,7 @@ def test_a_batch_drafts_in_one_pass_and_accepts_as_drafting_apart(pairs, baselin
                           len(pair.target.tap_ids) * pair.target.hidden_size, lambda c, w: None)
 
     def run(pooling, intrude_at=None):
-        dec = BatchDecoder(pair, 8)
+        dec = Decoder(pair, 8)
         if not pooling:
             dec.drafting.poolable = None
         out, accepted, pooled = {}, [], []
@@ -493,7 +493,7 @@ def test_a_long_prompt_joins_a_chunk_per_cycle(pairs, baselines, family, monkeyp
     every output is plain greedy decoding (a cancelled one leaves without a trace)."""
     from conftest import plain_greedy
 
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
     from dflash_mlx.policy import join
 
     for name in ("FIRST_CHUNK", "MIN_CHUNK", "MAX_CHUNK"):  # chunks of 16, whatever the timings
@@ -502,7 +502,7 @@ def test_a_long_prompt_joins_a_chunk_per_cycle(pairs, baselines, family, monkeyp
     short = [pair.tokenizer.encode(t) for t in TEXTS[:2]]
     long = pair.tokenizer.encode(" ".join(TEXTS) * 3)
     assert len(long) > 4 * 16
-    dec = BatchDecoder(pair, 4)
+    dec = Decoder(pair, 4)
     out = {f.uid: list(f.tokens) for f in dec.add_many(short, [40, 40], chunked=True)}
     for c in dec.step():
         out[c.uid] += c.tokens
@@ -536,7 +536,7 @@ def test_lookup_copies_in_a_batch(pairs, baselines, monkeypatch):
     from conftest import plain_greedy
     from test_adaptive import install_curve
 
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair, base = pairs["qwen3"], baselines["qwen3"]
     install_curve(monkeypatch, pair, [[1.0 + 0.05 * (k - 1) for k in range(1, pair.draft_source.block_size + 1)]])
@@ -544,7 +544,7 @@ def test_lookup_copies_in_a_batch(pairs, baselines, monkeypatch):
     eos = tuple(pair.tokenizer.eos_token_ids)
 
     def run(lookup):
-        dec = BatchDecoder(pair, 8, lookup=lookup)
+        dec = Decoder(pair, 8, lookup=lookup)
         out = {f.uid: list(f.tokens) for f in dec.add_many(prompts, [60] * len(prompts))}
         cycles = 0  # summed over the sequences
         while len(dec):
@@ -566,18 +566,19 @@ def test_batch_gains_count_the_lookup_offers(pairs, monkeypatch):
     drafter's statistics alone (a random drafter), and they do commit more."""
     from test_adaptive import install_curve
 
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.drafting import expected_gains
+    from dflash_mlx.decode.decoder import Decoder
 
     pair = pairs["qwen3"]
     install_curve(monkeypatch, pair, [[1.0 + 0.05 * (k - 1) for k in range(1, pair.draft_source.block_size + 1)]])
     prompts = [pair.tokenizer.encode(t * 6) for t in ("a b c d e f ", "x = x + 1\n", "one two three ")]
-    dec = BatchDecoder(pair, 8, lookup=True)
+    dec = Decoder(pair, 8, lookup=True)
     dec.add_many(prompts, [200] * len(prompts))
     for _ in range(10):
         dec.step(8)
     offered, not_offered = [], []
     for _ in range(20):
-        extra = dec.gains([8])[8] - sum(s.sizer.expected_tokens(8) for s in dec.seqs)
+        extra = expected_gains(dec.seqs, [8])[8] - sum(s.sizer.expected_tokens(8) for s in dec.seqs)
         committed = sum(len(c.tokens) for c in dec.step(8))
         (offered if extra > 1 else not_offered).append(committed)
     assert len(offered) >= 3 and not_offered
@@ -591,12 +592,12 @@ def test_plain_steps_run_one_ahead_and_drop_it_when_the_batch_changes(pairs, bas
     (a hybrid target's recurrent states set back): every output is still plain greedy decoding."""
     from conftest import plain_greedy
 
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair, base = pairs[family], baselines[family]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
     eos = tuple(pair.tokenizer.eos_token_ids)
-    dec = BatchDecoder(pair, 4)
+    dec = Decoder(pair, 4)
     firsts = dec.add_many(prompts[:3], [30, 12, 30])
     out = {f.uid: list(f.tokens) for f in firsts}
     ahead, cycle = [], 0
@@ -636,16 +637,16 @@ def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs
     """Told the next cycle's width (`then`), a plain step launches the next plain step ahead only
     where it will run: a batch whose plain steps and drafted cycles alternate runs one target
     pass per cycle, none computed to be dropped, and its output is plain greedy decoding.
-    `BatchStreams` chooses each width a cycle ahead and passes it on."""
+    `Streams` chooses each width a cycle ahead and passes it on."""
     from conftest import plain_greedy
 
-    from dflash_mlx.batch.engine import BatchDecoder
-    from dflash_mlx.batch.streams import BatchStreams, Joining
+    from dflash_mlx.decode.decoder import Decoder
+    from dflash_mlx.decode.streams import Streams, Joining
 
     pair, base = pairs["qwen3"], baselines["qwen3"]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
     eos = tuple(pair.tokenizer.eos_token_ids)
-    dec = BatchDecoder(pair, 4)
+    dec = Decoder(pair, 4)
     dec.target = counted = _Counted(dec.target)
     firsts = dec.add_many(prompts, [40] * 3)
     out = {f.uid: list(f.tokens) for f in firsts}
@@ -672,7 +673,7 @@ def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs
         def update(self, batch, width, seconds, tokens):
             pass
 
-    streams = BatchStreams(pair, 4, Script([1, 4, 1, 1, 4, 1, 1, 1]))
+    streams = Streams(pair, 4, Script([1, 4, 1, 1, 4, 1, 1, 1]))
     ran = []
     step = streams.decoder.step
     streams.decoder.step = lambda width, then: ran.append((width, then)) or step(width, then)
@@ -703,7 +704,7 @@ def test_a_sequence_ending_while_a_plain_step_is_in_flight_keeps_its_own_state(p
     from conftest import plain_greedy
 
     import dflash_mlx
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair, base = pairs[family], baselines[family]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
@@ -713,7 +714,7 @@ def test_a_sequence_ending_while_a_plain_step_is_in_flight_keeps_its_own_state(p
     cache = dflash_mlx.PromptCache(pair)
 
     def run(prompts, n):
-        dec = BatchDecoder(pair, 4, prompt_cache=cache)
+        dec = Decoder(pair, 4, prompt_cache=cache)
         dec.eos = set(eos)
         firsts = dec.add_many(prompts, [n] * len(prompts))
         out = {f.uid: list(f.tokens) for f in firsts}
@@ -754,10 +755,10 @@ def test_join_chunks_take_a_set_number_of_cycles():
 def test_a_joining_prompt_is_prefilled_in_chunks_of_the_measured_size(pairs):
     """`fill` times each chunk of a joining prompt and the batch times its cycles; each next
     chunk is as many tokens as the join policy says then."""
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair = pairs["qwen3"]
-    dec = BatchDecoder(pair, 4)
+    dec = Decoder(pair, 4)
     dec.add(pair.tokenizer.encode(TEXTS[0]), 40)
     sizes = iter([20, 7, 33, 5, 1000])
 
@@ -798,13 +799,13 @@ def test_a_sequence_alone_launches_its_next_drafted_cycle_before_its_tokens_are_
     from conftest import plain_greedy
 
     import dflash_mlx
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair, base = pairs[family], baselines[family]
     eos = tuple(pair.tokenizer.eos_token_ids)
     prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
     counted = _Counted(pair.target)
-    dec = BatchDecoder(pair, 4, block_size=4)
+    dec = Decoder(pair, 4, block_size=4)
     dec.target = counted
     first = dec.add(prompts[0], 30)
     prefills = counted.passes
@@ -828,7 +829,7 @@ def test_a_sequence_alone_launches_its_next_drafted_cycle_before_its_tokens_are_
                    late.uid: plain_greedy(base, prompts[1], 12, eos=eos)}
 
     cache = dflash_mlx.PromptCache(pair)
-    dec = BatchDecoder(pair, 4, prompt_cache=cache, block_size=4)
+    dec = Decoder(pair, 4, prompt_cache=cache, block_size=4)
     first = dec.add(prompts[2], 40)
     answer = list(first.tokens)
     for _ in range(5):
@@ -837,10 +838,44 @@ def test_a_sequence_alone_launches_its_next_drafted_cycle_before_its_tokens_are_
     dec.remove(first.uid)
     dec.keep()
     later = prompts[2] + answer + pair.tokenizer.encode(" and then")
-    dec = BatchDecoder(pair, 4, prompt_cache=cache, block_size=4)
+    dec = Decoder(pair, 4, prompt_cache=cache, block_size=4)
     again = dec.add(later, 10)
     tokens = list(again.tokens)
     while len(dec):
         tokens += dec.step()[0].tokens
     assert again.cached > len(prompts[2])
     assert tokens == plain_greedy(base, later, 10, eos=eos)
+
+
+class _Unbatchable(_Counted):
+    """A target whose caches batched decoding cannot hold together."""
+
+    batchable = False
+
+
+def test_a_target_that_cannot_be_batched_decodes_one_sequence_at_a_time(pairs, baselines):
+    """Where the target's caches cannot be batched, a second sequence is refused with one clear
+    line before any model work, and the one decoding goes on as it would alone."""
+    import copy
+
+    from conftest import plain_greedy
+
+    from dflash_mlx.decode.decoder import Decoder, batch_width
+    from dflash_mlx.errors import DFlashError
+
+    pair, base = copy.copy(pairs["qwen3"]), baselines["qwen3"]
+    pair.target = _Unbatchable(pair.target)
+    assert batch_width(pair, "auto") is None
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS[:2]]
+    dec = Decoder(pair, 4)
+    first = dec.add(prompts[0], 20)
+    out = list(first.tokens) + dec.step()[0].tokens
+    passes = pair.target.passes
+    for add in (lambda: dec.add(prompts[1], 8), lambda: dec.add_many([prompts[1], prompts[1]], [8, 8])):
+        with pytest.raises(DFlashError, match="decoded one at a time") as e:
+            add()
+        assert "\n" not in str(e.value)
+    assert pair.target.passes == passes and len(dec) == 1 and not dec.early  # its cycle ahead still in flight
+    while len(dec):
+        out += dec.step()[0].tokens
+    assert out == plain_greedy(base, prompts[0], 20, eos=tuple(pair.tokenizer.eos_token_ids))

@@ -164,11 +164,11 @@ def test_batched_sequences_equal_each_alone(fams, family):
     """Every family batches (a routed MoE; qwen3_next's Gated DeltaNet layout, rolled back per
     sequence; sliding windows of 8, which the 6-token prompts and 30 tokens pass): several
     prompts decoded together equal each decoded alone."""
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair, base = fams.pair(family), fams.baseline(family)
     prompts = [pair.tokenizer.encode(t) for t in PROMPTS[:3]]
-    dec = BatchDecoder(pair, 5)
+    dec = Decoder(pair, 5)
     out = {}
     for first in dec.add_many(prompts, [30] * len(prompts)):
         out[first.uid] = list(first.tokens)
@@ -184,15 +184,15 @@ def test_sliding_windows_batch_with_the_prompt_cache_and_joins_mid_stream(fams):
     (a later batch's requests start from them), and a request running alone on its own window
     cache is joined by another and goes on in a batch with its window's rows: every output is
     the target's greedy decoding."""
-    from dflash_mlx.batch.engine import BatchDecoder
-    from dflash_mlx.batch.streams import BatchStreams
+    from dflash_mlx.decode.decoder import Decoder
+    from dflash_mlx.decode.streams import Streams
 
     pair, base = fams.pair("gpt_oss"), fams.baseline("gpt_oss")
     cache = dflash_mlx.PromptCache(pair)
     first = [pair.tokenizer.encode(t) for t in PROMPTS[:2]]
 
     def run(prompts, n):
-        dec = BatchDecoder(pair, 4, prompt_cache=cache)
+        dec = Decoder(pair, 4, prompt_cache=cache)
         out = {f.uid: list(f.tokens) for f in dec.add_many(prompts, [n] * len(prompts))}
         while len(dec):
             for c in dec.step():
@@ -206,7 +206,7 @@ def test_sliding_windows_batch_with_the_prompt_cache_and_joins_mid_stream(fams):
     assert run(second, 12) == [greedy_ref(base, p, 12) for p in second] and cache.hits == 2
 
     prompt = pair.tokenizer.encode(PROMPTS[2])
-    got, theirs = joined_mid_stream(BatchStreams(pair, 4), prompt, 5, first[0], 30)
+    got, theirs = joined_mid_stream(Streams(pair, 4), prompt, 5, first[0], 30)
     assert len(prompt) + 5 > 8  # the newcomer joins past the window of 8
     assert got == greedy_ref(base, prompt, 30) and theirs == greedy_ref(base, first[0], 20)
 

@@ -8,7 +8,7 @@ from test_lossless import PROMPTS, ContextChecked, dflash_tokens
 
 import dflash_mlx
 from dflash_mlx.decode import cycle as cycle_mod
-from dflash_mlx.batch import engine as engine_mod
+from dflash_mlx.decode import decoder as decoder_mod
 from dflash_mlx.policy.costs import CostCurve
 from dflash_mlx.policy.sizer import BlockSizer
 from dflash_mlx.policy.plan import Plan
@@ -148,10 +148,10 @@ def test_auto_uses_the_lookup_on_repetitive_text_and_stays_lossless(monkeypatch)
     monkeypatch.setattr(pair.learned, "greedy", BlockSizer(CostCurve([64], [flat], [[0.0] * W], [steep], [flat]), W))
     assert isinstance(pair.draft_source, WithLookup)
     asked = []  # the `taps` of each prefill and plain step: whether the drafter's context was computed
-    real_step, real_prefill = cycle_mod.PlainStep.__init__, engine_mod.prefill_steps
+    real_step, real_prefill = cycle_mod.PlainStep.__init__, decoder_mod.prefill_steps
     monkeypatch.setattr(cycle_mod.PlainStep, "__init__",
                         lambda self, rows, *a, **k: asked.append(rows.taps) or real_step(self, rows, *a, **k))
-    monkeypatch.setattr(engine_mod, "prefill_steps", lambda *a, **k: asked.append(k["taps"]) or real_prefill(*a, **k))
+    monkeypatch.setattr(decoder_mod, "prefill_steps", lambda *a, **k: asked.append(k["taps"]) or real_prefill(*a, **k))
     prompt = pair.tokenizer.encode("class Stack:\n    def push(self, x):")
     want = generate(plain_target(pair), pair.tokenizer, prompt, 60, 0.0)["tokens"]
     events = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=60, block_size="auto"))

@@ -100,7 +100,7 @@ def test_a_request_stopped_early_keeps_what_it_computed(pairs, baselines, family
     """A caller that stops reading (a client that left) ends the request as a stop string
     would, alone (the generator closed with a cycle in flight) or in a batch (`remove`): the
     prompt cache keeps what it computed, and the next turn from there is still exact."""
-    from dflash_mlx.batch.engine import BatchDecoder
+    from dflash_mlx.decode.decoder import Decoder
 
     pair, tok = pairs[family], pairs[family].tokenizer
     prompt = tok.encode("Once upon a time there was a tiny language model")
@@ -115,7 +115,7 @@ def test_a_request_stopped_early_keeps_what_it_computed(pairs, baselines, family
                     break
             events.close()
         else:
-            dec = BatchDecoder(pair, 4, prompt_cache=cache)
+            dec = Decoder(pair, 4, prompt_cache=cache)
             first = dec.add(prompt, 40)
             answer = list(first.tokens)
             while len(answer) < 6:

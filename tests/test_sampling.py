@@ -229,11 +229,11 @@ def test_seeded_draws_follow_the_target_distribution_and_couple_the_drafts(small
 
 @pytest.mark.parametrize("seeded", [True, False])
 def test_batched_draws_follow_the_target_distribution(small_pair, seeded):
-    """Sequences sampled together (`batch.BatchDecoder`: one drafter pass and one verify pass
+    """Sequences sampled together (`decode.decoder.Decoder`: one drafter pass and one verify pass
     for 250 of them) follow the target's exact distribution: each with its own seed (checked
     against its draws), or unseeded (rejection sampling against the proposal its drafts were
     drawn from, learned scales included)."""
-    from dflash_mlx.batch.engine import Asks, BatchDecoder
+    from dflash_mlx.decode.decoder import Asks, Decoder
 
     pair, model = small_pair
     params = SamplingParams(temp=1.0, top_k=4)
@@ -242,7 +242,7 @@ def test_batched_draws_follow_the_target_distribution(small_pair, seeded):
     mx.random.seed(20_000)
     for start in range(10_000, 10_000 + SAMPLES, n):  # seeds the tests above do not use
         asks = [Asks(dataclasses.replace(params, seed=s) if seeded else params) for s in range(start, start + n)]
-        dec = BatchDecoder(pair, BLOCK)
+        dec = Decoder(pair, BLOCK)
         out = {f.uid: list(f.tokens) for f in dec.add_many([PROMPT] * n, [N_TOKENS] * n, asks=asks)}
         while len(dec):
             for c in dec.step():
@@ -258,7 +258,7 @@ def test_an_unseeded_request_joined_mid_stream_follows_the_target_distribution(s
     after its first token, or after its first cycle, goes on beside it in one batch: its texts
     and its joiner's follow the target's exact distribution (rejection sampling alone and in the
     batch, the pair's learned proposal scales included)."""
-    from dflash_mlx.batch.engine import Asks, BatchDecoder
+    from dflash_mlx.decode.decoder import Asks, Decoder
 
     pair, model = small_pair
     params = SamplingParams(temp=1.0, top_k=4)
@@ -266,7 +266,7 @@ def test_an_unseeded_request_joined_mid_stream_follows_the_target_distribution(s
     counts, joined, groups = {}, {}, SAMPLES // 2
     mx.random.seed(30_000)
     for i in range(groups):
-        dec = BatchDecoder(pair, BLOCK)
+        dec = Decoder(pair, BLOCK)
         first = dec.add(PROMPT, N_TOKENS, asks=Asks(params))
         out = {first.uid: list(first.tokens)}
         if i % 2:  # a cycle alone first
@@ -289,7 +289,7 @@ def test_an_unseeded_sequence_in_a_batch_of_one_draws_what_it_draws_alone(small_
     """Alone and in a batch an unseeded sampled request makes the same random draws in the same
     order (drafts from the same proposal scales, the same rejection sampling), so under one
     global seed every cycle commits the same tokens."""
-    from dflash_mlx.batch.engine import Asks, BatchDecoder
+    from dflash_mlx.decode.decoder import Asks, Decoder
 
     import copy
 
@@ -303,7 +303,7 @@ def test_an_unseeded_sequence_in_a_batch_of_one_draws_what_it_draws_alone(small_
                                                                  block_size=BLOCK, lookup=False)]
         scales.__dict__.update(before)
         mx.random.seed(seed)
-        dec = BatchDecoder(pair, BLOCK)
+        dec = Decoder(pair, BLOCK)
         batched = [dec.add(PROMPT, 40, asks=Asks(params)).tokens]
         while len(dec):
             batched += [c.tokens for c in dec.step()]
@@ -495,3 +495,29 @@ def test_the_scales_learn_from_the_drafters_positions_each_verify_reached(small_
     reached = [(1, min(ev.accepted, 2)) for ev in events[1:-3] if ev.accepted >= 1]
     assert len(reached) > 10 and any(n == 2 for _, n in reached) and any(n == 1 for _, n in reached)
     assert rec.seen[: len(reached)] == reached
+
+
+def test_a_request_ended_by_a_stop_string_reports_its_proposal_scales(pairs):
+    """An unseeded sampled request reports the proposal scales it learnt in its last event's
+    stats however it ends: at its budget, and at a stop string too."""
+    import copy
+
+    pair = pairs["qwen3"]
+    params = SamplingParams(temp=1.0)
+    prompt = pair.tokenizer.encode("def main():")
+    scales = pair.proposal_scales(params)
+    before = copy.deepcopy(scales.__dict__)
+    mx.random.seed(5)
+    events = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=40, sampling=params, block_size=4,
+                                             lookup=False))
+    text = "".join(ev.text for ev in events)
+    assert events[-1].finish_reason == "length" and events[-1].stats.proposal_scales
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3
+    scales.__dict__.update(before)
+    mx.random.seed(5)  # the same draws: the text reaches the stop string
+    events = list(dflash_mlx.stream_generate(pair, prompt, max_tokens=40, sampling=params, block_size=4,
+                                             lookup=False, stop=[stop]))
+    last = events[-1]
+    assert last.finish_reason == "stop" and last.stats.stop_sequence == stop
+    assert last.stats.proposal_scales == scales.describe()

@@ -11,7 +11,7 @@ its branches in one verify pass, greedy). A cycle does not care where its
 drafts came from (the drafter, the lookup's copies or both); which cycle runs
 is the policy's plan (`policy`). A sequence alone and a batch's run the same
 cycles: `Rows` holds the target's own caches for one sequence, batched ones
-(`batch.cache`) for several.
+(`target/ragged.py`) for several.
 """
 
 from dataclasses import dataclass
@@ -29,7 +29,7 @@ from .sequence import SequenceState
 @dataclass
 class Rows:
     """What a cycle decodes: its sequences, in the caches' order, and the target's caches
-    holding them (`batched`: a batch's, `batch.cache`; else one sequence's own)."""
+    holding them (`batched`: a batch's, `target/ragged.py`; else one sequence's own)."""
 
     target: Any  # the adapter's target
     cache: list  # per layer

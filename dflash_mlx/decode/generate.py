@@ -2,7 +2,7 @@
 until EOS, a stop string or the token budget.
 
 `stream_generate` decodes a request as a batch of one through the decoder the
-server's requests share (`batch/engine.py`): alone, each cycle is the one its
+server's requests share (`decode/decoder.py`): alone, each cycle is the one its
 policy plans (`policy`), launched on the device where it can be before the host
 reads the one before it (a plain step runs one step ahead, as mlx-lm's
 `generate_step`), with one host synchronisation when it settles. The cycles
@@ -11,14 +11,14 @@ reads the one before it (a plain step runs one step ahead, as mlx-lm's
 
 from typing import Generator, Optional, Sequence, Union
 
-from ..batch.running import Asks
-from ..batch.streams import BatchStreams, Joining
 from ..cache.prompt_cache import PromptCache
 from ..draft.source import DraftSource
 from ..sampling import SamplingParams
 from .events import GenerationEvent
 from .passes import PREFILL_STEP
 from .request import block_policy, check_options
+from .running import Asks
+from .streams import Joining, Streams
 
 
 def stream_generate(
@@ -68,7 +68,7 @@ def stream_generate(
     A caller that stops early (closes the generator, or drops it) ends the request as a stop
     string would: its caches go to the prompt cache.
 
-    The request is decoded as a batch of one (`batch.BatchDecoder`, the decoder the server's
+    The request is decoded as a batch of one (`decode.decoder.Decoder`, the decoder the server's
     requests share): alone, each cycle is the one its policy plans.
     """
     params = sampling or SamplingParams()
@@ -78,7 +78,7 @@ def stream_generate(
     if isinstance(prompt, str):
         prompt = pair.tokenizer.encode(prompt)
     width = block_size if isinstance(block_size, int) else source.block_size
-    streams = BatchStreams(pair, max(1, min(width, source.block_size)), prompt_cache=prompt_cache,
+    streams = Streams(pair, max(1, min(width, source.block_size)), prompt_cache=prompt_cache,
                            block_size=block_size or source.block_size)
     asks = Asks(params, logits_processors, logprobs, tree=tree, lookup=lookup, proposal_scale=proposal_scale)
     uid, event = streams.add(Joining(list(prompt), max_tokens, stop, asks, source), prefill_step)

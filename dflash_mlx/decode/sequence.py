@@ -3,7 +3,7 @@
 How its tokens are drawn (sampling settings, logits processors that have seen its history, a
 seed's draws, log probabilities, proposal scales), its draft source and that source's state,
 the target taps its drafter has not read yet, its last token and what it has committed. A
-sequence of the decoder (`batch.running.Running`) is one, alone or in a batch, and the cycles
+sequence of the decoder (`running.Running`) is one, alone or in a batch, and the cycles
 (`cycle.py`) decode it either way.
 """
 

@@ -289,7 +289,7 @@ class DFlashDrafter(nn.Module):
 
     @property
     def batchable(self) -> bool:
-        """Whether blocks of several sequences can be drafted in one pass (`batch.drafts`): its
+        """Whether blocks of several sequences can be drafted in one pass (`pool.py`): its
         blocks see every row of the context their layers' masks allow (no `context_bound`)."""
         return self.context_bound is None
 
@@ -322,7 +322,7 @@ class DFlashDrafter(nn.Module):
 
     def ragged(self, block_embeddings: Optional[mx.array], target_hidden: Optional[mx.array],
                counts: List[int], cache: list) -> Optional[mx.array]:
-        """`__call__` for B sequences at once (`batch.drafts.RaggedDraftCache`): sequence b
+        """`__call__` for B sequences at once (`pool.RaggedDraftCache`): sequence b
         commits the first counts[b] rows of its `target_hidden` [B, R, D] (right-padded) as
         context, then its block [B, L, D] (None: no block) sits right after its own context."""
         ends = cache[0].offset

@@ -59,7 +59,7 @@ class DraftSource:
 
     def pooled(self) -> Optional["DFlashDraftSource"]:
         """The DFlash source whose drafter can draft this source's blocks together with other
-        sequences' in one pass (`batch.drafts`), or None: each sequence drafts on its own."""
+        sequences' in one pass (`pool.py`), or None: each sequence drafts on its own."""
         return None
 
     def context(self, state) -> list:

@@ -4,7 +4,7 @@ Requests are parsed and validated on the HTTP layer's worker threads
 (`http_app`); one worker thread owns the model and takes jobs in arrival
 order, so all MLX work stays on one thread. A job that finds nothing else
 waiting runs alone; jobs that queue up behind others are decoded together
-(`batch.BatchStreams`), each with its own caches, sampling settings, logits
+(`decode.streams.Streams`), each with its own caches, sampling settings, logits
 processors and log probabilities. A client that disconnects, streaming or
 not, cancels its job; the worker stops it at the next cycle.
 
@@ -27,12 +27,12 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..batch.engine import Asks, batch_width
-from ..batch.streams import BatchStreams, Joining
-from ..policy.batch import BatchWidths, FixedBatchWidth
-from ..decode import stream_generate
 from ..cache.prompt_cache import PromptCache
+from ..decode import stream_generate
+from ..decode.decoder import Asks, batch_width
+from ..decode.streams import Joining, Streams
 from ..errors import DFlashError
+from ..policy.batch import BatchWidths, FixedBatchWidth
 from ..sampling import SamplingParams, make_processors
 
 # Requests decoded together at most: mlx-lm's BatchGenerator's default completion batch is 32;
@@ -194,7 +194,7 @@ class Engine:
         """Decode the batchable jobs at the head of `waiting` together, letting in those that
         queue up while it runs, until the batch is empty; a job that cannot join waits for it
         (arrival order is kept)."""
-        batch = BatchStreams(self.pair, self.batch_width, self.batch_policy, self.prompt_cache,
+        batch = Streams(self.pair, self.batch_width, self.batch_policy, self.prompt_cache,
                              lookup=self.block_size == "auto",
                              block_size=self.block_size or self.pair.draft_source.block_size)
         jobs = {}
@@ -238,7 +238,7 @@ class Engine:
                 self._deliver(jobs, uid, event)
             batch.keep()  # after the answers are out
 
-    def _join(self, batch: "BatchStreams", jobs: dict, joining: List[Job]) -> None:
+    def _join(self, batch: "Streams", jobs: dict, joining: List[Job]) -> None:
         """Prefill the joining jobs (together where their prompts are short) and let them in."""
         try:
             firsts = batch.add_many([Joining(job.prompt, job.max_tokens, job.stop,

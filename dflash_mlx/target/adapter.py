@@ -591,7 +591,7 @@ class TargetAdapter:
         self._taps.tape.clear()
 
     def crop_each(self, cache, keeps: Sequence[int], width: int, before: Optional[dict] = None):
-        """`crop` for a batch (`batch.cache.RaggedKVCache` and batched recurrent states):
+        """`crop` for a batch (`target.ragged.RaggedKVCache` and batched recurrent states):
         sequence b keeps the first `keeps[b]` of the last `width` positions. A pass that was
         not recorded can only keep them all, or, given the recurrent states from before it
         (`states`, taken before a plain step), none."""
@@ -618,8 +618,8 @@ class TargetAdapter:
 
     @property
     def batchable(self) -> bool:
-        """Whether `batch.BatchDecoder` can decode several sequences of this target at once:
-        KV caches and sliding windows (made ragged, `batch.cache`) and Gated DeltaNet states
+        """Whether `decode.decoder.Decoder` can decode several sequences of this target at once:
+        KV caches and sliding windows (made ragged, `target/ragged.py`) and Gated DeltaNet states
         (rolled back per sequence by `crop_each`); every kind the adapter rolls back."""
         return all(k in ("offset", "window", "tape") for k in self._kinds.values())
 

@@ -19,8 +19,8 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..draft.drafter import DraftCache, visible
-from .cache import RaggedKVCache
+from ..target.ragged import RaggedKVCache
+from .drafter import DraftCache, visible
 
 
 class RaggedDraftCache:

@@ -6,14 +6,13 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..decode.cycle import Block
-from ..decode.passes import logprob_rows, token_logprobs
-from ..decode.request import block_policy, proposal_scaler
-from ..decode.sequence import GREEDY, SequenceState
 from ..draft import tree as trees
-from ..policy.plan import PLAIN, Plan
+from ..policy.plan import PLAIN, Outcome, Plan
 from ..sampling import Draws, Processed, SamplingParams, choose, pick
-
+from .cycle import Block
+from .passes import logprob_rows, token_logprobs
+from .request import block_policy, proposal_scaler
+from .sequence import GREEDY, SequenceState
 
 # Held taps of plain steps beyond this many are given to the drafter in one
 # batched projection: a long run without the drafter must not hold them all.
@@ -98,6 +97,22 @@ class Running(SequenceState):
         """The taps its drafter has not read, handed over."""
         taps, self.taps, self.unseen = self.taps, [], 0
         return taps
+
+    def advance(self, c: "Committed", o: Outcome) -> bool:
+        """Past its committed tokens `c` (of the cycle's outcome `o`): its processors, draws,
+        policy runs, lookup index and the taps its drafter will read (of the rows its caches
+        keep); whether it now holds `HELD_TAPS` of them."""
+        self.commit(c.tokens)
+        self.run.update(c.plan, o)
+        if self.sizer is not None and self.sizer is not self.run:
+            self.sizer.update(c.plan, o)
+        if self.tapped and c.tokens:
+            self.hold(o.hidden if len(c.tokens) == o.accepted + 1 else o.hidden[:, : len(c.tokens)])
+        if self.lookup or self.tapped:  # the lookup's index holds every committed token, a finished one's too
+            self.source.commit(self.dstate, c.tokens)
+        if c.finish is None:
+            self.last = o.last
+        return self.tapped and bool(c.tokens) and len(self.taps) == HELD_TAPS
 
     def plan_alone(self) -> "tuple[Plan, List[int]]":
         """Its next cycle's plan when it decodes alone (its policy's, asked with its lookup's offer

@@ -1,4 +1,4 @@
-"""The decoder: one sequence or several, decoded by the same cycles (`decode/cycle.py`).
+"""The decoder: one sequence or several, decoded by the same cycles (`cycle.py`).
 
 A sequence alone decodes on its own caches, each cycle as its policy's run plans it (the
 adaptive sizer's width, lookup copies and tree branches; a plain step launched before the host
@@ -26,15 +26,16 @@ from typing import Any, Generator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..cache.prompt_cache import can_trim, snapshot
-from ..decode.cycle import LinearCycle, PlainStep, Rows, TreeCycle
-from ..decode.passes import (PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps)
 from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
-from .cache import Caches, add_to, batch_of
-from .drafting import Drafting, expected_gains
-from .running import HELD_TAPS, Asks, Committed, Proposal, Running, new_sequence
+from ..target.ragged import add_to, batch_of
+from .caches import Caches
+from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
+from .drafting import Drafting
+from .passes import PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps
+from .running import Asks, Committed, Proposal, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
 # beyond, each is prefilled alone in mlx-lm's chunks, so a long prompt holds memory as it does alone.
@@ -83,7 +84,7 @@ class Launched:
         return self.plans[0].width == 1
 
 
-class BatchDecoder:
+class Decoder:
     """Sequences decoded together, each cycle at a width of at most `width` (1: plain batched
     decoding); a sequence alone runs the cycles its own policy plans."""
 
@@ -131,13 +132,8 @@ class BatchDecoder:
         tcache, dstate, reused = fetch(self.prompt_cache, self.target, prompt, source)
         seq = self._running(prompt, max_tokens, source, dstate, tcache, asks or Asks())
         later = chunked and bool(self.seqs) and len(prompt) - reused > self.joins.size()
-        before_last = None
-        if self.prompt_cache is not None and not can_trim(tcache):
-            def before_last(tc):  # a recurrent state cannot be trimmed back to the prompt later: keep it now
-                seq.at_prompt = (len(prompt) - 1, snapshot(tc))
-        steps = prefill_steps(self.target, source, dstate, mx.array(prompt[reused:]), tcache,
-                              self.joins.size if later else prefill_step, before_last=before_last,
-                              taps=seq.tapped, skip=True, before=reused)
+        steps = prefill(self.target, seq, prompt, tcache, reused, self.joins.size if later else prefill_step,
+                        self.prompt_cache is not None)
         f = Filling(seq, list(prompt), tcache, steps, reused)
         if later:
             self.filling.append(f)
@@ -184,6 +180,8 @@ class BatchDecoder:
         prefix, the rests right-padded to the longest, each sequence's padding cropped after.
         Long prompts go one at a time, in chunks (with `chunked`, between the cycles of the
         sequences decoding)."""
+        for i, p in enumerate(prompts):
+            check_room(p, self.window, self.target, busy=len(self) + i > 0)
         self._settle_ahead()
         sources = [s or self.source for s in (sources or [None] * len(prompts))]
         asks = [a or Asks() for a in (asks or [None] * len(prompts))]
@@ -194,24 +192,16 @@ class BatchDecoder:
             lens = [n - self.prompt_cache.reach(self.target, s, p) for n, p, s in zip(lens, prompts, sources)]
         if alone or sum(lens) > BATCH_PREFILL:
             return [self.add(*a, chunked=chunked) for a in zip(prompts, max_tokens, sources, asks)]
-        if self.window and max(map(len, prompts)) > self.window:
-            raise DFlashError(f"A prompt has {max(map(len, prompts))} tokens but the model reads at most "
-                              f"{self.window}.")
         starts = [fetch(self.prompt_cache, self.target, p, s) for p, s in zip(prompts, sources)]
         seqs = [self._running(p, m, s, dstate, tcache, a)
                 for p, m, s, (tcache, dstate, _), a in zip(prompts, max_tokens, sources, starts, asks)]
         tic = time.perf_counter()
-        cache, picked = prefill_together(self.target, prompts, starts, seqs)
+        cache, out = prefill_together(self.target, prompts, starts, seqs, self.eos)
         self.joins.chunk(sum(len(p) - reused for p, (_, _, reused) in zip(prompts, starts)), time.perf_counter() - tic)
-        out, keep = [], []
-        for b, (p, seq) in enumerate(zip(prompts, seqs)):
-            c = seq.first(p, *picked[b], self.eos)
-            c.cached = starts[b][2]
-            out.append(c)
-            if c.finish is None:
-                keep.append(b)
-            else:
-                self._ended(seq, None if self.prompt_cache is None else [layer.extract(b) for layer in cache], len(p))
+        keep = [b for b, c in enumerate(out) if c.finish is None]
+        for b in (b for b, c in enumerate(out) if c.finish is not None):
+            self._ended(seqs[b], None if self.prompt_cache is None else [layer.extract(b) for layer in cache],
+                        len(prompts[b]))
         if keep:
             for c in cache:
                 c.filter(keep)
@@ -334,7 +324,8 @@ class BatchDecoder:
             self._drop_ahead()
         cycle.cut([len(c.tokens) for c in out])
         for b, (seq, c, o) in enumerate(zip(self.seqs, out, outcomes)):
-            self._advance(b, seq, c, o)
+            if seq.advance(c, o):  # a long plain run: its drafter reads the taps it holds in one pass
+                self.drafting.read_held(self.seqs, b)
         self._leave([b for b, c in enumerate(out) if c.finish is None])
         return out
 
@@ -352,22 +343,6 @@ class BatchDecoder:
         if self._ahead is not None:
             launched, self._ahead = self._ahead, None
             self.early += self._run(launched)
-
-    def _advance(self, b: int, seq: Running, c: Committed, o) -> None:
-        """Sequence b past its committed tokens: its processors, draws, policy runs, lookup
-        index and the taps its drafter will read (its rows the caches keep)."""
-        seq.commit(c.tokens)
-        seq.run.update(c.plan, o)
-        if seq.sizer is not None and seq.sizer is not seq.run:
-            seq.sizer.update(c.plan, o)
-        if seq.tapped and c.tokens:
-            seq.hold(o.hidden if len(c.tokens) == o.accepted + 1 else o.hidden[:, : len(c.tokens)])
-            if len(seq.taps) == HELD_TAPS:  # a long plain run: the drafter reads them in one pass
-                self.drafting.read_held(self.seqs, b)
-        if seq.lookup or seq.tapped:  # the lookup's index holds every committed token, a finished one's too
-            seq.source.commit(seq.dstate, c.tokens)
-        if c.finish is None:
-            seq.last = o.last
 
     def _leave(self, keep: List[int]) -> None:
         """The sequences not in `keep` leave; with a prompt cache, what they computed is held
@@ -387,10 +362,6 @@ class BatchDecoder:
         if seq.keeps_rates:
             self.pair.keep_rates()  # what the pair's sizers learnt outlives the process, as its cost curve does
 
-    def gains(self, widths: Sequence[int]) -> Optional[dict]:
-        """The tokens the sequences expect a cycle of each width to commit, in all (`expected_gains`)."""
-        return expected_gains(self.seqs, widths)
-
     def keep(self) -> None:
         """Hand what finished sequences computed to the prompt cache (after their answers are out):
         the caches hold every committed token but the last, the drafter has read their taps."""
@@ -398,13 +369,16 @@ class BatchDecoder:
             store(self.prompt_cache, self.target, seq, tcache, rows)
         self.finished = []
 
-    def remove(self, uid: int) -> None:
+    def remove(self, uid: int) -> Optional[str]:
         """Drop a sequence before it finished (nothing if it is not in the batch); with a prompt
-        cache, what it computed is kept there as a finished one's is (`keep`)."""
+        cache, what it computed is kept there as a finished one's is (`keep`). The proposal scales
+        it learnt, as its last `Committed` would have said them."""
+        seq = next((s for s in self.seqs if s.uid == uid), None)
         self.filling = [f for f in self.filling if f.uid != uid]
         self.early = [c for c in self.early if c.uid != uid]
         self._drop_ahead()  # its caches then hold every committed token but the last
         self._leave([b for b, s in enumerate(self.seqs) if s.uid != uid])
+        return None if seq is None or seq.scaler is None else seq.scaler.describe()
 
     def _keep_only(self, keep: List[int]) -> None:
         """Keep the sequences at indices `keep`; the others' rows are dropped."""
@@ -415,11 +389,24 @@ class BatchDecoder:
         self.seqs = [self.seqs[b] for b in keep]
 
 
-def prefill_together(target, prompts: Sequence[Sequence[int]], starts: list, seqs: List[Running]):
+def prefill(target, seq: Running, prompt: Sequence[int], tcache: list, reused: int, step, kept: bool) -> Generator:
+    """`passes.prefill_steps` of a sequence's prompt past the `reused` tokens its caches hold, in
+    chunks of `step` tokens (a callable: asked before each). Where the prompt cache keeps it
+    (`kept`) and its state cannot be trimmed back later (recurrent), its state at the prompt's
+    end is kept now (`Running.at_prompt`)."""
+    before_last = None
+    if kept and not can_trim(tcache):
+        def before_last(tc):
+            seq.at_prompt = (len(prompt) - 1, snapshot(tc))
+    return prefill_steps(target, seq.source, seq.dstate, mx.array(prompt[reused:]), tcache, step,
+                         before_last=before_last, taps=seq.tapped, skip=True, before=reused)
+
+
+def prefill_together(target, prompts: Sequence[Sequence[int]], starts: list, seqs: List[Running], eos):
     """Several prompts in one target pass, each from its cached prefix (`starts`: its caches,
     draft state and tokens reused) and the rests right-padded to the longest, each sequence's
-    padding cropped after: the batch's caches and each sequence's first token (and log
-    probabilities), evaluated; each tapped sequence holds its prompt's taps."""
+    padding cropped after: the batch's caches and each sequence's first token (its `Committed`,
+    ended by a token of `eos` or its budget); each tapped sequence holds its prompt's taps."""
     rest = [len(p) - reused for p, (_, _, reused) in zip(prompts, starts)]
     L = max(rest)
     block = mx.array([list(p[len(p) - r :]) + [0] * (L - r) for p, r in zip(prompts, rest)])
@@ -436,7 +423,10 @@ def prefill_together(target, prompts: Sequence[Sequence[int]], starts: list, seq
             seq.hold(hidden[b : b + 1, : rest[b]])
         picked.append(seq.pick(logits[b], seq.noise(1)))
     mx.eval(picked, [c.state for c in cache])
-    return cache, picked
+    firsts = [seq.first(p, *pick, eos) for p, seq, pick in zip(prompts, seqs, picked)]
+    for c, (_, _, reused) in zip(firsts, starts):
+        c.cached = reused
+    return cache, firsts
 
 
 def fetch(prompt_cache, target, prompt: Sequence[int], source):

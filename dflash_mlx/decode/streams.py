@@ -1,16 +1,17 @@
-"""A `BatchDecoder`'s sequences as requests: each with its text stream, stop strings and
+"""A `Decoder`'s sequences as requests: each with its text stream, stop strings and
 stats, handed back as `GenerationEvent`s (what `stream_generate` yields for a request alone)."""
 
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..decode.events import GenerationEvent, GenerationStats
-from ..decode.passes import PREFILL_STEP
-from ..decode.request import TextStream, check_prompt
 from ..machine import peak_memory_gb
 from ..policy.batch import BatchWidths
-from .engine import BatchDecoder
+from .decoder import Decoder
+from .drafting import expected_gains
+from .events import GenerationEvent, GenerationStats
+from .passes import PREFILL_STEP
+from .request import TextStream, check_prompt
 from .running import Asks, Committed
 
 
@@ -32,17 +33,17 @@ class _Stream:
     tic: float  # when its first token was committed
 
 
-class BatchStreams:
-    """Requests decoded together (`BatchDecoder`), each event tagged with its request's uid."""
+class Streams:
+    """Requests decoded together (`Decoder`), each event tagged with its request's uid."""
 
     def __init__(self, pair, width: int, policy=None, prompt_cache=None, lookup: bool = False, block_size=None):
         """`width`: the widest cycle of several requests; `policy` (`policy.batch.BatchWidths`,
         default) picks each such cycle's; a request alone runs its own policy's plans
-        (`block_size`: the decoder's default, `BatchDecoder`); with a `prompt_cache`, requests
+        (`block_size`: the decoder's default, `Decoder`); with a `prompt_cache`, requests
         start from it and are kept in it (`keep`); `lookup`: a batch's drafts may copy from each
         request's n-gram lookup."""
         self.pair = pair
-        self.decoder = BatchDecoder(pair, width, prompt_cache, lookup, block_size)
+        self.decoder = Decoder(pair, width, prompt_cache, lookup, block_size)
         self.policy = policy or BatchWidths(self.decoder.width)
         self.streams: Dict[int, _Stream] = {}
         self._then: Optional[Tuple[int, int]] = None  # (batch size, width) chosen for the next cycle
@@ -62,7 +63,7 @@ class BatchStreams:
     def add_many(self, requests: Sequence[Joining]) -> List[Tuple[int, Optional[GenerationEvent]]]:
         """Prefill the requests, together where short, and let them join; each one's uid and
         first event (which may be its last). A long prompt joining requests that decode is
-        prefilled a chunk per `step` instead (`BatchDecoder.fill`): its event is None, and its
+        prefilled a chunk per `step` instead (`Decoder.fill`): its event is None, and its
         first comes from a later `step`."""
         for r in requests:
             check_prompt(r.prompt, self.pair.target)
@@ -92,7 +93,7 @@ class BatchStreams:
         else:
             # Widths are chosen a cycle ahead, so that a plain step launches the next one only where
             # it will run; where the batch has changed, this cycle runs what is chosen now.
-            then = self.policy.choose(B, self.decoder.gains(self.policy.widths))
+            then = self.policy.choose(B, expected_gains(self.decoder.seqs, self.policy.widths))
             width = self._then[1] if self._then is not None and self._then[0] == B else then
             self._then = (B, then)
             tic = time.perf_counter()
@@ -135,7 +136,7 @@ class BatchStreams:
             tokens, finish = tokens[:kept], "stop"
             lps = lps and lps[:kept]
             s.stats.stop_sequence = s.text.matched
-            self.decoder.remove(c.uid)
+            c.proposal_scales = self.decoder.remove(c.uid) or c.proposal_scales
         stats = s.stats
         stats.generation_tokens += len(tokens)
         elapsed = time.perf_counter() - s.tic

@@ -1,5 +1,5 @@
 """A batch's drafts: each sequence's block for a drafted cycle, from one drafter pass over the
-pooled contexts of sequences that share the pair's poolable drafter (`drafts.DraftBatch`), or
+pooled contexts of sequences that share the pair's poolable drafter (`draft.pool.DraftBatch`), or
 else from each sequence's own source; a lookup's copies in the first positions; and what the
 unseeded sampled sequences' proposal scales learn from the verify."""
 
@@ -7,11 +7,11 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..decode.cycle import Block, LinearCycle
-from ..decode.passes import Draft, caught_up, draft, joined, pick_drafts
 from ..draft.lookup import point_masses
+from ..draft.pool import DraftBatch
 from ..policy.proposal import reached_gains
-from .drafts import DraftBatch
+from .cycle import Block, LinearCycle
+from .passes import Draft, caught_up, draft, joined, pick_drafts
 from .running import Proposal, Running
 
 

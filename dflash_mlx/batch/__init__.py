@@ -1,1 +1,0 @@
-"""Several requests decoded together: one target pass verifies every sequence's block."""
