@@ -6,8 +6,9 @@
 Starts `dflash-mlx serve` on the pair and drives it through the official openai client:
 `--streams` greedy chat completions stream long answers; once each has streamed for a while, a
 prompt of about `--prompt-tokens` tokens (the shipped long document) joins with a short answer.
-Reported per server: the streams' median gap between two streamed tokens before the join, their
-longest gap while the joiner is prefilled (and its ratio to that median), the joiner's time to
+Reported per server: the streams' median gap between two streamed pieces while no prompt joins
+(before the long prompt comes and after its first token), their longest gap while it is
+prefilled (and its ratio to that median), the joiner's time to
 first token, and the same prompt's time to first token sent alone (its own prefill). With
 `--before REV` the same load runs first on a server from that commit (a temporary git worktree),
 so both figures come from one run on one machine.
@@ -97,13 +98,13 @@ def run(url: str, streams: int, prompt: str, alone_prompt: str, max_tokens: int)
     first_at = joined_at + joiner
     for t in threads:
         t.join()
-    before, during = [], []
+    outside, during = [], []
     for ts in times:
         for a, b in zip(ts, ts[1:]):
-            (before if b < joined_at else during if a < first_at else []).append(b - a)
-    median = statistics.median(before)
+            (outside if b < joined_at or a >= first_at else during).append(b - a)
+    median = statistics.median(outside)
     longest = max(during) if during else 0.0
-    return {"median_gap_before": median, "longest_gap_while_joining": longest, "ratio": longest / median,
+    return {"median_gap": median, "longest_gap_while_joining": longest, "ratio": longest / median,
             "joiner_ttft": joiner, "alone_ttft": alone, "ttft_ratio": joiner / alone,
             "stream_pieces": [len(ts) for ts in times]}
 
@@ -150,7 +151,7 @@ def main(argv=None):
         for name, root in roots:
             rows.append({"server": name, **measure(pair, root, args, prompt, alone_prompt)})
             r = rows[-1]
-            print(f"{name}: median gap {r['median_gap_before']:.3f} s, longest while joining "
+            print(f"{name}: median gap {r['median_gap']:.3f} s, longest while joining "
                   f"{r['longest_gap_while_joining']:.2f} s ({r['ratio']:.1f}x); joiner TTFT {r['joiner_ttft']:.2f} s "
                   f"against {r['alone_ttft']:.2f} s alone ({r['ttft_ratio']:.2f}x)", flush=True)
     finally:

@@ -8,7 +8,9 @@ plain decoding) on its target, both at once, and drives each through the officia
 openai client: at each concurrency N, N threads send N distinct prompts of the `code`
 suite at once (chat completions, streamed, temperature 0, `--max-tokens` each, EOS
 ignored by neither). The servers take turns, one load each per repeat, while the other
-idles, so that a shared machine's drift falls on both alike. Reported per server and N:
+idles, so that a shared machine's drift falls on both alike; the order of the turns rotates
+each repeat (use a multiple of the servers' count), so that each server runs in each place
+of it as often. Reported per server and N:
 aggregate tokens/s (all tokens over the wall time from the first request sent to the
 last token received), time to first token per request (median, max), and whether every
 answer equals that server's answer to the same prompt sent alone. Each N runs
@@ -146,12 +148,16 @@ def main(argv=None):
         rows = []
         for n in levels:
             runs = {kind: [] for kind in kinds}
-            for _ in range(args.repeats):
-                for kind, (_, client, model) in servers.items():
+            for r in range(args.repeats):
+                # The order rotates each repeat: the server that runs right after another's load runs
+                # a few percent faster here, whichever it is, so each takes each place alike.
+                for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+                    _, client, model = servers[kind]
                     runs[kind].append(load(client, prompts[:n], args.max_tokens, model))
             for kind in kinds:
                 ttft = [t for r in runs[kind] for t in r[2]]
                 row = {"server": kind, "clients": n, "tps": statistics.median(r[1] for r in runs[kind]),
+                       "tps_runs": [r[1] for r in runs[kind]],
                        "ttft_median": statistics.median(ttft), "ttft_max": max(ttft),
                        "identical": all(a == alone[kind][p] for r in runs[kind] for a, p in zip(r[0], prompts[:n]))}
                 rows.append(row)

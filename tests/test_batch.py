@@ -754,7 +754,8 @@ def test_join_chunks_take_a_set_number_of_cycles():
 
 def test_a_joining_prompt_is_prefilled_in_chunks_of_the_measured_size(pairs):
     """`fill` times each chunk of a joining prompt and the batch times its cycles; each next
-    chunk is as many tokens as the join policy says then."""
+    chunk is as many tokens as the join policy says then. Its drafter reads each chunk's taps
+    in that chunk, so that the first cycle beside the others holds only its last token's."""
     from dflash_mlx.decode.decoder import Decoder
 
     pair = pairs["qwen3"]
@@ -783,6 +784,7 @@ def test_a_joining_prompt_is_prefilled_in_chunks_of_the_measured_size(pairs):
     assert joining.filling
     while not any(c.uid == joining.uid for c in dec.fill()):
         dec.step()
+    assert next(s for s in dec.seqs if s.uid == joining.uid).unseen == 1
     # The first size asked decided that the prompt is long; the chunks follow the next ones.
     assert dec.joins.asked[0] == 20 and len(long) - 1 > 45
     assert dec.joins.chunks == [7, 33, 5, len(long) - 1 - 45]
@@ -879,3 +881,33 @@ def test_a_target_that_cannot_be_batched_decodes_one_sequence_at_a_time(pairs, b
     while len(dec):
         out += dec.step()[0].tokens
     assert out == plain_greedy(base, prompts[0], 20, eos=tuple(pair.tokenizer.eos_token_ids))
+
+
+def test_a_tree_cycle_launched_ahead_is_dropped_when_its_sequence_leaves(pairs, baselines):
+    """Alone, a tree cycle is launched ahead too; a sequence that leaves drops it, and its
+    caches hold its conversation as of its last token: it continues as plain decoding does."""
+    from conftest import plain_greedy
+
+    import dflash_mlx
+    from dflash_mlx.decode.decoder import Asks, Decoder
+
+    pair, base = pairs["qwen3"], baselines["qwen3"]
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    prompt = pair.tokenizer.encode(TEXTS[0])
+    cache = dflash_mlx.PromptCache(pair)
+    dec = Decoder(pair, 4, prompt_cache=cache, block_size=4)
+    first = dec.add(prompt, 40, asks=Asks(tree=2))
+    answer = list(first.tokens)
+    for _ in range(4):
+        answer += dec.step()[0].tokens
+    assert dec._ahead is not None and dec._ahead.plans[0].branches == 2
+    dec.remove(first.uid)
+    dec.keep()
+    later = prompt + answer + pair.tokenizer.encode(" and then")
+    dec = Decoder(pair, 4, prompt_cache=cache, block_size=4)
+    again = dec.add(later, 10)
+    tokens = list(again.tokens)
+    while len(dec):
+        tokens += dec.step()[0].tokens
+    assert again.cached > len(prompt)
+    assert tokens == plain_greedy(base, later, 10, eos=eos)

@@ -34,7 +34,7 @@ from ..target.ragged import add_to, batch_of
 from .caches import Caches
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
-from .passes import PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps
+from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps
 from .running import Asks, Committed, Proposal, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
@@ -132,8 +132,10 @@ class Decoder:
         tcache, dstate, reused = fetch(self.prompt_cache, self.target, prompt, source)
         seq = self._running(prompt, max_tokens, source, dstate, tcache, asks or Asks())
         later = chunked and bool(self.seqs) and len(prompt) - reused > self.joins.size()
+        # A prompt prefilled between others' cycles gives its taps to its drafter chunk by chunk: held
+        # for its first drafted cycle, they would stall everyone's first cycle beside it.
         steps = prefill(self.target, seq, prompt, tcache, reused, self.joins.size if later else prefill_step,
-                        self.prompt_cache is not None)
+                        self.prompt_cache is not None, 0 if later else PREFILL_HOLD_BYTES)
         f = Filling(seq, list(prompt), tcache, steps, reused)
         if later:
             self.filling.append(f)
@@ -389,16 +391,18 @@ class Decoder:
         self.seqs = [self.seqs[b] for b in keep]
 
 
-def prefill(target, seq: Running, prompt: Sequence[int], tcache: list, reused: int, step, kept: bool) -> Generator:
+def prefill(target, seq: Running, prompt: Sequence[int], tcache: list, reused: int, step, kept: bool,
+            hold: int = PREFILL_HOLD_BYTES) -> Generator:
     """`passes.prefill_steps` of a sequence's prompt past the `reused` tokens its caches hold, in
-    chunks of `step` tokens (a callable: asked before each). Where the prompt cache keeps it
-    (`kept`) and its state cannot be trimmed back later (recurrent), its state at the prompt's
-    end is kept now (`Running.at_prompt`)."""
+    chunks of `step` tokens (a callable: asked before each), holding at most `hold` bytes of its
+    taps for its first drafted cycle. Where the prompt cache keeps it (`kept`) and its state
+    cannot be trimmed back later (recurrent), its state at the prompt's end is kept now
+    (`Running.at_prompt`)."""
     before_last = None
     if kept and not can_trim(tcache):
         def before_last(tc):
             seq.at_prompt = (len(prompt) - 1, snapshot(tc))
-    return prefill_steps(target, seq.source, seq.dstate, mx.array(prompt[reused:]), tcache, step,
+    return prefill_steps(target, seq.source, seq.dstate, mx.array(prompt[reused:]), tcache, step, hold,
                          before_last=before_last, taps=seq.tapped, skip=True, before=reused)
 
 
