@@ -268,11 +268,12 @@ class Decoder:
 
     def _launch_alone(self, seq: Running) -> "Launched":
         """A sequence alone's next cycle, as its policy plans it, launched."""
-        plan, copies = seq.plan_alone()
+        planned = seq.plan_alone()
+        plan = planned.plan
         if plan.width == 1:
             return Launched(PlainStep(self._rows(), seq.last), [PLAIN])
         if not plan.branches:
-            return self._linear(plan.width, [copies], alternatives=seq.run.learns_branches)
+            return self._linear(plan.width, [planned.copies], alternatives=seq.run.learns_branches)
         hidden = joined(caught_up(seq.source, seq.dstate, seq.take_taps())) if seq.taps else None
         tree = draft_tree(seq.source, seq.dstate, seq.last, hidden, plan.width, plan.branches)
         return Launched(TreeCycle(self._rows(), tree), [plan])

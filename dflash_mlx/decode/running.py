@@ -114,7 +114,7 @@ class Running(SequenceState):
             self.last = o.last
         return self.tapped and bool(c.tokens) and len(self.taps) == HELD_TAPS
 
-    def plan_alone(self) -> "tuple[Plan, List[int]]":
+    def plan_alone(self) -> "AlonePlan":
         """Its next cycle's plan when it decodes alone (its policy's, asked with its lookup's offer
         unless chosen while a plain step was in flight, fitted to its budget), and the offer's
         tokens that plan copies."""
@@ -126,7 +126,7 @@ class Running(SequenceState):
         width = min(plan.width, left)
         copied = min(plan.copied, width - 1, len(offer))
         plan = Plan(width, copied, min(plan.branches, self.branches) if width > 1 and not copied else 0)
-        return plan, list(offer[:copied])
+        return AlonePlan(plan, list(offer[:copied]))
 
     def plain_next(self) -> bool:
         """While its plain step is in flight, whether the next is plain too (chosen now, so that it
@@ -137,6 +137,14 @@ class Running(SequenceState):
             self.chosen = self.run.choose(len(self.history) + 1, unseen=self.unseen + 1, left=left - 1)
             return self.chosen == PLAIN
         return False
+
+
+@dataclass
+class AlonePlan:
+    """A sequence alone's next cycle: its plan, and the lookup tokens its first draft positions copy."""
+
+    plan: Plan
+    copies: List[int]
 
 
 @dataclass
