@@ -911,3 +911,36 @@ def test_a_tree_cycle_launched_ahead_is_dropped_when_its_sequence_leaves(pairs, 
         tokens += dec.step()[0].tokens
     assert again.cached > len(prompt)
     assert tokens == plain_greedy(base, later, 10, eos=eos)
+
+
+def test_a_plan_chosen_for_a_plain_step_is_spent_once_it_runs(pairs):
+    """While a plain step runs, `plain_next` chooses the next plan now, or leaves it to be chosen
+    when it comes (with the lookup's offer, where one may be worth waiting for): a plan chosen
+    for the step in flight is never reused for the one after it."""
+    from dflash_mlx.decode.running import Asks, new_sequence
+    from dflash_mlx.policy.plan import PLAIN, Plan
+
+    pair = pairs["qwen3"]
+    prompt = pair.tokenizer.encode(TEXTS[0])
+    seq = new_sequence(pair, 0, prompt, 40, pair.draft_source, pair.draft_source.new_state(),
+                       pair.target.make_cache(), Asks(), 4, False, False)
+    seq.history, seq.generated = list(prompt), 1
+
+    class Run:
+        offer_pays = True
+
+        def lookup_pays(self, context):
+            return self.offer_pays
+
+        def choose(self, context, offer=(), unseen=0, left=0):
+            return Plan(4)
+
+    class Source:
+        def may_offer(self, state):
+            return True
+
+    seq.run, seq.source, seq.lookup = Run(), Source(), True
+    seq.chosen = PLAIN  # chosen for the plain step now in flight
+    assert not seq.plain_next() and seq.chosen is None  # the next waits for the lookup's offer
+    seq.run.offer_pays = False
+    assert not seq.plain_next() and seq.chosen == Plan(4)

@@ -132,6 +132,7 @@ class Running(SequenceState):
         """While its plain step is in flight, whether the next is plain too (chosen now, so that it
         launches before the host reads this one), unless a lookup offer may be worth waiting for."""
         left = self.max_tokens - self.generated
+        self.chosen = None  # a plan chosen for this step is spent: the next is chosen now or when it comes
         if left > 1 and not (self.lookup and self.source.may_offer(self.dstate)
                              and self.run.lookup_pays(len(self.history) + 1)):
             self.chosen = self.run.choose(len(self.history) + 1, unseen=self.unseen + 1, left=left - 1)
