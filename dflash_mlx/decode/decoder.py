@@ -1,8 +1,9 @@
 """The decoder: one sequence or several, decoded by the same cycles (`cycle.py`).
 
 A sequence alone decodes on its own caches, each cycle as its policy's run plans it (the
-adaptive sizer's width, lookup copies and tree branches; a plain step launched before the host
-reads the one before, where the next is plain too). Beside others, each cycle drafts every
+adaptive sizer's width, lookup copies and tree branches), the next launched before the host
+reads this one's tokens (a plain step from them on the device, where the next is plain too;
+any other once this one is committed). Beside others, each cycle drafts every
 sequence's block (in one drafter pass where their drafters allow) and verifies all of them in
 one target pass over a [B, width] block, at the width the batch's policy picks
 (`policy/batch.py`); each sequence keeps its own longest agreeing prefix plus the target's

@@ -3,9 +3,10 @@ until EOS, a stop string or the token budget.
 
 `stream_generate` decodes a request as a batch of one through the decoder the
 server's requests share (`decode/decoder.py`): alone, each cycle is the one its
-policy plans (`policy`), launched on the device where it can be before the host
-reads the one before it (a plain step runs one step ahead, as mlx-lm's
-`generate_step`), with one host synchronisation when it settles. The cycles
+policy plans (`policy`), launched on the device before the host reads the one
+before it (a plain step from its predecessor's tokens still on the device, as
+mlx-lm's `generate_step`; a drafted one once its predecessor is committed), with
+one host synchronisation when it settles. The cycles
 (`cycle.py`) run the model passes (`passes.py`).
 """
 
