@@ -7,7 +7,8 @@ Starts `dflash-mlx serve` on the pair and drives it through the official openai 
 `--streams` greedy chat completions stream long answers; once each has streamed for a while, a
 prompt of about `--prompt-tokens` tokens (the shipped long document) joins with a short answer.
 Reported per server: the streams' median gap between two streamed pieces while no prompt joins
-(before the long prompt comes and after its first token), their longest gap while it is
+and all of them decode (before the long prompt comes, and after its first token until the first
+stream ends), their longest gap while it is (a gap it came into counts from its arrival)
 prefilled (and its ratio to that median), the joiner's time to
 first token, and the same prompt's time to first token sent alone (its own prefill). With
 `--before REV` the same load runs first on a server from that commit (a temporary git worktree),
@@ -35,7 +36,7 @@ STREAM_PROMPTS = ("Write a long Python module with many small utility functions.
                   "Explain, step by step and at length, how a hash map works.",
                   "List and describe every built-in exception in Python.",
                   "Write a long story about a lighthouse keeper.")
-WARM = 1.5  # seconds the streams run before the long prompt joins
+WARM = 3.0  # seconds the streams run before the long prompt joins: past their own start
 
 
 def long_prompt(pair: Path, tokens: int, ask: str = "Summarise this document in one line.") -> str:
@@ -99,14 +100,19 @@ def run(url: str, streams: int, prompt: str, alone_prompt: str, max_tokens: int)
     for t in threads:
         t.join()
     outside, during = [], []
+    together = min(ts[-1] for ts in times)  # until the first stream ends, all of them decode
     for ts in times:
         for a, b in zip(ts, ts[1:]):
-            (outside if b < joined_at or a >= first_at else during).append(b - a)
+            if b < joined_at or first_at <= a and b <= together:
+                outside.append(b - a)
+            elif b > joined_at and a < first_at:  # a gap the join came into: its part since then
+                during.append((b - max(a, joined_at), a - joined_at))
     median = statistics.median(outside)
-    longest = max(during) if during else 0.0
+    longest = max(during)[0] if during else 0.0
     return {"median_gap": median, "longest_gap_while_joining": longest, "ratio": longest / median,
             "joiner_ttft": joiner, "alone_ttft": alone, "ttft_ratio": joiner / alone,
-            "stream_pieces": [len(ts) for ts in times]}
+            "stream_pieces": [len(ts) for ts in times],
+            "longest_gaps": [{"seconds": g, "after_join": at} for g, at in sorted(during, reverse=True)[:5]]}
 
 
 def measure(pair: Path, root: Path, args, prompt: str, alone_prompt: str) -> dict:
@@ -135,7 +141,7 @@ def main(argv=None):
     ap.add_argument("--before", help="also measure a server from this commit, first")
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=1800, help="the joining prompt (the chat template adds a few)")
-    ap.add_argument("--max-tokens", type=int, default=400, help="each stream's answer")
+    ap.add_argument("--max-tokens", type=int, default=1000, help="each stream's answer: long enough to outlast the join")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ..draft import tree as trees
 from ..policy.plan import Outcome
+from ..target.adapter import Rider
 from ..sampling import agreeing, greedy_log_probs, gumbel_rows, log_probs, pick
 from .passes import TreeVerified, accept, logprob_rows, token_logprobs, verify_tree
 from .sequence import SequenceState
@@ -36,6 +37,12 @@ class Rows:
     seqs: List[SequenceState]
     taps: bool = True  # plain steps compute taps: a sequence's drafter will read them
     batched: bool = False
+    rider: Optional[Rider] = None  # a joining prompt's chunk riding in the cycle's pass
+
+    def carried(self) -> tuple:
+        """What the rider's pass leaves (its caches, its taps), for the cycle's one synchronisation."""
+        r = self.rider
+        return () if r is None else ([c.state for c in r.cache], r.hidden)
 
     def crop(self, keeps: Sequence[int], width: int, before: Optional[dict] = None) -> None:
         """Sequence b keeps the first keeps[b] of the last `width` positions (`before`: the
@@ -86,7 +93,7 @@ class PlainStep:
         self.rows = rows
         self.before = rows.target.states(rows.cache)  # references: what `drop` sets back
         alone = len(rows.seqs) == 1  # its taps as the tapped layers' outputs, joined later (`joined`)
-        logits, self.hidden = rows.target(lasts[:, None], rows.cache,
+        logits, self.hidden = rows.target(lasts[:, None], rows.cache, rider=rows.rider,
                                           taps=("layers" if alone else True) if rows.taps else False)
         self.tokens, self.logprobs = pick_next(rows.seqs, logits[:, -1], lasts if pending else None)
         mx.async_eval(self.tokens, [lp for lp in self.logprobs if lp is not None])
@@ -133,7 +140,7 @@ class LinearCycle:
         self.rows, self.block = rows, block
         self.width = block.drafts.shape[1] + 1
         tokens = mx.concatenate([block.lasts[:, None], block.drafts], axis=1)
-        logits, self.hidden = rows.target(tokens, rows.cache, record=True)
+        logits, self.hidden = rows.target(tokens, rows.cache, record=True, rider=rows.rider)
         seqs = rows.seqs
         self.processed = [None] * len(seqs)  # per sequence, the rows rejection sampling verified on
         if len(seqs) > 1 and all(s.params.greedy and not s.proc and s.top is None for s in seqs):

@@ -31,11 +31,12 @@ from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
+from ..target.adapter import Rider
 from ..target.ragged import add_to, batch_of
 from .caches import Caches
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
-from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps
+from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps, run_chunk
 from .running import Asks, Committed, Proposal, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
@@ -59,13 +60,17 @@ def batch_width(pair, block_size) -> Optional[int]:
 
 @dataclass
 class Filling:
-    """A sequence whose prompt is prefilled (a chunk at a time, between the batch's cycles)."""
+    """A sequence whose prompt is prefilled a chunk at a time while the batch decodes: each chunk
+    rides in the batch's next pass where the target can carry it, else runs in a pass of its own
+    before the batch's cycle."""
 
     seq: Running
     prompt: List[int]
     tcache: list
-    steps: Generator  # `passes.prefill_steps`: one chunk per `next`
+    steps: Generator  # `passes.prefill_steps`: yields each chunk to run
     reused: int  # prompt tokens the prompt cache held
+    chunk: Optional[Rider] = None  # the chunk to run next, or the one that rode in the last cycle
+    rode: bool = False
 
     @property
     def uid(self) -> int:
@@ -114,7 +119,9 @@ class Decoder:
         self._ahead: Optional[Launched] = None
         self.early: List[Committed] = []  # what the cycle ahead committed, settled as the batch changed
         self._uids = count()
-        self.joins = JoinChunks()  # how much of a joining prompt to prefill between cycles
+        self.joins = JoinChunks()  # how much of a joining prompt to prefill with each cycle
+        self._rider: Optional[Filling] = None  # whose chunk rides in this step's cycle
+        self.rode = 0  # prompt tokens that rode in the last step's cycle
 
     def __len__(self) -> int:
         """Sequences in the batch: decoding, or still prefilling (`fill`)."""
@@ -142,18 +149,28 @@ class Decoder:
             self.filling.append(f)
             return Committed(f.uid, [], filling=True)
         tic = time.perf_counter()
-        out = self._filled(f, *drained(steps))
+        out = self._filled(f, *drained(self.target, steps))
         self.joins.chunk(len(prompt) - reused, time.perf_counter() - tic)  # what a prefill row costs here
         return out
 
     def fill(self) -> List[Committed]:
-        """One prefill chunk of each sequence still prefilling; those done join the batch
-        (their first tokens, `first` set)."""
-        out = []
+        """One prefill chunk of each sequence still prefilling: the first whose caches the target
+        can carry (`TargetAdapter.can_carry`) rides in the next `step`'s pass, the others run now;
+        those done join the batch (their first tokens, `first` set)."""
+        out, self._rider = [], None
         for f in list(self.filling):
-            tic = time.perf_counter()
             try:
-                self.joins.chunk(next(f.steps), time.perf_counter() - tic)
+                if f.chunk is None or f.rode:  # the chunk that rode is in: the next
+                    f.chunk, f.rode = next(f.steps), False
+                if self._rider is None and self.seqs and self.target.can_carry(f.tcache):
+                    self._rider = f
+                    continue
+                tic, tokens = time.perf_counter(), f.chunk.tokens.shape[1]
+                run_chunk(self.target, f.chunk)
+                try:
+                    f.chunk = next(f.steps)  # evaluates this chunk's caches
+                finally:
+                    self.joins.chunk(tokens, time.perf_counter() - tic)
             except StopIteration as done:
                 self.filling.remove(f)
                 out.append(self._filled(f, *done.value))
@@ -235,12 +252,15 @@ class Decoder:
         sequence alone has its next cycle launched before this one's tokens are handed back. Its
         seconds size join chunks. Where a cycle launched ahead was settled when the batch changed
         (`early`), this step hands back what it committed instead, and runs nothing."""
+        self.rode = 0
         if self.early:
             out, self.early = self.early, []
             return out
         tic = time.perf_counter()
         out = self._cycle(width, then)
-        if out:
+        if out and self.rode:
+            self.joins.rode(self.rode, time.perf_counter() - tic)
+        elif out:
             self.joins.cycle(time.perf_counter() - tic)
         return out
 
@@ -277,17 +297,21 @@ class Decoder:
             return self._linear(plan.width, [planned.copies], alternatives=seq.run.learns_branches)
         hidden = joined(caught_up(seq.source, seq.dstate, seq.take_taps())) if seq.taps else None
         tree = draft_tree(seq.source, seq.dstate, seq.last, hidden, plan.width, plan.branches)
-        return Launched(TreeCycle(self._rows(), tree), [plan])
+        return Launched(TreeCycle(self._rows(rider=False), tree), [plan])
 
     def _linear(self, width: int, copies: List[List[int]], alternatives: bool = False) -> "Launched":
         """A drafted cycle of `width` for every sequence, `copies` of their lookups first, launched."""
         p = self.drafting.propose(self.seqs, width, copies, alternatives)
         return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in copies], p)
 
-    def _rows(self) -> Rows:
-        """The batch's sequences and caches, as its cycles decode them."""
+    def _rows(self, rider: bool = True) -> Rows:
+        """The batch's sequences and caches, as its cycles decode them; the chunk of a prompt
+        joining rides in the cycle's pass (`fill`) unless `rider` is False."""
+        f, chunk = self._rider, None
+        if rider and f is not None and f in self.filling:
+            chunk, f.rode, self._rider, self.rode = f.chunk, True, None, f.chunk.tokens.shape[1]
         return Rows(self.target, self.caches.layers, self.seqs, taps=any(s.tapped for s in self.seqs),
-                    batched=self.caches.batched)
+                    batched=self.caches.batched, rider=chunk)
 
     def _plain_step(self, ahead) -> List[Committed]:
         """A plain batched step, as mlx-lm's, the next one launched ahead with `ahead` (`_run`)."""
@@ -306,11 +330,13 @@ class Decoder:
         states set back to those before it) where a sequence ends or leaves before it runs, or the
         next cycle drafts after all."""
         cycle, p = launched.cycle, launched.proposal
-        if launched.plain and (ahead() if callable(ahead) else ahead):
+        # While a prompt joins, its next chunk rides in the next step, made once this one is read.
+        if launched.plain and not self.filling and (ahead() if callable(ahead) else ahead):
             self._ahead = Launched(PlainStep(self._rows(), cycle.tokens, pending=True), [PLAIN] * len(self.seqs))
+        rider = cycle.rows.carried()
         if p is None:
-            return self._commit(cycle, launched.plans, cycle.settle())
-        outcomes = cycle.settle(also=tuple(s.lesson[1] for s in self.seqs if s.lesson is not None))
+            return self._commit(cycle, launched.plans, cycle.settle(also=rider))
+        outcomes = cycle.settle(also=rider + tuple(s.lesson[1] for s in self.seqs if s.lesson is not None))
         self.drafting.learn(self.seqs, p, cycle, [o.accepted for o in outcomes])
         return self._commit(cycle, launched.plans, outcomes)
 

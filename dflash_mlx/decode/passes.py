@@ -11,6 +11,7 @@ from ..draft import tree as trees
 from ..kernels import verify_accept
 from ..draft.lookup import point_masses
 from ..policy.proposal import rescale_rows
+from ..target.adapter import Rider
 from ..sampling import Processed, SamplingParams, agreeing, choose, greedy_log_probs, log_probs, pick
 
 
@@ -54,14 +55,20 @@ def _chunks(regions, step):
 def prefill(target, source, dstate, prompt: mx.array, tcache, step: int = PREFILL_STEP, hold: int = PREFILL_HOLD_BYTES,
             before_last=None, taps: bool = True, skip: bool = False, before: int = 0):
     """`prefill_steps` run to the end: (the last position's logits, the held taps)."""
-    return drained(prefill_steps(target, source, dstate, prompt, tcache, step, hold, before_last, taps, skip, before))
+    return drained(target, prefill_steps(target, source, dstate, prompt, tcache, step, hold, before_last, taps, skip,
+                                         before))
 
 
-def drained(steps):
-    """What a generator (`prefill_steps`) returns once run to its end."""
+def run_chunk(target, chunk: Rider) -> None:
+    """A prefill chunk through the target in a pass of its own (only its caches and taps are wanted)."""
+    _, chunk.hidden = target(chunk.tokens, chunk.cache, last_only=True, taps=chunk.taps)
+
+
+def drained(target, steps):
+    """What a generator (`prefill_steps`) returns once run to its end, each chunk in a pass of its own."""
     while True:
         try:
-            next(steps)
+            run_chunk(target, next(steps))
         except StopIteration as done:
             return done.value
 
@@ -70,8 +77,9 @@ def prefill_steps(target, source, dstate, prompt: mx.array, tcache, step: Union[
                   hold: int = PREFILL_HOLD_BYTES, before_last=None, taps: bool = True, skip: bool = False,
                   before: int = 0):
     """Run the prompt through the target: the first token waits for nothing else.
-    A generator that pauses after each chunk, yielding its tokens (a batch runs its cycles
-    between them, and sizes the next through a callable `step`), and returns what `prefill` does.
+    A generator that yields each chunk (a `Rider`) for its driver to run before it goes on: in a
+    pass of its own (`run_chunk`), or riding in a batch's (a batch runs its cycles between chunks,
+    and sizes the next through a callable `step`); it returns what `prefill` does.
 
     As mlx-lm does, all but the last prompt token go through in chunks that
     evaluate only the caches, and the last token is one plain step; the taps
@@ -91,7 +99,9 @@ def prefill_steps(target, source, dstate, prompt: mx.array, tcache, step: Union[
     body = prompt[:-1]
     horizon = source.horizon(dstate) if skip and taps else None
     for s, e, read in prefill_chunks(body.shape[0], step, horizon, prompt.shape[0], before):
-        _, hidden = target(body[None, s:e], tcache, last_only=True, taps=taps and read)
+        chunk = Rider(body[None, s:e], tcache, taps=taps and read)
+        yield chunk  # run by the driver
+        hidden = chunk.hidden
         given = []
         if not read:  # the rows before these first, in order
             for h in held:
@@ -106,7 +116,6 @@ def prefill_steps(target, source, dstate, prompt: mx.array, tcache, step: Union[
         # Evaluate the caches per chunk; the held taps stay lazy (at most `hold` bytes of them).
         mx.eval([c.state for c in tcache], given)
         mx.clear_cache()
-        yield e - s
     if before_last is not None:
         before_last(tcache)
     logits, hidden = target(prompt[None, -1:], tcache, taps=taps)

@@ -98,7 +98,8 @@ class Streams:
             self._then = (B, then)
             tic = time.perf_counter()
             committed = self.decoder.step(width, then)
-            self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed))
+            if not self.decoder.rode:  # a cycle that carried a joining prompt's chunk says nothing of its width
+                self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed))
         for c in committed:
             stats = self.streams[c.uid].stats
             stats.cycles += 1

@@ -1,13 +1,18 @@
-"""How much of a joining prompt to prefill between a batch's cycles: sized by time.
+"""How much of a joining prompt to prefill with each of a batch's cycles: sized by time.
 
-A prompt that joins sequences already decoding is prefilled a chunk at a time between the
-batch's cycles, so that their tokens keep flowing while it goes in (as vLLM's chunked prefill
-shares each step's token budget between decoding and prefill). A fixed number of tokens per
-chunk takes a different time on every target and context; here a chunk is sized from what a
-prefill row was measured to cost (the chunks before it) so that it takes `JOIN_CYCLES` of the
-batch's cycles. The sequences decoding then wait about 1 + JOIN_CYCLES cycles between two
-tokens while a prompt joins, and the joiner gets its first token after about
-1 + 1 / JOIN_CYCLES times its own prefill time (each of its chunks waits one cycle).
+A prompt that joins sequences already decoding is prefilled a chunk at a time, one chunk per
+cycle of the batch, so that their tokens keep flowing while it goes in (as vLLM's chunked
+prefill shares each step's token budget between decoding and prefill). Where the target can
+carry it, the chunk rides in the cycle's own target pass (`target.adapter.Rider`: its rows share
+each layer's weights with the cycle's rows, so the pass reads them once); elsewhere it runs in a
+pass of its own before the cycle. A fixed number of tokens per chunk takes a different time on
+every target and context; here a chunk is sized from what a prefill row was measured to cost
+(the chunks before it: the seconds of a chunk run alone, or what a cycle that carried one took
+beyond the batch's cycles alone) so that it takes `JOIN_CYCLES` of the batch's cycles. The
+sequences decoding then wait about 1 + JOIN_CYCLES cycles between two tokens while a prompt
+joins, and the joiner gets its first token after about 1 + 1 / JOIN_CYCLES times its own
+prefill time in chunks (each chunk shares a step with one cycle; a chunk in a pass of its own
+also pays the pass's fixed cost, the weights' read, which a chunk that rides does not).
 """
 
 from typing import Optional
@@ -23,6 +28,9 @@ MAX_CHUNK = 2048  # mlx-lm's prefill_step_size: a chunk holds no more memory tha
 # Each new measurement's weight: a row costs more as the context grows, and cycles change with
 # the batch; half-lives of a measurement or two follow both.
 NEWEST = 0.5
+# The least share of a cycle that carried a chunk counted as the chunk's: a cycle's own seconds
+# vary, and rows that seem free would make the next chunk as large as MAX_CHUNK at once.
+RIDE_FLOOR = 0.1
 
 
 def _mean(old: Optional[float], new: float) -> float:
@@ -44,6 +52,12 @@ class JoinChunks:
         """A prefill chunk (or a whole prefill) of `tokens` took `seconds`."""
         if tokens > 0:
             self.row_seconds = _mean(self.row_seconds, seconds / tokens)
+
+    def rode(self, tokens: int, seconds: float) -> None:
+        """A cycle that carried a prefill chunk of `tokens` in its pass took `seconds`: the rows
+        cost what the cycle took beyond the batch's cycles alone (at least RIDE_FLOOR of it)."""
+        if tokens > 0 and self.cycle_seconds is not None:
+            self.row_seconds = _mean(self.row_seconds, max(seconds - self.cycle_seconds, RIDE_FLOOR * seconds) / tokens)
 
     def size(self) -> int:
         """Tokens of the next chunk: JOIN_CYCLES cycles' worth of prefill rows."""

@@ -256,7 +256,7 @@ class Engine:
             return
         for job, (uid, event) in zip(joining, firsts):
             jobs[uid] = job
-            if event is not None:  # None: its prompt is prefilled between the batch's cycles
+            if event is not None:  # None: its prompt is prefilled a chunk per cycle of the batch
                 self._deliver(jobs, uid, event)
 
     def _deliver(self, jobs: dict, uid: int, event) -> None:

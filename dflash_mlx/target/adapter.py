@@ -8,7 +8,10 @@ tapped, the LM head is reached through the adapter (so a prefill pays it for
 the last row only), and Gated DeltaNet mixers record an update tape during
 verification so their recurrent state can be rolled back to any accepted
 length. Which cache types can be rolled back, and so which families are
-supported, is decided per cache in `caches`. Where every cache is a
+supported, is decided per cache in `caches`. Where every cache is a plain
+KV cache, each layer's attention is wrapped too, so that another sequence's
+prefill chunk can ride in a pass (`Rider`): its rows share the pass's
+projections and MLPs and attend over their own caches. Where every cache is a
 KV cache, every layer and its RoPE are wrapped too, so that a tree pass
 (`draft/tree.py`) can give the layers its mask and rotate each run of nodes at its
 own positions; `keep_rows` then keeps the accepted branch's K/V rows. Two
@@ -21,6 +24,7 @@ others' (`distributed` sums the shares over the ranks).
 """
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -149,6 +153,8 @@ class _Taps:
         self.tree_mask = None  # during a tree pass: [N, offset + N] bool, True = attend
         self.tree_runs = None  # during a tree pass: (start, end, depth of start) per RoPE run
         self.rows = None  # [B]: the one row per sequence whose logits a pass wants (a ragged batch's last)
+        self.groups = None  # during a pass with a rider: ((B, L) of the main rows, (1, L) of the rider's)
+        self.head_rows = None  # during a pass with a rider: the flat rows that reach the LM head
 
 
 class _Wrapper(nn.Module):
@@ -210,6 +216,50 @@ class TreeRoPE(_Wrapper):
             [self.inner(x[..., s:e, :], offset=offset + d, **kwargs) for s, e, d in runs], axis=-2)
 
 
+@dataclass
+class Rider:
+    """A prefill chunk of another sequence that rides in a pass (`TargetAdapter.__call__`): its
+    rows go through the layers' projections and MLPs together with the pass's own, and attend
+    over its own caches. The adapter sets `hidden` (its taps, or None where not asked for)."""
+
+    tokens: mx.array  # [1, L]
+    cache: list  # its own caches, per layer
+    taps: bool = True
+    hidden: Optional[mx.array] = None
+
+
+class _Grouped:
+    """One layer's caches during a pass with a rider: the pass's own and the rider's. The mask
+    the model asks the first for is each group's own, as the model would have made it."""
+
+    def __init__(self, caches: tuple, groups: tuple):
+        self.caches, self.groups = caches, groups
+
+    def make_mask(self, N: int, **kwargs):
+        return tuple(c.make_mask(L, **kwargs) for c, (_, L) in zip(self.caches, self.groups))
+
+
+class RidingAttention(_Wrapper):
+    """A layer's attention: during a pass with a rider, each group of rows (the pass's own
+    [B, L], the rider's [1, L]) attends over its own caches, with its own mask and positions."""
+
+    def __init__(self, inner: nn.Module, taps: _Taps):
+        super().__init__()
+        self.inner = inner
+        self._taps = taps
+
+    def __call__(self, x, mask=None, cache=None, **kwargs):
+        groups = self._taps.groups
+        if groups is None:
+            return self.inner(x, mask, cache, **kwargs)
+        outs, start = [], 0
+        for (B, L), m, c in zip(groups, mask, cache.caches):
+            part = x[:, start : start + B * L].reshape(B, L, -1)
+            outs.append(self.inner(part, m, c, **kwargs).reshape(1, B * L, -1))
+            start += B * L
+        return mx.concatenate(outs, axis=1)
+
+
 def _rope_owners(layer: nn.Module) -> List[nn.Module]:
     """The modules of a decoder layer that hold a `rope` child."""
     return [m for _, m in layer.named_modules() if isinstance(m.get("rope"), nn.Module)]
@@ -250,7 +300,9 @@ class _HeadHook(_Wrapper):
 
     def _head(self, x):
         self._taps.head_calls += 1
-        if self._taps.last_only:
+        if self._taps.head_rows is not None:
+            x = x[:, self._taps.head_rows]
+        elif self._taps.last_only:
             x = x[:, -1:]
         elif self._taps.rows is not None:  # one row per sequence
             x = mx.take_along_axis(x, self._taps.rows[:, None, None], axis=1)
@@ -426,6 +478,7 @@ class TargetAdapter:
         self.slack = slack
         self._gdn: Dict[int, TapedGatedDeltaNet] = {}
         self.supports_tree = not self.pipelined and self._tree_capable(layers)
+        self._riders = self.supports_tree  # where a prefill chunk can ride in another pass (`Rider`)
         last = self.num_layers - 1
         # Taps this rank computes; under pipeline parallelism the last layer's
         # (HF's final-norm entry) is its output normed here, so that no tap
@@ -443,6 +496,11 @@ class TargetAdapter:
             if self.supports_tree:
                 for owner in _rope_owners(layer):
                     owner.rope = TreeRoPE(owner.rope, self._taps)
+                    name = next((n for n in layer if layer[n] is owner), None)
+                    if name is None:  # an attention nested deeper than the layer: no riders
+                        self._riders = False
+                    else:
+                        setattr(layer, name, RidingAttention(owner, self._taps))
             tapped = i in self.local_taps and (i != last or self.pipelined)
             if tapped or self.supports_tree:
                 layers[i] = TappedLayer(layer, i, self._taps, record=tapped)
@@ -492,6 +550,12 @@ class TargetAdapter:
         not quantized, not sliding windows)."""
         return self.supports_tree and all(type(c) is cache_lib.KVCache for c in cache)
 
+    def can_carry(self, cache) -> bool:
+        """Whether a prefill chunk over these caches (a sequence's own) can ride in a pass
+        (`Rider`): every layer's attention is wrapped to split the groups and every cache is a
+        plain KV cache; after the first pass has checked the model's layout."""
+        return self._riders and self._checked and all(type(c) is cache_lib.KVCache for c in cache)
+
     def model_head(self, x):
         """The head as the model's own forward calls it: `head`, or where the
         vocabulary is split across ranks, this rank's slice (the model gathers)."""
@@ -515,7 +579,8 @@ class TargetAdapter:
         return self.embed_tokens(tokens)
 
     def __call__(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False,
-                 tree: Optional[tuple] = None, taps: Union[bool, str] = True, rows: Optional[mx.array] = None):
+                 tree: Optional[tuple] = None, taps: Union[bool, str] = True, rows: Optional[mx.array] = None,
+                 rider: Optional[Rider] = None):
         """Logits (all positions, or the last only) and the concatenated taps
         (None with `taps=False`: a plain step that no drafter will read; with
         `taps="layers"`, the tapped outputs as a tuple, for the caller to join
@@ -527,7 +592,14 @@ class TargetAdapter:
         tokens (`supports_tree` targets only): token i attends to the cached
         prefix and the tokens j with mask[i, j], and each run (start, end,
         depth) of tokens is at positions offset + depth onwards. `rows` [B]: only row
-        rows[b] of sequence b reaches the LM head (logits [B, 1, V])."""
+        rows[b] of sequence b reaches the LM head (logits [B, 1, V]).
+
+        A `rider` (`can_carry` its caches; not with `tree`) goes through the same pass: its rows
+        share every projection and MLP with the pass's own (one read of the weights for both),
+        attend over its own caches, and never reach the head; its taps are left in
+        `rider.hidden`. What the pass returns is what it returns without the rider."""
+        if rider is not None:
+            return self._carrying(tokens, cache, rider, last_only, record, taps, rows)
         wanted, taps = taps, self._taps
         taps.values.clear()
         taps.recording, taps.last_only, taps.head_calls, taps.rows = record, last_only, 0, rows
@@ -556,6 +628,33 @@ class TargetAdapter:
         if wanted == "layers":
             return logits, tuple(feats)
         return logits, mx.concatenate(feats, axis=-1) if wanted else None
+
+    def _carrying(self, tokens, cache, rider: Rider, last_only: bool, record: bool, wanted, rows):
+        """`__call__` with a rider: the rows of both flattened into one [1, B * L + L'] pass."""
+        B, L = tokens.shape
+        taps = self._taps
+        groups = ((B, L), tuple(rider.tokens.shape))
+        if rows is not None:
+            heads = rows + mx.arange(B) * L
+        else:
+            heads = mx.arange(B * L).reshape(B, L)[:, -1 if last_only else slice(None)].reshape(-1)
+        taps.values.clear()
+        taps.recording, taps.head_calls = record, 0
+        taps.groups, taps.head_rows = groups, heads
+        try:
+            flat = mx.concatenate([tokens.reshape(1, -1), rider.tokens.astype(tokens.dtype)], axis=1)
+            logits = self.model(flat, cache=[_Grouped(pair, groups) for pair in zip(cache, rider.cache)])
+        finally:
+            taps.recording = False
+            taps.groups = taps.head_rows = None
+        feats = [self._tap(i, flat) for i in self.tap_ids]
+        taps.values.clear()
+        logits = logits.reshape(B, -1, logits.shape[-1])
+        rider.hidden = mx.concatenate([f[:, B * L :] for f in feats], axis=-1) if rider.taps else None
+        own = [f[:, : B * L].reshape(B, L, -1) for f in feats]
+        if wanted == "layers":
+            return logits, tuple(own)
+        return logits, mx.concatenate(own, axis=-1) if wanted else None
 
     def _tap(self, i: int, tokens: mx.array) -> mx.array:
         """Tap `i` of this pass: zeros where another rank of a pipeline runs layer i."""

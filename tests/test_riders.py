@@ -1,0 +1,145 @@
+"""A joining prompt's prefill chunk riding in the batch's own pass (`target.adapter.Rider`)."""
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx.target.adapter import Rider
+from dflash_mlx.target.ragged import RaggedKVCache
+
+PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [8, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 40, 41]]
+JOINER = [30, 2, 19, 44, 5, 6, 60, 61, 3, 9, 12, 17, 23, 29, 31, 37, 41]
+
+
+def close(a, b):
+    return mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+
+
+def own(target, prompt):
+    cache = target.make_cache()
+    mx.eval(target(mx.array([prompt]), cache)[0], [c.state for c in cache])
+    return cache
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("width", [1, 4])
+def test_a_rider_changes_nothing_of_the_pass_it_rides_in(pairs, family, width):
+    """A pass carrying a prompt's chunk returns the logits and taps it returns alone; the chunk's
+    taps are those of its own pass, and its caches go on as after its own (the next chunk too)."""
+    target = pairs[family].target
+    caches = [own(target, p) for p in PROMPTS]
+    batch = [RaggedKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    alone = [RaggedKVCache.merge([c[i] for c in [own(target, p) for p in PROMPTS]]) for i in range(len(caches[0]))]
+    rider_cache, solo_cache = own(target, JOINER[:3]), own(target, JOINER[:3])
+    assert target.can_carry(rider_cache)
+    block = mx.array([[p[-1]] * width for p in PROMPTS])
+    for start, end in ((3, 10), (10, len(JOINER))):
+        chunk = mx.array([JOINER[start:end]])
+        rider = Rider(chunk, rider_cache)
+        logits, taps = target(block, batch, record=True, rider=rider)
+        want_logits, want_taps = target(block, alone, record=True)
+        _, want_rider = target(chunk, solo_cache, last_only=True)
+        assert logits.shape == want_logits.shape and close(logits, want_logits)
+        assert taps.shape == want_taps.shape and close(taps, want_taps)
+        assert rider.hidden.shape == want_rider.shape and close(rider.hidden, want_rider)
+        assert [c.offset for c in rider_cache] == [c.offset for c in solo_cache] == [end] * len(rider_cache)
+    one_row = mx.array([width - 1, 0, width // 2])  # a row per sequence to the head, as a batched prefill asks
+    rider = Rider(mx.array([[7, 8]]), rider_cache, taps=False)
+    logits, layers = target(block, batch, rows=one_row, taps="layers", rider=rider)
+    want, want_layers = target(block, alone, rows=one_row, taps="layers")
+    assert logits.shape == want.shape and close(logits, want) and rider.hidden is None
+    assert all(close(a, b) for a, b in zip(layers, want_layers))
+    nxt = mx.array([[50]])
+    assert close(target(nxt, rider_cache)[0], target(mx.array([[7, 8, 50]]), solo_cache)[0][:, -1:])
+
+
+def test_targets_whose_caches_are_not_plain_kv_carry_no_riders(pairs):
+    """A hybrid target (recurrent states) prefills a joiner in passes of its own."""
+    target = pairs["qwen3_5"].target
+    assert not target.can_carry(own(target, JOINER))
+
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
+         "for i in range(10):\n    print(i * i)\n"]
+
+
+class Counted:
+    """A target that counts its passes."""
+
+    def __init__(self, target):
+        self._target, self.passes = target, 0
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def __call__(self, *args, **kwargs):
+        self.passes += 1
+        return self._target(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("decoding, width", [(1, None), (2, 1), (2, 4)])
+def test_a_joining_prompt_rides_in_the_cycles_of_those_decoding(pairs, baselines, monkeypatch, family, decoding,
+                                                                width):
+    """Each chunk of a long prompt joining rides in the pass of the cycle of those decoding (one
+    alone, as its policy plans; two, at plain steps and drafted cycles): while it joins, a step is
+    one target pass (and its last token's), the others commit every step, and every output is
+    plain greedy decoding."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.decode.decoder import Decoder
+    from dflash_mlx.policy import join
+
+    for name in ("FIRST_CHUNK", "MIN_CHUNK", "MAX_CHUNK"):
+        monkeypatch.setattr(join, name, 16)
+    pair, base = pairs[family], baselines[family]
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS[:decoding]]
+    long = pair.tokenizer.encode(" ".join(TEXTS) * 3)
+    dec = Decoder(pair, 4, block_size=4)
+    out = {c.uid: list(c.tokens) for c in dec.add_many(prompts, [40] * decoding)}
+    counted = Counted(pair.target)
+    dec.target = counted
+    joining = dec.add(long, 12, chunked=True)
+    assert joining.filling and counted.passes == 0
+    steps = 0
+    while joining.uid not in out:
+        before = counted.passes
+        firsts = dec.fill()
+        committed = dec.step(width)
+        assert dec.rode or firsts  # the last chunk rode in the step before its first token
+        ahead = dec._ahead is not None  # once no prompt joins, the next step is launched ahead again
+        assert counted.passes - before == 1 + len(firsts) + ahead and (firsts or not ahead)
+        assert {c.uid for c in committed} >= {u for u in out if len(out[u]) < 40}
+        for c in firsts + committed:
+            out.setdefault(c.uid, []).extend(c.tokens)
+        steps += 1
+    assert steps >= (len(long) - 1) // 16
+    while len(dec):
+        for c in dec.fill() + dec.step(width):
+            out[c.uid] += c.tokens
+    assert [out[u] for u in range(decoding)] == [plain_greedy(base, p, 40, eos=eos) for p in prompts]
+    assert out[joining.uid] == plain_greedy(base, long, 12, eos=eos)
+
+
+def test_a_prompt_that_leaves_while_its_chunk_waits_to_ride_costs_nothing(pairs, baselines):
+    """A joining request cancelled between `fill` and `step` has its chunk left out of the cycle."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.decode.decoder import Decoder
+
+    pair, base = pairs["qwen3"], baselines["qwen3"]
+    prompt = pair.tokenizer.encode(TEXTS[0])
+    dec = Decoder(pair, 4)
+    first = dec.add(prompt, 20)
+    out = list(first.tokens)
+    joining = dec.add(pair.tokenizer.encode(" ".join(TEXTS) * 3), 12, chunked=True)
+    assert joining.filling
+    dec.fill()
+    dec.remove(joining.uid)
+    for c in dec.step():
+        out += c.tokens
+    assert not dec.rode and len(dec) == 1
+    while len(dec):
+        for c in dec.fill() + dec.step():
+            out += c.tokens
+    assert out == plain_greedy(base, prompt, 20, eos=tuple(pair.tokenizer.eos_token_ids))
