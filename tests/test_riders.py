@@ -97,16 +97,21 @@ def test_a_joining_prompt_rides_in_the_cycles_of_those_decoding(pairs, baselines
     long = pair.tokenizer.encode(" ".join(TEXTS) * 3)
     dec = Decoder(pair, 4, block_size=4)
     out = {c.uid: list(c.tokens) for c in dec.add_many(prompts, [40] * decoding)}
+    for _ in range(2):  # alone, the next cycle is launched ahead: the join settles it (`early`)
+        for c in dec.step(width):
+            out[c.uid] += c.tokens
     counted = Counted(pair.target)
     dec.target = counted
     joining = dec.add(long, 12, chunked=True)
-    assert joining.filling and counted.passes == 0
+    assert joining.filling
     steps = 0
     while joining.uid not in out:
-        before = counted.passes
+        before, early = counted.passes, bool(dec.early)
         firsts = dec.fill()
         committed = dec.step(width)
-        assert dec.rode or firsts  # the last chunk rode in the step before its first token
+        # Each chunk rode but one, where the step ran no cycle (it handed back the early one's
+        # tokens): it ran in a pass of its own. The last rode in the step before the first token.
+        assert bool(dec.rode) != early or firsts
         ahead = dec._ahead is not None  # once no prompt joins, the next step is launched ahead again
         assert counted.passes - before == 1 + len(firsts) + ahead and (firsts or not ahead)
         assert {c.uid for c in committed} >= {u for u in out if len(out[u]) < 40}
@@ -143,3 +148,41 @@ def test_a_prompt_that_leaves_while_its_chunk_waits_to_ride_costs_nothing(pairs,
         for c in dec.fill() + dec.step():
             out += c.tokens
     assert out == plain_greedy(base, prompt, 20, eos=tuple(pair.tokenizer.eos_token_ids))
+
+
+def test_beside_a_tree_each_chunk_runs_in_a_pass_of_its_own(pairs, baselines, monkeypatch):
+    """A tree's pass carries no chunk: beside a sequence alone whose policy plans trees, each chunk
+    of a prompt joining runs in a pass of its own in the same step, so it goes on every step, and
+    every output is plain greedy decoding."""
+    from conftest import ScriptedWidths, plain_greedy
+
+    from dflash_mlx.decode.decoder import Decoder
+    from dflash_mlx.decode.running import Asks
+    from dflash_mlx.policy import join
+    from dflash_mlx.policy.plan import Plan
+
+    for name in ("FIRST_CHUNK", "MIN_CHUNK", "MAX_CHUNK"):
+        monkeypatch.setattr(join, name, 16)
+    pair, base = pairs["qwen3"], baselines["qwen3"]
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    prompt, long = pair.tokenizer.encode(TEXTS[0]), pair.tokenizer.encode(" ".join(TEXTS) * 3)
+    dec = Decoder(pair, 4, block_size=4)
+    first = dec.add(prompt, 40, asks=Asks(block_size=ScriptedWidths([Plan(4, 0, 2)]), tree=2))
+    out = {first.uid: list(first.tokens)}
+    counted = Counted(pair.target)
+    dec.target = counted
+    joining = dec.add(long, 12, chunked=True)
+    trees = 0
+    while joining.uid not in out:
+        before = counted.passes
+        firsts = dec.fill()
+        committed = dec.step()
+        assert not dec.rode and counted.passes - before == bool(committed) + 1  # a chunk, or the last token's pass
+        trees += sum(c.plan.branches > 0 for c in committed)
+        for c in firsts + committed:
+            out.setdefault(c.uid, []).extend(c.tokens)
+    assert trees > 2
+    while len(dec):
+        for c in dec.fill() + dec.step():
+            out[c.uid] += c.tokens
+    assert out == {first.uid: plain_greedy(base, prompt, 40, eos=eos), joining.uid: plain_greedy(base, long, 12, eos=eos)}

@@ -255,14 +255,27 @@ class Decoder:
         self.rode = 0
         if self.early:
             out, self.early = self.early, []
-            return out
-        tic = time.perf_counter()
-        out = self._cycle(width, then)
-        if out and self.rode:
-            self.joins.rode(self.rode, time.perf_counter() - tic)
-        elif out:
-            self.joins.cycle(time.perf_counter() - tic)
+        else:
+            tic = time.perf_counter()
+            out = self._cycle(width, then)
+            if out and self.rode:
+                self.joins.rode(self.rode, time.perf_counter() - tic)
+            elif out:
+                self.joins.cycle(time.perf_counter() - tic)
+        self._unridden()
         return out
+
+    def _unridden(self) -> None:
+        """A chunk that was to ride in this step but found no pass to carry it (the step ran
+        none, or a tree's) runs in a pass of its own, so that its prompt goes on every step."""
+        f, self._rider = self._rider, None
+        if f is None or f not in self.filling:
+            return
+        tic = time.perf_counter()
+        run_chunk(self.target, f.chunk)
+        mx.eval([c.state for c in f.chunk.cache])
+        f.rode = True
+        self.joins.chunk(f.chunk.tokens.shape[1], time.perf_counter() - tic)
 
     def _cycle(self, width: Optional[int], then: Optional[int]) -> List[Committed]:
         if not self.seqs:
