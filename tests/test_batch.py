@@ -750,6 +750,17 @@ def test_join_chunks_take_a_set_number_of_cycles():
         j.cycle(cycle)
         j.chunk(100, 0.2)
     assert fast.size() == MIN_CHUNK and slow.size() == MAX_CHUNK
+    # A cycle that carried a chunk costs the rows what it took beyond cycles of its own shape, and
+    # the next chunk fills what a cycle of that shape leaves of 1 + JOIN_CYCLES typical cycles.
+    j = JoinChunks()
+    j.cycle(0.1, (3, 1))
+    j.cycle(0.2, (3, 4))  # typical: 0.15
+    j.chunk(100, 0.5)
+    j.rode(50, 0.3, (3, 4))
+    assert j.row_seconds == pytest.approx((0.005 + 0.1 / 50) / 2)
+    assert j.size() == int(((1 + JOIN_CYCLES) * 0.15 - 0.2) / j.row_seconds)
+    j.rode(50, 0.15, (2, 1))  # a shape not seen alone: against the typical cycle; rows not free
+    assert j.row_seconds == pytest.approx((0.0035 + 0.1 * 0.15 / 50) / 2)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
@@ -777,11 +788,11 @@ def test_a_joining_prompt_is_prefilled_in_chunks_of_the_measured_size(pairs, fam
             assert seconds > 0
             self.chunks.append(tokens)
 
-        def rode(self, tokens, seconds):
+        def rode(self, tokens, seconds, shape=None):
             assert seconds > 0
             self.chunks.append(-tokens)
 
-        def cycle(self, seconds):
+        def cycle(self, seconds, shape=None):
             self.cycles += 1
 
     dec.joins = Scripted()

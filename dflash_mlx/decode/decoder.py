@@ -122,6 +122,7 @@ class Decoder:
         self.joins = JoinChunks()  # how much of a joining prompt to prefill with each cycle
         self._rider: Optional[Filling] = None  # whose chunk rides in this step's cycle
         self.rode = 0  # prompt tokens that rode in the last step's cycle
+        self._shape = None  # (sequences, width) of the last cycle run: its cost sizes join chunks
 
     def __len__(self) -> int:
         """Sequences in the batch: decoding, or still prefilling (`fill`)."""
@@ -259,9 +260,9 @@ class Decoder:
             tic = time.perf_counter()
             out = self._cycle(width, then)
             if out and self.rode:
-                self.joins.rode(self.rode, time.perf_counter() - tic)
+                self.joins.rode(self.rode, time.perf_counter() - tic, self._shape)
             elif out:
-                self.joins.cycle(time.perf_counter() - tic)
+                self.joins.cycle(time.perf_counter() - tic, self._shape)
         self._unridden()
         return out
 
@@ -343,6 +344,7 @@ class Decoder:
         states set back to those before it) where a sequence ends or leaves before it runs, or the
         next cycle drafts after all."""
         cycle, p = launched.cycle, launched.proposal
+        self._shape = (len(launched.plans), max(plan.width for plan in launched.plans))
         # While a prompt joins, its next chunk rides in the next step, made once this one is read.
         if launched.plain and not self.filling and (ahead() if callable(ahead) else ahead):
             self._ahead = Launched(PlainStep(self._rows(), cycle.tokens, pending=True), [PLAIN] * len(self.seqs))

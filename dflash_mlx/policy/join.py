@@ -15,7 +15,7 @@ prefill time in chunks (each chunk shares a step with one cycle; a chunk in a pa
 also pays the pass's fixed cost, the weights' read, which a chunk that rides does not).
 """
 
-from typing import Optional
+from typing import Dict, Hashable, Optional
 
 # A chunk's seconds in cycles: 2 keeps the decoding sequences' longest gap near 3 cycles and
 # the joiner's prefill within about 1.5 times its time alone.
@@ -38,29 +38,46 @@ def _mean(old: Optional[float], new: float) -> float:
 
 
 class JoinChunks:
-    """Seconds per prefill row and per batch cycle, measured; the next join chunk's size."""
+    """Seconds per prefill row and per batch cycle, measured; the next join chunk's size.
+
+    A cycle's shape is (sequences, width): cycles of one shape cost alike, and a batch's widths
+    change while a prompt joins, so a cycle that carried a chunk is compared with cycles of its
+    own shape, and the next chunk fills what the last shape's cycle leaves of 1 + JOIN_CYCLES
+    typical cycles (the gap the sequences decoding wait while a prompt joins)."""
 
     def __init__(self):
         self.row_seconds: Optional[float] = None
-        self.cycle_seconds: Optional[float] = None
+        self.cycle_seconds: Optional[float] = None  # every cycle that carried no chunk: the typical gap
+        self.shapes: Dict[Hashable, float] = {}  # per shape, its cycles that carried no chunk
+        self.shape: Optional[Hashable] = None  # the last cycle's
 
-    def cycle(self, seconds: float) -> None:
-        """A batch cycle took `seconds`."""
+    def _own(self, shape: Optional[Hashable]) -> Optional[float]:
+        return self.shapes.get(shape, self.cycle_seconds)
+
+    def cycle(self, seconds: float, shape: Optional[Hashable] = None) -> None:
+        """A batch cycle (of `shape`) took `seconds`."""
         self.cycle_seconds = _mean(self.cycle_seconds, seconds)
+        if shape is not None:
+            self.shapes[shape] = _mean(self.shapes.get(shape), seconds)
+        self.shape = shape
 
     def chunk(self, tokens: int, seconds: float) -> None:
         """A prefill chunk (or a whole prefill) of `tokens` took `seconds`."""
         if tokens > 0:
             self.row_seconds = _mean(self.row_seconds, seconds / tokens)
 
-    def rode(self, tokens: int, seconds: float) -> None:
-        """A cycle that carried a prefill chunk of `tokens` in its pass took `seconds`: the rows
-        cost what the cycle took beyond the batch's cycles alone (at least RIDE_FLOOR of it)."""
-        if tokens > 0 and self.cycle_seconds is not None:
-            self.row_seconds = _mean(self.row_seconds, max(seconds - self.cycle_seconds, RIDE_FLOOR * seconds) / tokens)
+    def rode(self, tokens: int, seconds: float, shape: Optional[Hashable] = None) -> None:
+        """A cycle (of `shape`) that carried a prefill chunk of `tokens` in its pass took `seconds`:
+        the rows cost what it took beyond cycles of its shape alone (at least RIDE_FLOOR of it)."""
+        self.shape = shape
+        own = self._own(shape)
+        if tokens > 0 and own is not None:
+            self.row_seconds = _mean(self.row_seconds, max(seconds - own, RIDE_FLOOR * seconds) / tokens)
 
     def size(self) -> int:
-        """Tokens of the next chunk: JOIN_CYCLES cycles' worth of prefill rows."""
+        """Tokens of the next chunk: the prefill rows that take what a cycle of the last shape
+        leaves of 1 + JOIN_CYCLES typical cycles (JOIN_CYCLES of them where it is typical)."""
         if self.row_seconds is None or self.cycle_seconds is None or self.row_seconds <= 0:
             return FIRST_CHUNK
-        return int(min(MAX_CHUNK, max(MIN_CHUNK, JOIN_CYCLES * self.cycle_seconds / self.row_seconds)))
+        budget = (1 + JOIN_CYCLES) * self.cycle_seconds - self._own(self.shape)
+        return int(min(MAX_CHUNK, max(MIN_CHUNK, budget / self.row_seconds)))
