@@ -8,9 +8,11 @@ Starts `dflash-mlx serve` on the pair and drives it through the official openai 
 prompt of about `--prompt-tokens` tokens (the shipped long document) joins with a short answer.
 Reported per server: the streams' median gap between two streamed pieces while no prompt joins
 and all of them decode (before the long prompt comes, and after its first token until the first
-stream ends), their longest gap while it is (a gap it came into counts from its arrival)
-prefilled (and its ratio to that median), the joiner's time to
-first token, and the same prompt's time to first token sent alone (its own prefill). With
+stream ends); while it is prefilled, their longest gap (a gap it came into counts from its
+arrival) and the longest time in which no stream got a piece (a stall of them all; one stream's
+gap may also span two cycles where its text waits for the next token to be printable), each
+against that median; the joiner's time to first token, and the same prompt's time to first
+token sent alone (its own prefill). With
 `--before REV` the same load runs first on a server from that commit (a temporary git worktree),
 so both figures come from one run on one machine.
 """
@@ -109,7 +111,12 @@ def run(url: str, streams: int, prompt: str, alone_prompt: str, max_tokens: int)
                 during.append((b - max(a, joined_at), a - joined_at))
     median = statistics.median(outside)
     longest = max(during)[0] if during else 0.0
+    # No stream's next piece: a stall of them all (a stream's own gap may also span two cycles where
+    # its text waits for the next token to be printable).
+    pieces = sorted(t for ts in times for t in ts if joined_at < t <= first_at)
+    stall = max((b - a for a, b in zip([joined_at] + pieces, pieces)), default=0.0)
     return {"median_gap": median, "longest_gap_while_joining": longest, "ratio": longest / median,
+            "longest_stall_of_all": stall, "stall_ratio": stall / median,
             "joiner_ttft": joiner, "alone_ttft": alone, "ttft_ratio": joiner / alone,
             "stream_pieces": [len(ts) for ts in times],
             "longest_gaps": [{"seconds": g, "after_join": at} for g, at in sorted(during, reverse=True)[:5]]}
@@ -158,7 +165,8 @@ def main(argv=None):
             rows.append({"server": name, **measure(pair, root, args, prompt, alone_prompt)})
             r = rows[-1]
             print(f"{name}: median gap {r['median_gap']:.3f} s, longest while joining "
-                  f"{r['longest_gap_while_joining']:.2f} s ({r['ratio']:.1f}x); joiner TTFT {r['joiner_ttft']:.2f} s "
+                  f"{r['longest_gap_while_joining']:.2f} s ({r['ratio']:.1f}x), of all streams at once "
+                  f"{r['longest_stall_of_all']:.2f} s ({r['stall_ratio']:.1f}x); joiner TTFT {r['joiner_ttft']:.2f} s "
                   f"against {r['alone_ttft']:.2f} s alone ({r['ttft_ratio']:.2f}x)", flush=True)
     finally:
         if args.before:

@@ -735,7 +735,7 @@ def test_a_sequence_ending_while_a_plain_step_is_in_flight_keeps_its_own_state(p
 def test_join_chunks_take_a_set_number_of_cycles():
     """A join chunk is sized from the measured seconds of a prefill row to take JOIN_CYCLES of
     the batch's cycles, within its bounds; before anything is timed it is FIRST_CHUNK."""
-    from dflash_mlx.policy.join import FIRST_CHUNK, JOIN_CYCLES, MAX_CHUNK, MIN_CHUNK, JoinChunks
+    from dflash_mlx.policy.join import FIRST_CHUNK, JOIN_CYCLES, JOIN_TTFT, MAX_CHUNK, MIN_CHUNK, JoinChunks
 
     j = JoinChunks()
     assert j.size() == FIRST_CHUNK
@@ -761,6 +761,16 @@ def test_join_chunks_take_a_set_number_of_cycles():
     assert j.size() == int(((1 + JOIN_CYCLES) * 0.15 - 0.2) / j.row_seconds)
     j.rode(50, 0.15, (2, 1))  # a shape not seen alone: against the typical cycle; rows not free
     assert j.row_seconds == pytest.approx((0.0035 + 0.1 * 0.15 / 50) / 2)
+    for seconds in (0.1, 0.1, 0.1, 1.0):  # one slow cycle moves neither the typical nor its shape's
+        j.cycle(seconds, (3, 1))
+    assert j.cycle_seconds == 0.1 and j._own((3, 1)) == 0.1
+    # While a prompt joins, a cycle may take 1 - 1 / JOIN_TTFT of a step of 1 + JOIN_CYCLES typical ones.
+    j = JoinChunks()
+    cap = (1 + JOIN_CYCLES) * 0.1 * (1 - 1 / JOIN_TTFT)
+    for seconds, width in [(0.5 * cap, 1), (0.99 * cap, 2), (1.01 * cap, 4)] + [(0.1, 8)] * 5:
+        j.cycle(seconds, (3, width))
+    assert j.cycle_seconds == 0.1 and cap < 0.1
+    assert [j.fits((3, w)) for w in (1, 2, 4, 8, 16)] == [True, True, False, False, True]  # 16: not timed
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])

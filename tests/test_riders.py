@@ -186,3 +186,47 @@ def test_beside_a_tree_each_chunk_runs_in_a_pass_of_its_own(pairs, baselines, mo
         for c in dec.fill() + dec.step():
             out[c.uid] += c.tokens
     assert out == {first.uid: plain_greedy(base, prompt, 40, eos=eos), joining.uid: plain_greedy(base, long, 12, eos=eos)}
+
+
+def test_while_a_prompt_joins_the_batch_runs_cycles_that_leave_its_chunks_their_share(pairs, baselines,
+                                                                                       monkeypatch):
+    """`Streams` caps the batch policy's width while a prompt joins to the widest whose cycles fit
+    (`JoinChunks.fits`), and lets the policy choose again once it has joined."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.decode.streams import Joining, Streams
+    from dflash_mlx.policy import join
+    from dflash_mlx.policy.batch import FixedBatchWidth
+    from dflash_mlx.policy.join import JOIN_CYCLES, JOIN_TTFT
+
+    for name in ("FIRST_CHUNK", "MIN_CHUNK", "MAX_CHUNK"):
+        monkeypatch.setattr(join, name, 16)
+
+    class Eight(FixedBatchWidth):
+        widths = (1, 2, 4, 8)
+
+    pair, base = pairs["qwen3"], baselines["qwen3"]
+    streams = Streams(pair, 8, Eight(8))
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS[:2]]
+    out = {uid: list(e.tokens) for uid, e in streams.add_many([Joining(p, 40) for p in prompts])}
+    joins, dec = streams.decoder.joins, streams.decoder
+    widths, step = [], dec.step
+    dec.step = lambda width=None, then=None: widths.append((width, bool(dec.filling))) or step(width, then)
+    for uid, e in streams.step() + streams.step():
+        out[uid] += e.tokens
+    cap = (1 + JOIN_CYCLES) * (1 - 1 / JOIN_TTFT)
+    joins.cycles.clear()
+    for seconds, width in [(0.1, 8)] * 5 + [(0.1 * cap * 1.1, 4), (0.1 * cap * 0.9, 2)]:
+        joins.cycle(seconds, (2, width))
+    long = pair.tokenizer.encode(" ".join(TEXTS) * 3)
+    [(uid, first)] = streams.add_many([Joining(long, 8)])
+    assert first is None
+    while len(streams):
+        for u, e in streams.step():
+            out.setdefault(u, []).extend(e.tokens)
+    # The width is chosen a cycle ahead: from the second cycle of the join on, at most 2.
+    during = [w for w, filling in widths[2:] if filling]
+    assert len(during) > 3 and max(during[1:]) == 2 and widths[-1][0] == 8
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    assert [out[u] for u in (0, 1)] == [plain_greedy(base, p, 40, eos=eos) for p in prompts]
+    assert out[uid] == plain_greedy(base, long, 8, eos=eos)

@@ -94,6 +94,10 @@ class Streams:
             # Widths are chosen a cycle ahead, so that a plain step launches the next one only where
             # it will run; where the batch has changed, this cycle runs what is chosen now.
             then = self.policy.choose(B, expected_gains(self.decoder.seqs, self.policy.widths))
+            if self.decoder.filling:  # a prompt joins: cycles cheap enough to leave its chunks their share
+                fits = self.decoder.joins.fits
+                then = max((w for w in self.policy.widths if w <= then and fits((B, w))),
+                           default=min(self.policy.widths, default=then))
             width = self._then[1] if self._then is not None and self._then[0] == B else then
             self._then = (B, then)
             tic = time.perf_counter()

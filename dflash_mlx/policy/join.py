@@ -15,19 +15,30 @@ prefill time in chunks (each chunk shares a step with one cycle; a chunk in a pa
 also pays the pass's fixed cost, the weights' read, which a chunk that rides does not).
 """
 
-from typing import Dict, Hashable, Optional
+import statistics
+from collections import deque
+from typing import Deque, Dict, Hashable, Optional
 
 # A chunk's seconds in cycles: 2 keeps the decoding sequences' longest gap near 3 cycles and
 # the joiner's prefill within about 1.5 times its time alone.
 JOIN_CYCLES = 2.0
+# While a prompt joins, the batch's cycles take at most 1 - 1 / JOIN_TTFT of each step: where rows
+# cost by their number (a CPU) the joiner's first token then comes within about JOIN_TTFT times its
+# prefill rows' own time, which is about its prefill alone.
+JOIN_TTFT = 1.4
 # Tokens of a join's chunk before a prefill row or a cycle has been timed (every prefill the batch
 # runs is timed, so this is the first join of a fresh decoder's): small, since a large one stalls.
 FIRST_CHUNK = 32
 MIN_CHUNK = 16  # below this a chunk's fixed cost (a pass through every layer) is most of its time
 MAX_CHUNK = 2048  # mlx-lm's prefill_step_size: a chunk holds no more memory than a prefill alone
-# Each new measurement's weight: a row costs more as the context grows, and cycles change with
-# the batch; half-lives of a measurement or two follow both.
+# Each new prefill row measurement's weight: a row costs more as the context grows; a half-life
+# of a measurement or two follows it.
 NEWEST = 0.5
+# Cycles whose median is a typical cycle (the streams' median gap), and per cycle shape: medians of
+# the last few, so that one slow cycle (a policy's retry, a drafter catching up) moves neither, and
+# the typical cycle is the one the batch's policy settled on, not the ones it tried on its way.
+TYPICAL = 8
+SHAPE_CYCLES = 8
 # The least share of a cycle that carried a chunk counted as the chunk's: a cycle's own seconds
 # vary, and rows that seem free would make the next chunk as large as MAX_CHUNK at once.
 RIDE_FLOOR = 0.1
@@ -47,18 +58,24 @@ class JoinChunks:
 
     def __init__(self):
         self.row_seconds: Optional[float] = None
-        self.cycle_seconds: Optional[float] = None  # every cycle that carried no chunk: the typical gap
-        self.shapes: Dict[Hashable, float] = {}  # per shape, its cycles that carried no chunk
+        self.cycles: Deque[float] = deque(maxlen=TYPICAL)  # the last cycles that carried no chunk
+        self.shapes: Dict[Hashable, Deque[float]] = {}  # the same per shape, the last SHAPE_CYCLES
         self.shape: Optional[Hashable] = None  # the last cycle's
 
+    @property
+    def cycle_seconds(self) -> Optional[float]:
+        """A typical cycle's seconds: the median of the last ones (the streams' median gap)."""
+        return statistics.median(self.cycles) if self.cycles else None
+
     def _own(self, shape: Optional[Hashable]) -> Optional[float]:
-        return self.shapes.get(shape, self.cycle_seconds)
+        own = self.shapes.get(shape)
+        return statistics.median(own) if own else self.cycle_seconds
 
     def cycle(self, seconds: float, shape: Optional[Hashable] = None) -> None:
         """A batch cycle (of `shape`) took `seconds`."""
-        self.cycle_seconds = _mean(self.cycle_seconds, seconds)
+        self.cycles.append(seconds)
         if shape is not None:
-            self.shapes[shape] = _mean(self.shapes.get(shape), seconds)
+            self.shapes.setdefault(shape, deque(maxlen=SHAPE_CYCLES)).append(seconds)
         self.shape = shape
 
     def chunk(self, tokens: int, seconds: float) -> None:
@@ -73,6 +90,15 @@ class JoinChunks:
         own = self._own(shape)
         if tokens > 0 and own is not None:
             self.row_seconds = _mean(self.row_seconds, max(seconds - own, RIDE_FLOOR * seconds) / tokens)
+
+    def fits(self, shape: Hashable) -> bool:
+        """Whether a cycle of `shape` may run while a prompt joins: its seconds (unknown ones do)
+        within 1 - 1 / JOIN_TTFT of a step of 1 + JOIN_CYCLES typical cycles, so that the chunk
+        sized beside it takes the rest."""
+        own, typical = self.shapes.get(shape), self.cycle_seconds
+        if not own or typical is None:
+            return True
+        return statistics.median(own) <= (1 + JOIN_CYCLES) * typical * (1 - 1 / JOIN_TTFT)
 
     def size(self) -> int:
         """Tokens of the next chunk: the prefill rows that take what a cycle of the last shape
