@@ -8,20 +8,23 @@ each layer's weights with the cycle's rows, so the pass reads them once); elsewh
 pass of its own before the cycle. A fixed number of tokens per chunk takes a different time on
 every target and context; here a chunk is sized from what a prefill row was measured to cost
 (the chunks before it: the seconds of a chunk run alone, or what a cycle that carried one took
-beyond the batch's cycles alone) so that it takes `JOIN_CYCLES` of the batch's cycles. The
-sequences decoding then wait about 1 + JOIN_CYCLES cycles between two tokens while a prompt
-joins, and the joiner gets its first token after about 1 + 1 / JOIN_CYCLES times its own
-prefill time in chunks (each chunk shares a step with one cycle; a chunk in a pass of its own
-also pays the pass's fixed cost, the weights' read, which a chunk that rides does not).
+beyond cycles of its shape alone) so that it and the batch's cycle take 1 + JOIN_CYCLES
+typical cycles. The sequences decoding then wait about that between two tokens while a prompt
+joins. Each chunk shares a step with one cycle, so the joiner's first token comes after its
+prefill rows' own time and one cycle per chunk (a chunk in a pass of its own also pays the
+pass's fixed cost, the weights' read, which a chunk that rides does not); the batch's cycles
+while it joins are kept cheap enough (`fits`) that this stays within about JOIN_TTFT times
+the rows' time.
 """
 
 import statistics
 from collections import deque
 from typing import Deque, Dict, Hashable, Optional
 
-# A chunk's seconds in cycles: 2 keeps the decoding sequences' longest gap near 3 cycles and
-# the joiner's prefill within about 1.5 times its time alone.
-JOIN_CYCLES = 2.0
+# A chunk's seconds in typical cycles: 1.5 keeps a step of the decoding sequences while a prompt
+# joins near 2.5 typical cycles (their median gap), within 3 with room for a step's own jitter
+# (about 20% on a 2-core machine that also runs the server and its clients).
+JOIN_CYCLES = 1.5
 # While a prompt joins, the batch's cycles take at most 1 - 1 / JOIN_TTFT of each step: where rows
 # cost by their number (a CPU) the joiner's first token then comes within about JOIN_TTFT times its
 # prefill rows' own time, which is about its prefill alone.
