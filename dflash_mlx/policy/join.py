@@ -95,13 +95,14 @@ class JoinChunks:
             self.row_seconds = _mean(self.row_seconds, max(seconds - own, RIDE_FLOOR * seconds) / tokens)
 
     def fits(self, shape: Hashable) -> bool:
-        """Whether a cycle of `shape` may run while a prompt joins: its seconds (unknown ones do)
-        within 1 - 1 / JOIN_TTFT of a step of 1 + JOIN_CYCLES typical cycles, so that the chunk
-        sized beside it takes the rest."""
+        """Whether a cycle of `shape` may run while a prompt joins: its seconds within
+        1 - 1 / JOIN_TTFT of a step of 1 + JOIN_CYCLES typical cycles, so that the chunk sized
+        beside it takes the rest. A shape not timed without a chunk does not (a cycle that
+        carries one never times it); before any cycle is timed, every shape does."""
         own, typical = self.shapes.get(shape), self.cycle_seconds
-        if not own or typical is None:
+        if typical is None:
             return True
-        return statistics.median(own) <= (1 + JOIN_CYCLES) * typical * (1 - 1 / JOIN_TTFT)
+        return bool(own) and statistics.median(own) <= (1 + JOIN_CYCLES) * typical * (1 - 1 / JOIN_TTFT)
 
     def size(self) -> int:
         """Tokens of the next chunk: the prefill rows that take what a cycle of the last shape
