@@ -150,10 +150,10 @@ def test_a_prompt_that_leaves_while_its_chunk_waits_to_ride_costs_nothing(pairs,
     assert out == plain_greedy(base, prompt, 20, eos=tuple(pair.tokenizer.eos_token_ids))
 
 
-def test_beside_a_tree_each_chunk_runs_in_a_pass_of_its_own(pairs, baselines, monkeypatch):
-    """A tree's pass carries no chunk: beside a sequence alone whose policy plans trees, each chunk
-    of a prompt joining runs in a pass of its own in the same step, so it goes on every step, and
-    every output is plain greedy decoding."""
+def test_a_chunk_rides_in_a_tree_s_pass(pairs, baselines, monkeypatch):
+    """Beside a sequence alone whose policy plans trees, each chunk of a prompt joining rides in
+    the tree's pass (the tree's mask and RoPE runs for its nodes, the chunk's own for its rows):
+    one target pass a step, and every output is plain greedy decoding."""
     from conftest import ScriptedWidths, plain_greedy
 
     from dflash_mlx.decode.decoder import Decoder
@@ -167,7 +167,7 @@ def test_beside_a_tree_each_chunk_runs_in_a_pass_of_its_own(pairs, baselines, mo
     eos = tuple(pair.tokenizer.eos_token_ids)
     prompt, long = pair.tokenizer.encode(TEXTS[0]), pair.tokenizer.encode(" ".join(TEXTS) * 3)
     dec = Decoder(pair, 4, block_size=4)
-    first = dec.add(prompt, 40, asks=Asks(block_size=ScriptedWidths([Plan(4, 0, 2)]), tree=2))
+    first = dec.add(prompt, 60, asks=Asks(block_size=ScriptedWidths([Plan(4, 0, 2)]), tree=2))
     out = {first.uid: list(first.tokens)}
     counted = Counted(pair.target)
     dec.target = counted
@@ -177,15 +177,34 @@ def test_beside_a_tree_each_chunk_runs_in_a_pass_of_its_own(pairs, baselines, mo
         before = counted.passes
         firsts = dec.fill()
         committed = dec.step()
-        assert not dec.rode and counted.passes - before == bool(committed) + 1  # a chunk, or the last token's pass
-        trees += sum(c.plan.branches > 0 for c in committed)
+        if committed and not firsts:
+            assert dec.rode and counted.passes - before == 1
+        trees += sum(c.plan.branches > 0 and dec.rode > 0 for c in committed)
         for c in firsts + committed:
             out.setdefault(c.uid, []).extend(c.tokens)
     assert trees > 2
     while len(dec):
         for c in dec.fill() + dec.step():
             out[c.uid] += c.tokens
-    assert out == {first.uid: plain_greedy(base, prompt, 40, eos=eos), joining.uid: plain_greedy(base, long, 12, eos=eos)}
+    assert out == {first.uid: plain_greedy(base, prompt, 60, eos=eos), joining.uid: plain_greedy(base, long, 12, eos=eos)}
+
+
+def test_a_tree_pass_carrying_a_chunk_equals_both_apart(pairs):
+    """A tree pass (a branch off its second node) that carries a chunk returns the tree's logits and
+    taps, and the chunk's taps and caches, as the two passes apart do."""
+    target = pairs["llama"].target
+    tree = (mx.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]],
+                     dtype=mx.bool_), [(0, 4, 0), (4, 5, 2)])
+    nodes, chunk = mx.array([[5, 9, 14, 3, 40]]), mx.array([JOINER[3:12]])
+    cache, alone = own(target, PROMPTS[0]), own(target, PROMPTS[0])
+    rider_cache, solo_cache = own(target, JOINER[:3]), own(target, JOINER[:3])
+    rider = Rider(chunk, rider_cache)
+    logits, taps = target(nodes, cache, tree=tree, rider=rider)
+    want_logits, want_taps = target(nodes, alone, tree=tree)
+    _, want_rider = target(chunk, solo_cache, last_only=True)
+    assert close(logits, want_logits) and close(taps, want_taps) and close(rider.hidden, want_rider)
+    nxt = mx.array([[50]])
+    assert close(target(nxt, rider_cache)[0], target(nxt, solo_cache)[0])
 
 
 def test_while_a_prompt_joins_the_batch_runs_cycles_that_leave_its_chunks_their_share(pairs, baselines,

@@ -195,7 +195,7 @@ class TreeCycle:
     def __init__(self, rows: Rows, tree: trees.Tree):
         assert len(rows.seqs) == 1 and not rows.batched, "a tree is verified for one sequence"
         self.rows = rows
-        self.verified = verify_tree(rows.target, rows.cache, tree, rows.seqs[0].top)
+        self.verified = verify_tree(rows.target, rows.cache, tree, rows.seqs[0].top, rows.rider)
         mx.async_eval(self.verified)
         self.path: List[int] = []
 

@@ -267,8 +267,9 @@ class Decoder:
         return out
 
     def _unridden(self) -> None:
-        """A chunk that was to ride in this step but found no pass to carry it (the step ran
-        none, or a tree's) runs in a pass of its own, so that its prompt goes on every step."""
+        """A chunk that was to ride in this step but found no pass to carry it (the step handed
+        back what a cycle launched ahead had committed, `early`) runs in a pass of its own, so that
+        its prompt goes on every step."""
         f, self._rider = self._rider, None
         if f is None or f not in self.filling:
             return
@@ -311,18 +312,18 @@ class Decoder:
             return self._linear(plan.width, [planned.copies], alternatives=seq.run.learns_branches)
         hidden = joined(caught_up(seq.source, seq.dstate, seq.take_taps())) if seq.taps else None
         tree = draft_tree(seq.source, seq.dstate, seq.last, hidden, plan.width, plan.branches)
-        return Launched(TreeCycle(self._rows(rider=False), tree), [plan])
+        return Launched(TreeCycle(self._rows(), tree), [plan])
 
     def _linear(self, width: int, copies: List[List[int]], alternatives: bool = False) -> "Launched":
         """A drafted cycle of `width` for every sequence, `copies` of their lookups first, launched."""
         p = self.drafting.propose(self.seqs, width, copies, alternatives)
         return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in copies], p)
 
-    def _rows(self, rider: bool = True) -> Rows:
+    def _rows(self) -> Rows:
         """The batch's sequences and caches, as its cycles decode them; the chunk of a prompt
-        joining rides in the cycle's pass (`fill`) unless `rider` is False."""
+        joining rides in the cycle's pass (`fill`)."""
         f, chunk = self._rider, None
-        if rider and f is not None and f in self.filling:
+        if f is not None and f in self.filling:
             chunk, f.rode, self._rider, self.rode = f.chunk, True, None, f.chunk.tokens.shape[1]
         return Rows(self.target, self.caches.layers, self.seqs, taps=any(s.tapped for s in self.seqs),
                     batched=self.caches.batched, rider=chunk)

@@ -312,9 +312,10 @@ def draft_tree(source, dstate, last, hidden, width: int, branches: int) -> trees
     return trees.build(last, source.propose(dstate, last, hidden, width), branches)
 
 
-def verify_tree(target, tcache, tree: trees.Tree, top: Optional[int] = None) -> TreeVerified:
-    """One target pass over every node of `tree`: each node's greedy pick, and the taps."""
-    logits, taps = target(tree.tokens[None], tcache, tree=(tree.mask, tree.runs()))
+def verify_tree(target, tcache, tree: trees.Tree, top: Optional[int] = None, rider: Optional[Rider] = None
+                ) -> TreeVerified:
+    """One target pass over every node of `tree` (carrying `rider`): each node's greedy pick, and the taps."""
+    logits, taps = target(tree.tokens[None], tcache, tree=(tree.mask, tree.runs()), rider=rider)
     picks = mx.argmax(greedy_log_probs(logits[0]), axis=-1)
     return TreeVerified(tree, picks, taps, None if top is None else token_logprobs(logits[0], picks, top))
 

@@ -155,6 +155,7 @@ class _Taps:
         self.rows = None  # [B]: the one row per sequence whose logits a pass wants (a ragged batch's last)
         self.groups = None  # during a pass with a rider: ((B, L) of the main rows, (1, L) of the rider's)
         self.head_rows = None  # during a pass with a rider: the flat rows that reach the LM head
+        self.group_tree = None  # during a tree pass with a rider: the tree's (mask, runs), its own rows'
 
 
 class _Wrapper(nn.Module):
@@ -249,15 +250,28 @@ class RidingAttention(_Wrapper):
         self._taps = taps
 
     def __call__(self, x, mask=None, cache=None, **kwargs):
-        groups = self._taps.groups
-        if groups is None:
+        taps = self._taps
+        if taps.groups is None:
             return self.inner(x, mask, cache, **kwargs)
         outs, start = [], 0
-        for (B, L), m, c in zip(groups, mask, cache.caches):
+        for i, ((B, L), m, c) in enumerate(zip(taps.groups, mask, cache.caches)):
             part = x[:, start : start + B * L].reshape(B, L, -1)
-            outs.append(self.inner(part, m, c, **kwargs).reshape(1, B * L, -1))
+            if i == 0 and taps.group_tree is not None:  # the pass's own rows are a tree's nodes
+                m, taps.tree_runs = taps.group_tree
+            try:
+                outs.append(self.inner(part, m, c, **kwargs).reshape(1, B * L, -1))
+            finally:
+                taps.tree_runs = None
             start += B * L
         return mx.concatenate(outs, axis=1)
+
+
+def _tree_mask(tree: tuple, cache) -> mx.array:
+    """A tree pass's attention mask [N, offset + N]: every node sees the cached prefix, and the
+    nodes its row of the tree's mask says."""
+    mask = tree[0]
+    N, offset = mask.shape[0], cache[0].offset
+    return mx.concatenate([mx.ones((N, offset), dtype=mx.bool_), mask], axis=1)
 
 
 def _rope_owners(layer: nn.Module) -> List[nn.Module]:
@@ -594,22 +608,19 @@ class TargetAdapter:
         depth) of tokens is at positions offset + depth onwards. `rows` [B]: only row
         rows[b] of sequence b reaches the LM head (logits [B, 1, V]).
 
-        A `rider` (`can_carry` its caches; not with `tree`) goes through the same pass: its rows
+        A `rider` (`can_carry` its caches) goes through the same pass: its rows
         share every projection and MLP with the pass's own (one read of the weights for both),
         attend over its own caches, and never reach the head; its taps are left in
         `rider.hidden`. What the pass returns is what it returns without the rider."""
+        if tree is not None and not self.supports_tree:
+            raise DFlashError(f"Target family '{self.model_type}' cannot verify a tree.")
         if rider is not None:
-            return self._carrying(tokens, cache, rider, last_only, record, taps, rows)
+            return self._carrying(tokens, cache, rider, last_only, record, taps, rows, tree)
         wanted, taps = taps, self._taps
         taps.values.clear()
         taps.recording, taps.last_only, taps.head_calls, taps.rows = record, last_only, 0, rows
         if tree is not None:
-            if not self.supports_tree:
-                raise DFlashError(f"Target family '{self.model_type}' cannot verify a tree.")
-            mask, runs = tree
-            N, offset = mask.shape[0], cache[0].offset
-            taps.tree_mask = mx.concatenate([mx.ones((N, offset), dtype=mx.bool_), mask], axis=1)
-            taps.tree_runs = runs
+            taps.tree_mask, taps.tree_runs = _tree_mask(tree, cache), tree[1]
         if record and tokens.shape[1] > self.slack:
             # A recorded pass wider than the windows' slack: keep enough to crop it.
             self.slack = tokens.shape[1]
@@ -629,8 +640,9 @@ class TargetAdapter:
             return logits, tuple(feats)
         return logits, mx.concatenate(feats, axis=-1) if wanted else None
 
-    def _carrying(self, tokens, cache, rider: Rider, last_only: bool, record: bool, wanted, rows):
-        """`__call__` with a rider: the rows of both flattened into one [1, B * L + L'] pass."""
+    def _carrying(self, tokens, cache, rider: Rider, last_only: bool, record: bool, wanted, rows, tree):
+        """`__call__` with a rider: the rows of both flattened into one [1, B * L + L'] pass (a tree's
+        mask and RoPE runs, with `tree`, for the pass's own rows only)."""
         B, L = tokens.shape
         taps = self._taps
         groups = ((B, L), tuple(rider.tokens.shape))
@@ -641,12 +653,13 @@ class TargetAdapter:
         taps.values.clear()
         taps.recording, taps.head_calls = record, 0
         taps.groups, taps.head_rows = groups, heads
+        taps.group_tree = None if tree is None else (_tree_mask(tree, cache), tree[1])
         try:
             flat = mx.concatenate([tokens.reshape(1, -1), rider.tokens.astype(tokens.dtype)], axis=1)
             logits = self.model(flat, cache=[_Grouped(pair, groups) for pair in zip(cache, rider.cache)])
         finally:
             taps.recording = False
-            taps.groups = taps.head_rows = None
+            taps.groups = taps.head_rows = taps.group_tree = None
         feats = [self._tap(i, flat) for i in self.tap_ids]
         taps.values.clear()
         logits = logits.reshape(B, -1, logits.shape[-1])
