@@ -121,6 +121,20 @@ def zoo(root, tokenizer_dir, vocab, targets, drafters):
     return Zoo(root, tokenizer_dir, vocab, targets, drafters)
 
 
+class Counted:
+    """A target that counts its passes."""
+
+    def __init__(self, target):
+        self._target, self.passes = target, 0
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def __call__(self, *args, **kwargs):
+        self.passes += 1
+        return self._target(*args, **kwargs)
+
+
 def plain_greedy(model, prompt, max_tokens, eos=(0,)):
     """Greedy tokens from mlx-lm's own generate_step, stopping after EOS."""
     from mlx_lm.generate import generate_step

@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import pytest
+from conftest import Counted
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.target.ragged import RaggedKVCache
@@ -619,20 +620,6 @@ def test_plain_steps_run_one_ahead_and_drop_it_when_the_batch_changes(pairs, bas
     assert out == want
 
 
-class _Counted:
-    """A target that counts its passes."""
-
-    def __init__(self, target):
-        self._target, self.passes = target, 0
-
-    def __getattr__(self, name):
-        return getattr(self._target, name)
-
-    def __call__(self, *args, **kwargs):
-        self.passes += 1
-        return self._target(*args, **kwargs)
-
-
 def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs, baselines):
     """Told the next cycle's width (`then`), a plain step launches the next plain step ahead only
     where it will run: a batch whose plain steps and drafted cycles alternate runs one target
@@ -647,7 +634,7 @@ def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs
     prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
     eos = tuple(pair.tokenizer.eos_token_ids)
     dec = Decoder(pair, 4)
-    dec.target = counted = _Counted(dec.target)
+    dec.target = counted = Counted(dec.target)
     firsts = dec.add_many(prompts, [40] * 3)
     out = {f.uid: list(f.tokens) for f in firsts}
     widths = [1, 1, 4, 1, 4, 4, 1, 1, 1, 2, 1, 4]
@@ -836,7 +823,7 @@ def test_a_sequence_alone_launches_its_next_drafted_cycle_before_its_tokens_are_
     pair, base = pairs[family], baselines[family]
     eos = tuple(pair.tokenizer.eos_token_ids)
     prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
-    counted = _Counted(pair.target)
+    counted = Counted(pair.target)
     dec = Decoder(pair, 4, block_size=4)
     dec.target = counted
     first = dec.add(prompts[0], 30)
@@ -879,7 +866,7 @@ def test_a_sequence_alone_launches_its_next_drafted_cycle_before_its_tokens_are_
     assert tokens == plain_greedy(base, later, 10, eos=eos)
 
 
-class _Unbatchable(_Counted):
+class _Unbatchable(Counted):
     """A target whose caches batched decoding cannot hold together."""
 
     batchable = False

@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import pytest
+from conftest import Counted
 
 from dflash_mlx.target.adapter import Rider
 from dflash_mlx.target.ragged import RaggedKVCache
@@ -60,20 +61,6 @@ def test_targets_whose_caches_are_not_plain_kv_carry_no_riders(pairs):
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
          "for i in range(10):\n    print(i * i)\n"]
-
-
-class Counted:
-    """A target that counts its passes."""
-
-    def __init__(self, target):
-        self._target, self.passes = target, 0
-
-    def __getattr__(self, name):
-        return getattr(self._target, name)
-
-    def __call__(self, *args, **kwargs):
-        self.passes += 1
-        return self._target(*args, **kwargs)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
