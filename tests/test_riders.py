@@ -98,7 +98,7 @@ def test_a_joining_prompt_rides_in_the_cycles_of_those_decoding(pairs, baselines
         committed = dec.step(width)
         # Each chunk rode but one, where the step ran no cycle (it handed back the early one's
         # tokens): it ran in a pass of its own. The last rode in the step before the first token.
-        assert bool(dec.rode) != early or firsts
+        assert bool(dec.filling.rode) != early or firsts
         ahead = dec._ahead is not None  # once no prompt joins, the next step is launched ahead again
         assert counted.passes - before == 1 + len(firsts) + ahead and (firsts or not ahead)
         assert {c.uid for c in committed} >= {u for u in out if len(out[u]) < 40}
@@ -130,7 +130,7 @@ def test_a_prompt_that_leaves_while_its_chunk_waits_to_ride_costs_nothing(pairs,
     dec.remove(joining.uid)
     for c in dec.step():
         out += c.tokens
-    assert not dec.rode and len(dec) == 1
+    assert not dec.filling.rode and len(dec) == 1
     while len(dec):
         for c in dec.fill() + dec.step():
             out += c.tokens
@@ -165,8 +165,8 @@ def test_a_chunk_rides_in_a_tree_s_pass(pairs, baselines, monkeypatch):
         firsts = dec.fill()
         committed = dec.step()
         if committed and not firsts:
-            assert dec.rode and counted.passes - before == 1
-        trees += sum(c.plan.branches > 0 and dec.rode > 0 for c in committed)
+            assert dec.filling.rode and counted.passes - before == 1
+        trees += sum(c.plan.branches > 0 and dec.filling.rode > 0 for c in committed)
         for c in firsts + committed:
             out.setdefault(c.uid, []).extend(c.tokens)
     assert trees > 2

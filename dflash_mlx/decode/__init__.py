@@ -1,7 +1,8 @@
 """The decoder of one sequence or many (`decoder.py`), its requests' streams (`streams.py`)
 and `stream_generate` (`generate.py`, a request alone); their parts: each sequence's state
 (`sequence.py`, `running.py`), the cycles (`cycle.py`) and their drafts (`drafting.py`),
-the model passes (`passes.py`), the target's caches (`caches.py`), a request's checks and
+the model passes (`passes.py`), the target's caches (`caches.py`), the prompts prefilled
+while others decode (`filling.py`), a request's checks and
 text stream (`request.py`) and the cost curve's harness over the same cycles (`timing.py`)."""
 
 from .events import GenerationEvent, GenerationStats

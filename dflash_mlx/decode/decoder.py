@@ -31,12 +31,12 @@ from ..errors import DFlashError
 from ..policy.batch import WIDTHS
 from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
-from ..target.adapter import Rider
 from ..target.ragged import add_to, batch_of
 from .caches import Caches
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
-from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps, run_chunk
+from .filling import Filling, Fillings
+from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps
 from .running import Asks, Committed, Proposal, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
@@ -56,25 +56,6 @@ def batch_width(pair, block_size) -> Optional[int]:
         return None
     width = block_size if isinstance(block_size, int) else max(WIDTHS)
     return max(1, min(width, pair.draft_source.block_size))
-
-
-@dataclass
-class Filling:
-    """A sequence whose prompt is prefilled a chunk at a time while the batch decodes: each chunk
-    rides in the batch's next pass where the target can carry it, else runs in a pass of its own
-    before the batch's cycle."""
-
-    seq: Running
-    prompt: List[int]
-    tcache: list
-    steps: Generator  # `passes.prefill_steps`: yields each chunk to run
-    reused: int  # prompt tokens the prompt cache held
-    chunk: Optional[Rider] = None  # the chunk to run next, or the one that rode in the last cycle
-    rode: bool = False
-
-    @property
-    def uid(self) -> int:
-        return self.seq.uid
 
 
 @dataclass
@@ -114,14 +95,12 @@ class Decoder:
         self.caches = Caches()
         self.drafting = Drafting(self.source.pooled() if self.width > 1 else None)
         self.seqs: List[Running] = []
-        self.filling: List[Filling] = []
+        self.filling = Fillings()  # prompts prefilled a chunk per step while others decode
         # The next cycle, launched before the host read the last one's tokens.
         self._ahead: Optional[Launched] = None
         self.early: List[Committed] = []  # what the cycle ahead committed, settled as the batch changed
         self._uids = count()
         self.joins = JoinChunks()  # how much of a joining prompt to prefill with each cycle
-        self._rider: Optional[Filling] = None  # whose chunk rides in this step's cycle
-        self.rode = 0  # prompt tokens that rode in the last step's cycle
         self._shape = None  # (sequences, width) of the last cycle run: its cost sizes join chunks
 
     def __len__(self) -> int:
@@ -147,7 +126,7 @@ class Decoder:
                         self.prompt_cache is not None, 0 if later else PREFILL_HOLD_BYTES)
         f = Filling(seq, list(prompt), tcache, steps, reused)
         if later:
-            self.filling.append(f)
+            self.filling.add(f)
             return Committed(f.uid, [], filling=True)
         tic = time.perf_counter()
         out = self._filled(f, *drained(self.target, steps))
@@ -155,27 +134,12 @@ class Decoder:
         return out
 
     def fill(self) -> List[Committed]:
-        """One prefill chunk of each sequence still prefilling: the first whose caches the target
-        can carry (`TargetAdapter.can_carry`) rides in the next `step`'s pass, the others run now;
-        those done join the batch (their first tokens, `first` set)."""
-        out, self._rider = [], None
-        for f in list(self.filling):
-            try:
-                if f.chunk is None or f.rode:  # the chunk that rode is in: the next
-                    f.chunk, f.rode = next(f.steps), False
-                if self._rider is None and self.seqs and self.target.can_carry(f.tcache):
-                    self._rider = f
-                    continue
-                tic, tokens = time.perf_counter(), f.chunk.tokens.shape[1]
-                run_chunk(self.target, f.chunk)
-                try:
-                    f.chunk = next(f.steps)  # evaluates this chunk's caches
-                finally:
-                    self.joins.chunk(tokens, time.perf_counter() - tic)
-            except StopIteration as done:
-                self.filling.remove(f)
-                out.append(self._filled(f, *done.value))
-                out[-1].first = True
+        """One prefill chunk of each sequence still prefilling (`Fillings.step`: riding in the next
+        `step`'s cycle where it can); those done join the batch (their first tokens, `first` set)."""
+        out = []
+        for f, done in self.filling.step(self.target, bool(self.seqs), self.joins):
+            out.append(self._filled(f, *done))
+            out[-1].first = True
         return out
 
     def _filled(self, f: Filling, logits: mx.array, taps: list) -> Committed:
@@ -253,31 +217,18 @@ class Decoder:
         sequence alone has its next cycle launched before this one's tokens are handed back. Its
         seconds size join chunks. Where a cycle launched ahead was settled when the batch changed
         (`early`), this step hands back what it committed instead, and runs nothing."""
-        self.rode = 0
+        self.filling.rode = 0
         if self.early:
             out, self.early = self.early, []
         else:
             tic = time.perf_counter()
             out = self._cycle(width, then)
-            if out and self.rode:
-                self.joins.rode(self.rode, time.perf_counter() - tic, self._shape)
+            if out and self.filling.rode:
+                self.joins.rode(self.filling.rode, time.perf_counter() - tic, self._shape)
             elif out:
                 self.joins.cycle(time.perf_counter() - tic, self._shape)
-        self._unridden()
+        self.filling.unridden(self.target, self.joins)
         return out
-
-    def _unridden(self) -> None:
-        """A chunk that was to ride in this step but found no pass to carry it (the step handed
-        back what a cycle launched ahead had committed, `early`) runs in a pass of its own, so that
-        its prompt goes on every step."""
-        f, self._rider = self._rider, None
-        if f is None or f not in self.filling:
-            return
-        tic = time.perf_counter()
-        run_chunk(self.target, f.chunk)
-        mx.eval([c.state for c in f.chunk.cache])
-        f.rode = True
-        self.joins.chunk(f.chunk.tokens.shape[1], time.perf_counter() - tic)
 
     def _cycle(self, width: Optional[int], then: Optional[int]) -> List[Committed]:
         if not self.seqs:
@@ -322,11 +273,8 @@ class Decoder:
     def _rows(self) -> Rows:
         """The batch's sequences and caches, as its cycles decode them; the chunk of a prompt
         joining rides in the cycle's pass (`fill`)."""
-        f, chunk = self._rider, None
-        if f is not None and f in self.filling:
-            chunk, f.rode, self._rider, self.rode = f.chunk, True, None, f.chunk.tokens.shape[1]
         return Rows(self.target, self.caches.layers, self.seqs, taps=any(s.tapped for s in self.seqs),
-                    batched=self.caches.batched, rider=chunk)
+                    batched=self.caches.batched, rider=self.filling.take())
 
     def _plain_step(self, ahead) -> List[Committed]:
         """A plain batched step, as mlx-lm's, the next one launched ahead with `ahead` (`_run`)."""
@@ -420,7 +368,7 @@ class Decoder:
         cache, what it computed is kept there as a finished one's is (`keep`). The proposal scales
         it learnt, as its last `Committed` would have said them."""
         seq = next((s for s in self.seqs if s.uid == uid), None)
-        self.filling = [f for f in self.filling if f.uid != uid]
+        self.filling.remove(uid)
         self.early = [c for c in self.early if c.uid != uid]
         self._drop_ahead()  # its caches then hold every committed token but the last
         self._leave([b for b, s in enumerate(self.seqs) if s.uid != uid])

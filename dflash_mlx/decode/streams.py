@@ -102,7 +102,7 @@ class Streams:
             self._then = (B, then)
             tic = time.perf_counter()
             committed = self.decoder.step(width, then)
-            if not self.decoder.rode:  # a cycle that carried a joining prompt's chunk says nothing of its width
+            if not self.decoder.filling.rode:  # a cycle that carried a joining prompt's chunk says nothing of its width
                 self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed))
         for c in committed:
             stats = self.streams[c.uid].stats
