@@ -8,13 +8,12 @@ tapped, the LM head is reached through the adapter (so a prefill pays it for
 the last row only), and Gated DeltaNet mixers record an update tape during
 verification so their recurrent state can be rolled back to any accepted
 length. Which cache types can be rolled back, and so which families are
-supported, is decided per cache in `caches`. Where every cache is a plain
-KV cache, each layer's attention is wrapped too, so that another sequence's
-prefill chunk can ride in a pass (`Rider`): its rows share the pass's
-projections and MLPs and attend over their own caches. Where every cache is a
-KV cache, every layer and its RoPE are wrapped too, so that a tree pass
-(`draft/tree.py`) can give the layers its mask and rotate each run of nodes at its
-own positions; `keep_rows` then keeps the accepted branch's K/V rows. Two
+supported, is decided per cache in `caches`. Where every cache is a KV
+cache, every layer, its attention and its RoPE are wrapped too: a tree pass
+(`draft/tree.py`) gives the layers its mask and rotates each run of nodes at
+its own positions (`keep_rows` then keeps the accepted branch's K/V rows), and
+another sequence's prefill chunk can ride in a pass (`Rider`): its rows share
+the pass's projections and MLPs and attend over their own caches. Two
 adapters in one process share nothing.
 
 Under mlx-lm's pipeline parallelism (`model.model.pipeline(group)`) a rank
