@@ -18,6 +18,13 @@ waited for a core.
 demo's outputs from a ~100 M parameter target, so a target pass costs many
 drafter passes, as with a real pair).
 
+`--batch N` decodes the prompts N at a time, together (`Streams` at the fixed
+width: every drafted cycle verifies all N trees in one pass), tok/s then being
+the group's tokens over its seconds from the first token:
+
+    python benchmarks/tree.py --pair widened --batch 2 --widths 4 8 --trees 0 2 \
+        --out benchmarks/results/tree-batch2-widened-linux-cpu-openblas.json
+
 `--costs` instead reports what this machine's cost curve (the one `auto`
 uses, measured now if not cached) says a tree cycle costs: the timed trees
 and those between them, against the linear model (a drafted cycle at the
@@ -53,7 +60,7 @@ def load_pair(name: str):
     return dflash_mlx.load(str(folder / "target"), str(folder / "drafter"))
 
 
-def run(pair, prompt, max_tokens, width, tree):
+def run_one(pair, prompt, max_tokens, width, tree):
     """(tokens, stats, process CPU seconds of the whole request)."""
     tokens, stats = [], None
     cpu = time.process_time()
@@ -61,6 +68,34 @@ def run(pair, prompt, max_tokens, width, tree):
         tokens += event.tokens
         stats = event.stats
     return tokens, stats, time.process_time() - cpu
+
+
+def run_batch(pair, prompts, max_tokens, width, tree):
+    """`run` for prompts decoded together: (their tokens, one after another; the pooled stats;
+    CPU seconds), the stats' tok/s being all tokens over the seconds from the first token."""
+    from dflash_mlx.decode.running import Asks
+    from dflash_mlx.decode.streams import Joining, Streams
+    from dflash_mlx.policy.batch import FixedBatchWidth
+
+    cpu = time.process_time()
+    streams = Streams(pair, width, FixedBatchWidth(width), block_size=width)
+    firsts = streams.add_many([Joining(p, max_tokens, asks=Asks(tree=tree)) for p in prompts])
+    out = {uid: list(ev.tokens) for uid, ev in firsts}
+    tic = time.perf_counter()
+    stats = {}
+    while len(streams):
+        for uid, ev in streams.step():
+            out.setdefault(uid, []).extend(ev.tokens)
+            stats[uid] = ev.stats
+    seconds = time.perf_counter() - tic
+    pooled = stats[firsts[0][0]]
+    for uid, _ in firsts[1:]:
+        for name in ("cycles", "tree_cycles", "branch_cycles"):
+            setattr(pooled, name, getattr(pooled, name) + getattr(stats[uid], name))
+        pooled.acceptance_lengths = pooled.acceptance_lengths + stats[uid].acceptance_lengths
+    tokens = [t for uid, _ in firsts for t in out[uid]]
+    pooled.generation_tps = (len(tokens) - len(firsts)) / seconds
+    return tokens, pooled, time.process_time() - cpu
 
 
 def costs(pair, name, out=None, argv=None):
@@ -111,6 +146,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--costs", action="store_true", help="report the cost curve's tree costs and exit")
+    ap.add_argument("--batch", type=int, default=1, help="decode the prompts this many at a time, together")
     args = ap.parse_args(argv)
     trees = sorted(set(args.trees) | {0})
 
@@ -119,6 +155,11 @@ def main(argv=None):
         return costs(pair, args.pair, args.out, argv)
     texts = load_prompts("code")["code"][: args.prompts]
     prompts = [pair.tokenizer.encode(t) for t in texts]
+    if args.batch > 1:
+        prompts = [prompts[i : i + args.batch] for i in range(0, len(prompts) - args.batch + 1, args.batch)]
+        run = run_batch
+    else:
+        run = run_one
     run(pair, prompts[0], 16, args.widths[0], max(trees))  # warm-up
     settings = [(w, t) for w in args.widths for t in trees]
     rnd = random.Random(args.seed)
@@ -164,7 +205,7 @@ def main(argv=None):
             "cpu_ratio_to_linear_widest": geomean([widest[(x["repeat"], x["prompt"])]["cpu_s"] / x["cpu_s"]
                                                    for x in mine]),
         })
-    print(f"\n{args.pair} pair, {len(prompts)} prompts x {args.repeats} repeats, {args.max_tokens} tokens, "
+    print(f"\n{args.pair} pair, {len(prompts)} prompts (batches of {args.batch}) x {args.repeats} repeats, {args.max_tokens} tokens, "
           f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}")
     W = max(args.widths)
     print("| width | tree | tokens/cycle | cycles through a branch | tok/s | tok/s vs linear, same width | "
@@ -178,7 +219,7 @@ def main(argv=None):
     if args.out:
         result = {
             "what": "greedy tree verification (tree = branches) against linear verification at fixed widths",
-            "pair": args.pair, "dtype": str(pair.target.dtype), "prompts": len(prompts),
+            "pair": args.pair, "dtype": str(pair.target.dtype), "prompts": len(prompts), "batch": args.batch,
             "max_tokens": args.max_tokens, "repeats": args.repeats,
             "machine": machine_info(), "ld_preload": os.environ.get("LD_PRELOAD"),
             "load_average_before_after": [load_before, load_after], "cpu_count": os.cpu_count(),

@@ -657,13 +657,16 @@ def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs
         def choose(self, batch, gains=None):
             return next(self.choices)
 
-        def update(self, batch, width, seconds, tokens):
+        def branches(self, batch, width, most):
+            return 0
+
+        def update(self, batch, width, seconds, tokens, branches=0):
             pass
 
     streams = Streams(pair, 4, Script([1, 4, 1, 1, 4, 1, 1, 1]))
     ran = []
     step = streams.decoder.step
-    streams.decoder.step = lambda width, then: ran.append((width, then)) or step(width, then)
+    streams.decoder.step = lambda width, then, branches=0: ran.append((width, then)) or step(width, then, branches)
     streams.add_many([Joining(p, 40) for p in prompts])
     for _ in range(7):
         streams.step()

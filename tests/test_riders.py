@@ -180,7 +180,7 @@ def test_a_tree_pass_carrying_a_chunk_equals_both_apart(pairs):
     """A tree pass (a branch off its second node) that carries a chunk returns the tree's logits and
     taps, and the chunk's taps and caches, as the two passes apart do."""
     target = pairs["llama"].target
-    tree = (mx.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]],
+    tree = (mx.array([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]],
                      dtype=mx.bool_), [(0, 4, 0), (4, 5, 2)])
     nodes, chunk = mx.array([[5, 9, 14, 3, 40]]), mx.array([JOINER[3:12]])
     cache, alone = own(target, PROMPTS[0]), own(target, PROMPTS[0])
@@ -217,7 +217,8 @@ def test_while_a_prompt_joins_the_batch_runs_cycles_that_leave_its_chunks_their_
     out = {uid: list(e.tokens) for uid, e in streams.add_many([Joining(p, 40) for p in prompts])}
     joins, dec = streams.decoder.joins, streams.decoder
     widths, step = [], dec.step
-    dec.step = lambda width=None, then=None: widths.append((width, bool(dec.filling))) or step(width, then)
+    dec.step = lambda width=None, then=None, branches=0: (widths.append((width, bool(dec.filling)))
+                                                          or step(width, then, branches))
     for uid, e in streams.step() + streams.step():
         out[uid] += e.tokens
     cap = (1 + JOIN_CYCLES) * (1 - 1 / JOIN_TTFT)

@@ -188,36 +188,65 @@ def test_auto_verifies_trees_where_they_pay(pairs, baselines, family, monkeypatc
         assert runs[key].draft_cycles > 0, key
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_each_node_sees_its_path_at_its_position(pairs, family):
+def test_each_node_sees_its_path_at_its_position(pairs, family, batch):
     """The tree's mask and per-run RoPE: each node's logits equal those of its
-    token decoded linearly after its root-to-node path."""
+    token decoded linearly after its root-to-node path; for one sequence on its
+    own caches, and for a batch of three of different lengths on a batch's
+    caches (each tree its own forks, written from its sequence's own end), whose
+    kept rows then decode on as the path's would."""
+    from dflash_mlx.target.ragged import add_to, batch_of
+
     target = pairs[family].target
-    prompt = pairs[family].tokenizer.encode(PROMPTS[2])
+    prompts = [pairs[family].tokenizer.encode(PROMPTS[i]) for i in (2, 0, 1)[:batch]]
     W, V = 8, target.vocab_size
-    logits = mx.random.normal((W - 1, V), key=mx.random.key(3)) * 3
-    tree = trees.build(mx.array(prompt[-1:]), logits, 3)
-    cache = target.make_cache()
-    target(mx.array([prompt[:-1]]), cache)
-    got = target(tree.tokens[None], cache, tree=(tree.mask, tree.runs()))[0][0]
-    tokens, forks, L = tree.tokens.tolist(), tree.forks.tolist(), tree.length
-    assert tree.size == W + 3 * L and len(set(forks)) > 1
-    paths = [list(range(W))] + [list(range(j)) + list(range(W + b * L, W + (b + 1) * L)) for b, j in enumerate(forks)]
-    for path in paths:
+    logits = mx.random.normal((batch, W - 1, V), key=mx.random.key(3)) * 3
+    tree = trees.build(mx.array([p[-1] for p in prompts]), logits, 3)
+    own = []
+    for p in prompts:
+        own.append(target.make_cache())
+        target(mx.array([p[:-1]]), own[-1])
+    cache = own[0] if batch == 1 else [batch_of(c) for c in own[0]]
+    for c in own[1:]:
+        for layer, one in zip(cache, c):
+            add_to(layer, one)
+    got = target(tree.tokens, cache, tree=(tree.mask, tree.runs()))[0]
+    L = tree.length
+    assert tree.size == W + 3 * L and target.can_verify_tree(cache)
+    kept = []
+    for b, prompt in enumerate(prompts):
+        tokens, forks = tree.tokens[b].tolist(), tree.forks[b].tolist()
+        assert len(set(forks)) > 1
+        paths = [list(range(W))] + [list(range(j)) + list(range(W + i * L, W + (i + 1) * L))
+                                    for i, j in enumerate(forks)]
+        for path in paths:
+            ref_cache = target.make_cache()
+            target(mx.array([prompt[:-1]]), ref_cache)
+            want = target(mx.array([[tokens[i] for i in path]]), ref_cache)[0][0]
+            assert mx.allclose(got[b][mx.array(path)], want, atol=1e-4).item(), (b, path)
+            if mx.default_device() == mx.cpu:
+                # Bit for bit here (MLX's CPU kernels sum each element in an order that does
+                # not depend on where the masked-out keys are): greedy picks cannot differ
+                # even at near ties. A backend where this fails can differ at near ties.
+                assert mx.array_equal(got[b][mx.array(path)], want).item(), (b, path)
+        kept.append(paths[1 + b % 3][:-1])  # a branch's path, less its last node
+    if batch == 1:
+        target.keep_rows(cache, kept[0], tree.size)
+    else:
+        target.keep_rows_each(cache, kept, tree.size)
+    # The kept rows are the caches of each sequence's prompt and its path: the next token decodes alike.
+    nxt = mx.array([[7]] * batch)
+    got = target(nxt, cache)[0][:, -1]
+    for b, (prompt, path) in enumerate(zip(prompts, kept)):
         ref_cache = target.make_cache()
-        target(mx.array([prompt[:-1]]), ref_cache)
-        want = target(mx.array([[tokens[i] for i in path]]), ref_cache)[0][0]
-        assert mx.allclose(got[mx.array(path)], want, atol=1e-4).item(), path
-        if mx.default_device() == mx.cpu:
-            # Bit for bit here (MLX's CPU kernels sum each element in an order that does
-            # not depend on where the masked-out keys are): greedy picks cannot differ
-            # even at near ties. A backend where this fails can differ at near ties.
-            assert mx.array_equal(got[mx.array(path)], want).item(), path
+        target(mx.array([prompt[:-1] + [tree.tokens[b].tolist()[i] for i in path]]), ref_cache)
+        assert mx.allclose(got[b], target(nxt[:1], ref_cache)[0][0, -1], atol=1e-4).item(), b
 
 
 def test_tree_layout_and_walk():
-    forks = mx.array([2, 1], mx.int32)
-    mask = trees.tree_mask(forks, 4, 2).tolist()
+    forks = mx.array([[2, 1]], mx.int32)
+    mask = trees.tree_mask(forks, 4, 2)[0].tolist()
     # Nodes: root 0, best path 1 2 3; branch 0 (depths 2, 3): 4 5; branch 1 (depths 1, 2): 6 7.
     sees = [[j for j, m in enumerate(row) if m] for row in mask]
     assert sees == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 4], [0, 1, 4, 5], [0, 6], [0, 6, 7]]
@@ -385,7 +414,7 @@ def test_a_tree_pass_that_fails_its_self_check_is_never_used(pairs, baselines, m
     ref = greedy_ref(baselines["qwen3"], prompt, 24)
     assert trees.self_check(pair.target) is None
     monkeypatch.setattr(trees, "_verdicts", weakref.WeakKeyDictionary())  # the other tests' verdicts stay
-    monkeypatch.setattr(trees, "tree_mask", lambda forks, W, L: mx.ones((W + forks.shape[0] * L,) * 2, mx.bool_))
+    monkeypatch.setattr(trees, "tree_mask", lambda forks, W, L: mx.ones((forks.shape[0],) + (W + forks.shape[1] * L,) * 2, mx.bool_))
     assert "differ" in trees.self_check(pair.target)
     with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
         out, stats = tokens_of(pair, prompt, 24, block_size=8, tree=2)
@@ -401,3 +430,89 @@ def test_a_tree_pass_that_fails_its_self_check_is_never_used(pairs, baselines, m
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "healthy"))
     curve = pair.cost_curve(budget=0.5)
     assert curve.tree_shapes == costs.tree_shapes(pair.draft_source.block_size) and curve.tree_branches == 2
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_trees_in_a_batch_are_lossless_and_keep_each_sequences_branch(pairs, baselines, family):
+    """Three sequences decoded together, each drafting with a drafter wrong at its own cycling depth
+    (the right token its second choice): each batched drafted cycle verifies the three trees in one
+    pass, each sequence accepts through its own branch and keeps its own path's rows, its drafter
+    is handed exactly its committed tokens' taps, and every output is plain greedy."""
+    from dflash_mlx.decode.decoder import Asks, Decoder
+
+    pair = pairs[family]
+    prompts = [pair.tokenizer.encode(PROMPTS[i]) for i in (0, 1, 2)]
+    n, W = 30, 6
+    refs = [greedy_ref(baselines[family], p, n) for p in prompts]
+    sources = [ForkOracle(pair.target, p + r, lambda c, w, k=k: 1 + (c + k) % (w - 1) if (c + k) % W else None)
+               for k, (p, r) in enumerate(zip(prompts, refs))]
+    dec = Decoder(pair, W, block_size=W)
+    firsts = dec.add_many(prompts, [n] * 3, sources, [Asks(tree=2)] * 3)
+    out = {c.uid: list(c.tokens) for c in firsts}
+    assert dec.branches == 2
+    together, branched = 0, set()
+    while len(dec):
+        got = dec.step(W, branches=2)
+        for c in got:
+            out[c.uid] += c.tokens
+            if len(got) > 1:
+                together += c.plan.branches == 2
+                if c.branched:
+                    branched.add(c.uid)
+    assert [out[c.uid] for c in firsts] == refs
+    assert together >= 3 * 4 and branched == {c.uid for c in firsts}
+
+
+def test_a_lone_tree_request_joined_by_another_goes_on_in_a_batch_of_trees(pairs, baselines):
+    """Through the streams: a request verifying trees alone (`tree=2`, a fixed size) is joined by
+    another that allows trees; their cycles together verify both trees in one pass, and each
+    gets plain greedy text."""
+    from dflash_mlx.decode.decoder import Asks
+    from dflash_mlx.decode.streams import Joining, Streams
+    from dflash_mlx.policy.batch import FixedBatchWidth
+
+    pair = pairs["qwen3"]
+    prompts = [pair.tokenizer.encode(PROMPTS[i]) for i in (0, 2)]
+    refs = [greedy_ref(baselines["qwen3"], p, 24) for p in prompts]
+    streams = Streams(pair, 4, FixedBatchWidth(4), block_size=4)
+    uid, first = streams.add(Joining(prompts[0], 24, asks=Asks(tree=2)))
+    out = {uid: list(first.tokens)}
+    for u, ev in streams.step():
+        out[u] += ev.tokens
+    (uid2, first2), = streams.add_many([Joining(prompts[1], 24, asks=Asks(tree=2))])
+    out[uid2] = [] if first2 is None else list(first2.tokens)  # None: its prompt is prefilled a chunk per step
+    stats = {}
+    while len(streams):
+        for u, ev in streams.step():
+            out[u] += ev.tokens
+            stats[u] = ev.stats
+    assert [out[uid], out[uid2]] == refs
+    assert stats[uid2].tree_cycles == stats[uid2].draft_cycles > 0
+
+
+def test_a_batch_verifies_trees_where_they_commit_more_per_second():
+    """At a drafted width, trees are tried once the linear cycle has been, then the faster of the
+    two runs and the other is retried now and then; per batch size and width."""
+    from dflash_mlx.policy.batch import RETRY, TRIES, BatchWidths, FixedBatchWidth
+
+    p = BatchWidths(8)
+    speed = {0: 10.0, 2: 14.0}
+
+    def run(batch, width, cycles):
+        chosen = []
+        for _ in range(cycles):
+            p.cycle += 1
+            k = p.branches(batch, width, 2)
+            chosen.append(k)
+            p.update(batch, width, 1.0, speed[k], k)
+        return chosen
+
+    assert p.branches(2, 1, 2) == 0 and p.branches(2, 4, 0) == 0  # plain steps, sequences without trees
+    assert run(2, 4, 2 * TRIES) == [0] * TRIES + [2] * TRIES
+    later = run(2, 4, 4 * RETRY)
+    assert later.count(2) > 0.9 * len(later) and 0 in later  # the faster, the other retried
+    speed[2] = 5.0  # each row costs: trees lose
+    later = run(2, 4, 8 * RETRY)
+    assert later[-RETRY:].count(0) > 0.9 * RETRY
+    assert run(8, 4, TRIES) == [0] * TRIES  # another batch size measures anew
+    assert FixedBatchWidth(4).branches(2, 4, 2) == 2 and FixedBatchWidth(4).branches(2, 1, 2) == 0

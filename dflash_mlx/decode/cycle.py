@@ -6,7 +6,7 @@ cycle launched ahead that is not wanted after all.
 
 Three kinds: a `PlainStep` (width 1, mlx-lm's step for each sequence), a
 `LinearCycle` (each sequence's `Block` of drafts and one verify pass over the
-[B, width] block) and a `TreeCycle` (one sequence: the drafter's best path and
+[B, width] block) and a `TreeCycle` (each sequence's drafter's best path and
 its branches in one verify pass, greedy). A cycle does not care where its
 drafts came from (the drafter, the lookup's copies or both); which cycle runs
 is the policy's plan (`policy`). A sequence alone and a batch's run the same
@@ -188,19 +188,19 @@ class LinearCycle:
 
 
 class TreeCycle:
-    """One sequence's drafter's best path and its branches (`draft/tree.py`) in one verify
-    pass, greedy; the walk keeps the longest path the target agrees with, and `cut` keeps
-    that path's rows."""
+    """Each sequence's tree (`draft/tree.py`: its drafter's best path and branches, one shape
+    for all) in one verify pass, greedy; per sequence, the walk keeps the longest path the
+    target agrees with, and `cut` keeps that path's rows."""
 
     def __init__(self, rows: Rows, tree: trees.Tree):
-        assert len(rows.seqs) == 1 and not rows.batched, "a tree is verified for one sequence"
         self.rows = rows
-        self.verified = verify_tree(rows.target, rows.cache, tree, rows.seqs[0].top, rows.rider)
+        self.verified = verify_tree(rows.target, rows.cache, tree, [s.top for s in rows.seqs], rows.rider)
         mx.async_eval(self.verified)
-        self.path: List[int] = []
+        self.paths: List[List[int]] = []
 
     def walk(self, values: List[int]):
-        """The accepted path's nodes and the target's token after it."""
+        """One sequence's accepted path's nodes and the target's token after it, from its row of
+        `settle`'s values (nodes' tokens, picks, forks, alternatives)."""
         t = self.verified.tree
         N, B, W = t.size, t.branches, t.width
         return trees.walk(W, t.length, values[2 * N : 2 * N + B], values[:N], values[N : 2 * N])
@@ -208,28 +208,39 @@ class TreeCycle:
     def settle(self, also: tuple = ()) -> List[Outcome]:
         v: TreeVerified = self.verified
         t = v.tree
-        N, B, W = t.size, t.branches, t.width
         out = mx.concatenate([t.tokens, v.picks.astype(mx.uint32), t.forks.astype(mx.uint32),
-                              t.alternatives.reshape(-1)])
-        mx.eval(out, v.logprobs, *also)  # the cycle's one host synchronisation
-        values = out.tolist()
+                              t.alternatives.reshape(t.tokens.shape[0], -1)], axis=1)
+        mx.eval(out, [lp for lp in v.logprobs if lp is not None], *also)  # the cycle's one host synchronisation
+        outcomes = [self._outcome(b, row) for b, row in enumerate(out.tolist())]
+        self.paths = [o[1] for o in outcomes]
+        return [o[0] for o in outcomes]
+
+    def _outcome(self, b: int, values: List[int]):
+        """Sequence b's `Outcome` and its accepted path, from its row of `settle`'s values."""
+        v, t = self.verified, self.verified.tree
+        N, K, W = t.size, t.branches, t.width
         path, bonus = self.walk(values)
-        self.path = path
         accepted = len(path) - 1
-        hidden = mx.take(v.hidden, mx.array(path), axis=1) if path[-1] >= W else v.hidden[:, : accepted + 1]
-        lps = v.logprobs and [logprob_rows(v.logprobs, N)[i] for i in path]
+        hidden = v.hidden[b : b + 1]
+        hidden = mx.take(hidden, mx.array(path), axis=1) if path[-1] >= W else hidden[:, : accepted + 1]
+        lps = v.logprobs[b] and [logprob_rows(v.logprobs[b], N)[i] for i in path]
         held = sum(1 for i in path[1:] if i < W)  # depth the best path held to
-        alts = values[2 * N + B :]
+        alts = values[2 * N + K :]
         missed = None if held == W - 1 else trees.missed(alts, len(alts) // (W - 1), held + 1, values[N + held])
         tokens = [values[i] for i in path[1:]] + [bonus]
-        return [Outcome(accepted, tokens, mx.array(tokens[-1]).reshape(1).astype(t.tokens.dtype), hidden, lps,
-                        missed, branched=path[-1] >= W)]
+        last = mx.array(tokens[-1]).reshape(1).astype(t.tokens.dtype)
+        return Outcome(accepted, tokens, last, hidden, lps, missed, branched=path[-1] >= W), path
 
     def cut(self, keeps: Sequence[int]) -> None:
-        """The caches keep the first keeps[0] rows of the accepted path, moved to the front of the pass's."""
-        self.rows.target.keep_rows(self.rows.cache, self.path[: keeps[0]], self.verified.tree.size)
+        """Sequence b's caches keep the first keeps[b] rows of its accepted path, moved to the front of the pass's."""
+        rows, size = self.rows, self.verified.tree.size
+        kept = [path[:k] for path, k in zip(self.paths or [[]] * len(keeps), keeps)]
+        if rows.batched:
+            rows.target.keep_rows_each(rows.cache, kept, size)
+        else:
+            rows.target.keep_rows(rows.cache, kept[0], size)
 
     def drop(self) -> None:
         """Undo the cycle, launched and not wanted after all: every row of its pass is cropped."""
-        self.path = []
-        self.cut([0])
+        self.paths = []
+        self.cut([0] * len(self.rows.seqs))

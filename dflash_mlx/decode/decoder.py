@@ -36,7 +36,7 @@ from .caches import Caches
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
 from .filling import Filling, Fillings
-from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, caught_up, draft_tree, drained, joined, prefill_steps
+from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, caught_up, drained, joined, prefill_steps
 from .running import Asks, Committed, Proposal, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
@@ -209,9 +209,15 @@ class Decoder:
         self.caches.add(tcache)
         self.seqs.append(seq)
 
-    def step(self, width: Optional[int] = None, then: Optional[int] = None) -> List[Committed]:
+    @property
+    def branches(self) -> int:
+        """The most tree branches a drafted cycle of every sequence may verify (0: none)."""
+        return min((s.branches for s in self.seqs), default=0)
+
+    def step(self, width: Optional[int] = None, then: Optional[int] = None, branches: int = 0) -> List[Committed]:
         """One cycle for every sequence in the batch at `width` (default: a sequence alone, its
-        policy's plan; several, the largest); finished sequences leave it. `then`: the width of
+        policy's plan; several, the largest), verified as trees of `branches` branches where
+        that is drafted and each sequence allows it (`branches`); finished sequences leave it. `then`: the width of
         the cycle after it (default: the same); a plain step launches the next before the host
         reads its tokens only where that is plain too, so no step is computed to be dropped. A
         sequence alone has its next cycle launched before this one's tokens are handed back. Its
@@ -222,7 +228,7 @@ class Decoder:
             out, self.early = self.early, []
         else:
             tic = time.perf_counter()
-            out = self._cycle(width, then)
+            out = self._cycle(width, then, min(branches, self.branches))
             if out and self.filling.rode:
                 self.joins.rode(self.filling.rode, time.perf_counter() - tic, self._shape)
             elif out:
@@ -230,7 +236,7 @@ class Decoder:
         self.filling.unridden(self.target, self.joins)
         return out
 
-    def _cycle(self, width: Optional[int], then: Optional[int]) -> List[Committed]:
+    def _cycle(self, width: Optional[int], then: Optional[int], branches: int) -> List[Committed]:
         if not self.seqs:
             return []
         if width is None and len(self.seqs) == 1:
@@ -241,6 +247,8 @@ class Decoder:
         if w == 1:
             return self._plain_step(then is None or then <= 1)
         self._drop_ahead()
+        if branches:
+            return self._run(self._tree(Plan(w, 0, branches)))
         return self._run(self._linear(w, [self.drafting.copies(s, w) for s in self.seqs]))
 
     def _alone(self, seq: Running) -> List[Committed]:
@@ -261,14 +269,17 @@ class Decoder:
             return Launched(PlainStep(self._rows(), seq.last), [PLAIN])
         if not plan.branches:
             return self._linear(plan.width, [planned.copies], alternatives=seq.run.learns_branches)
-        hidden = joined(caught_up(seq.source, seq.dstate, seq.take_taps())) if seq.taps else None
-        tree = draft_tree(seq.source, seq.dstate, seq.last, hidden, plan.width, plan.branches)
-        return Launched(TreeCycle(self._rows(), tree), [plan])
+        return self._tree(plan)
 
     def _linear(self, width: int, copies: List[List[int]], alternatives: bool = False) -> "Launched":
         """A drafted cycle of `width` for every sequence, `copies` of their lookups first, launched."""
         p = self.drafting.propose(self.seqs, width, copies, alternatives)
         return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in copies], p)
+
+    def _tree(self, plan: Plan) -> "Launched":
+        """A tree cycle of the plan's width and branches for every sequence, launched."""
+        tree = self.drafting.tree(self.seqs, plan.width, plan.branches)
+        return Launched(TreeCycle(self._rows(), tree), [plan] * len(self.seqs))
 
     def _rows(self) -> Rows:
         """The batch's sequences and caches, as its cycles decode them; the chunk of a prompt
@@ -293,7 +304,9 @@ class Decoder:
         states set back to those before it) where a sequence ends or leaves before it runs, or the
         next cycle drafts after all."""
         cycle, p = launched.cycle, launched.proposal
-        self._shape = (len(launched.plans), max(plan.width for plan in launched.plans))
+        # A tree's shape is timed apart from the linear cycles of its width.
+        plan = max(launched.plans)
+        self._shape = (len(launched.plans), plan.width) + ((plan.branches,) if plan.branches else ())
         # While a prompt joins, its next chunk rides in the next step, made once this one is read.
         if launched.plain and not self.filling and (ahead() if callable(ahead) else ahead):
             self._ahead = Launched(PlainStep(self._rows(), cycle.tokens, pending=True), [PLAIN] * len(self.seqs))

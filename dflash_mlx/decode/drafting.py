@@ -7,6 +7,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..draft import tree as trees
 from ..draft.lookup import point_masses
 from ..draft.pool import DraftBatch
 from ..policy.proposal import reached_gains
@@ -40,6 +41,16 @@ class Drafting:
         alts = drawn[0].alternatives if len(drawn) == 1 else None
         return Proposal(Block(lasts, mx.stack([d.tokens for d in drawn]), [d.q_lp for d in drawn], noises, alts),
                         scales, copies)
+
+    def tree(self, seqs: List[Running], width: int, branches: int) -> trees.Tree:
+        """Every sequence's tree for a cycle of `width` with `branches` branches (greedy), from
+        one drafter pass where they are pooled."""
+        lasts = mx.concatenate([s.last for s in seqs])
+        if self._pooling(seqs):
+            logits = self.pool.propose(lasts, [joined(s.take_taps()) if s.taps else None for s in seqs], width)
+        else:
+            logits = mx.stack([s.source.propose(s.dstate, s.last, _caught_up(s), width) for s in seqs])
+        return trees.build(lasts, logits, branches)
 
     @staticmethod
     def copies(seq: Running, width: int) -> List[int]:
@@ -127,9 +138,14 @@ class Drafting:
         if len(copies) == width - 1:  # no drafter pass: its taps wait for the next one
             tokens = mx.array(copies, dtype=mx.uint32)
             return Draft(tokens, point_masses(tokens, seq.source.vocab_size) if seq.rejection else None, None)
-        hidden = joined(caught_up(seq.source, seq.dstate, seq.take_taps())) if seq.taps else None
-        return draft(seq.source, seq.dstate, seq.last, hidden, width, seq.params, copies, proc=seq.proc or None,
+        return draft(seq.source, seq.dstate, seq.last, _caught_up(seq), width, seq.params, copies, proc=seq.proc or None,
                      alternatives=alternatives, scales=scales, noise=None if noise is None else noise[:-1])
+
+
+def _caught_up(seq: Running) -> Optional[mx.array]:
+    """The taps a sequence holds, for its own drafter to read with its next block (a long backlog
+    read first, `passes.caught_up`)."""
+    return joined(caught_up(seq.source, seq.dstate, seq.take_taps())) if seq.taps else None
 
 
 def _copied(d: Draft, copies: List[int]) -> Draft:

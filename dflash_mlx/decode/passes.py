@@ -302,22 +302,25 @@ def step(target, tcache, last, params: SamplingParams, record: bool = False, top
 
 class TreeVerified(NamedTuple):
     tree: trees.Tree
-    picks: mx.array  # the target's greedy token after each node
-    hidden: mx.array  # taps of every node
-    logprobs: Optional[tuple]  # `token_logprobs` of every node's pick, when asked for
+    picks: mx.array  # [B, N] the target's greedy token after each node
+    hidden: mx.array  # [B, N, D] taps of every node
+    logprobs: list  # per sequence: `token_logprobs` of every node's pick, where asked for (else None)
 
 
 def draft_tree(source, dstate, last, hidden, width: int, branches: int) -> trees.Tree:
-    """The drafter's best path over `width` positions and `branches` branches (`tree.build`)."""
-    return trees.build(last, source.propose(dstate, last, hidden, width), branches)
+    """A sequence's tree: the drafter's best path over `width` positions and `branches` branches
+    (`tree.build`)."""
+    return trees.build(last, source.propose(dstate, last, hidden, width)[None], branches)
 
 
-def verify_tree(target, tcache, tree: trees.Tree, top: Optional[int] = None, rider: Optional[Rider] = None
+def verify_tree(target, tcache, tree: trees.Tree, tops: Sequence[Optional[int]], rider: Optional[Rider] = None
                 ) -> TreeVerified:
-    """One target pass over every node of `tree` (carrying `rider`): each node's greedy pick, and the taps."""
-    logits, taps = target(tree.tokens[None], tcache, tree=(tree.mask, tree.runs()), rider=rider)
-    picks = mx.argmax(greedy_log_probs(logits[0]), axis=-1)
-    return TreeVerified(tree, picks, taps, None if top is None else token_logprobs(logits[0], picks, top))
+    """One target pass over every node of each sequence's tree (carrying `rider`): each node's
+    greedy pick, and the taps; with sequence b's `tops[b]`, its picks' log probabilities."""
+    logits, taps = target(tree.tokens, tcache, tree=(tree.mask, tree.runs()), rider=rider)
+    picks = mx.argmax(greedy_log_probs(logits), axis=-1)
+    return TreeVerified(tree, picks, taps, [None if top is None else token_logprobs(logits[b], picks[b], top)
+                                            for b, top in enumerate(tops)])
 
 
 def caught_up(source, dstate, taps: list) -> list:

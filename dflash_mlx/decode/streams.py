@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..machine import peak_memory_gb
-from ..policy.batch import BatchWidths
+from ..policy.batch import BatchPolicy, BatchWidths
 from .decoder import Decoder
 from .drafting import expected_gains
 from .events import GenerationEvent, GenerationStats
@@ -36,7 +36,8 @@ class _Stream:
 class Streams:
     """Requests decoded together (`Decoder`), each event tagged with its request's uid."""
 
-    def __init__(self, pair, width: int, policy=None, prompt_cache=None, lookup: bool = False, block_size=None):
+    def __init__(self, pair, width: int, policy: Optional[BatchPolicy] = None, prompt_cache=None, lookup: bool = False,
+                 block_size=None):
         """`width`: the widest cycle of several requests; `policy` (`policy.batch.BatchWidths`,
         default) picks each such cycle's; a request alone runs its own policy's plans
         (`block_size`: the decoder's default, `Decoder`); with a `prompt_cache`, requests
@@ -44,7 +45,7 @@ class Streams:
         request's n-gram lookup."""
         self.pair = pair
         self.decoder = Decoder(pair, width, prompt_cache, lookup, block_size)
-        self.policy = policy or BatchWidths(self.decoder.width)
+        self.policy: BatchPolicy = policy or BatchWidths(self.decoder.width)
         self.streams: Dict[int, _Stream] = {}
         self._then: Optional[Tuple[int, int]] = None  # (batch size, width) chosen for the next cycle
 
@@ -100,10 +101,12 @@ class Streams:
                            default=min(self.policy.widths, default=then))
             width = self._then[1] if self._then is not None and self._then[0] == B else then
             self._then = (B, then)
+            branches = self.policy.branches(B, width, self.decoder.branches) if not self.decoder.filling else 0
             tic = time.perf_counter()
-            committed = self.decoder.step(width, then)
+            committed = self.decoder.step(width, then, branches)
             if not self.decoder.filling.rode:  # a cycle that carried a joining prompt's chunk says nothing of its width
-                self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed))
+                tree = branches if committed and committed[0].plan.branches else 0
+                self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed), tree)
         for c in committed:
             stats = self.streams[c.uid].stats
             stats.cycles += 1

@@ -87,7 +87,7 @@ def cycle_parts(pair, n: int, branches: int = 0):
         if isinstance(proposal, trees.Tree):
             cycle = TimedTree(rows, proposal)
             cycle.cut([len(cycle.settle()[0].tokens)])
-            target.crop(tcache, 0, len(cycle.path))
+            target.crop(tcache, 0, len(cycle.paths[0]))
         else:  # draft tokens, the drafter's or copied ones
             LinearCycle(rows, Block(last, proposal[None], [None], [None])).settle()
             target.crop(tcache, 0, w)

@@ -8,7 +8,8 @@ j. Branches are the (depth, choice) pairs most likely to be needed: the
 drafter's probability that its best path holds up to j, times that of the
 choice at j.
 
-Layout of the N nodes: node 0 is the last committed token (depth 0), nodes
+Several sequences' trees have one shape and are verified in one pass, a
+row each. Layout of a sequence's N nodes: node 0 is the last committed token (depth 0), nodes
 1 .. W-1 the best path (depth = index), then each branch as a run of
 `length` nodes (depths j .. j + length - 1). Nodes deeper than W - 1 have no
 draft behind them and are never accepted. The shape depends only on (W,
@@ -42,25 +43,28 @@ CHOICES = 2  # the drafter's second and third choices may start a branch
 
 @dataclass
 class Tree:
-    tokens: mx.array  # [N] node tokens, node 0 the last committed token
-    forks: mx.array  # [branches] depth at which each branch leaves the best path
-    mask: mx.array  # [N, N] bool: node i attends to node j (its ancestors and itself)
+    """The trees of B sequences, one per row, all of the same shape."""
+
+    tokens: mx.array  # [B, N] node tokens, node 0 the sequence's last committed token
+    forks: mx.array  # [B, branches] depth at which each branch leaves the best path
+    mask: mx.array  # [B, N, N] bool: node i attends to node j (its ancestors and itself)
     width: int  # W: the best path's nodes, the root included
     length: int  # nodes per branch
-    alternatives: mx.array  # [W - 1, CHOICES] the drafter's 2nd and 3rd choices at each depth
+    alternatives: mx.array  # [B, W - 1, CHOICES] the drafter's 2nd and 3rd choices at each depth
 
     @property
     def branches(self) -> int:
-        return self.forks.shape[0]
+        return self.forks.shape[1]
 
     @property
     def size(self) -> int:
         return self.width + self.branches * self.length
 
     def runs(self) -> List[Tuple[int, int, object]]:
-        """(first node, end, depth of the first node) of each run of consecutive depths."""
+        """(first node, end, depth of the first node) of each run of consecutive depths; a
+        branch's depth is an array [B], each sequence's own."""
         W, L = self.width, self.length
-        return [(0, W, 0)] + [(W + b * L, W + (b + 1) * L, self.forks[b]) for b in range(self.branches)]
+        return [(0, W, 0)] + [(W + b * L, W + (b + 1) * L, self.forks[:, b]) for b in range(self.branches)]
 
 
 def shape(width: int, branches: int, vocab_size: int) -> Tuple[int, int]:
@@ -70,10 +74,10 @@ def shape(width: int, branches: int, vocab_size: int) -> Tuple[int, int]:
 
 
 def ranked(logits: mx.array, k: int) -> Tuple[mx.array, mx.array]:
-    """Each row's k most likely tokens [n, k], best first, and their log probabilities (lazy)."""
+    """Each row's k most likely tokens [..., k], best first, and their log probabilities (lazy)."""
     lp = logits.astype(mx.float32)
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    top = mx.argpartition(-lp, k - 1, axis=-1)[..., :k]
     order = mx.argsort(-mx.take_along_axis(lp, top, axis=-1), axis=-1)
     top = mx.take_along_axis(top, order, axis=-1)
     return top, mx.take_along_axis(lp, top, axis=-1)
@@ -86,33 +90,39 @@ def alternatives(logits: mx.array) -> mx.array:
     log-sum-exp over the vocabulary (an exp per logit) is most of `ranked`'s cost."""
     V = logits.shape[-1]
     k = min(CHOICES, V - 1) + 1
-    top = mx.argpartition(logits, V - k, axis=-1)[:, V - k :]
+    top = mx.argpartition(logits, V - k, axis=-1)[..., V - k :]
     order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1).astype(mx.float32), axis=-1)
-    return mx.take_along_axis(top, order, axis=-1)[:, 1:].astype(mx.uint32)
+    return mx.take_along_axis(top, order, axis=-1)[..., 1:].astype(mx.uint32)
 
 
-def build(last: mx.array, logits: mx.array, branches: int) -> Tree:
-    """The tree after `last` [1] from the drafter's logits [W - 1, V] (lazy)."""
-    n, V = logits.shape
+def build(lasts: mx.array, logits: mx.array, branches: int) -> Tree:
+    """The trees after `lasts` [B] from the drafter's logits [B, W - 1, V] (lazy)."""
+    B, n, V = logits.shape
     W = n + 1
-    B, L = shape(W, branches, V)
+    K, L = shape(W, branches, V)
     k = min(CHOICES, V - 1) + 1
     top, top_lp = ranked(logits, k)
-    best = top[:, 0].astype(mx.uint32)
-    alts = top[:, 1:].astype(mx.uint32)
-    if B == 0:
-        return Tree(mx.concatenate([last.astype(mx.uint32), best]), mx.zeros((0,), mx.int32),
-                    mx.tril(mx.ones((W, W), dtype=mx.bool_)), W, L, alts)
+    best = top[..., 0].astype(mx.uint32)
+    alts = top[..., 1:].astype(mx.uint32)
+    lasts = lasts.reshape(B, 1).astype(mx.uint32)
+    if K == 0:
+        mask = mx.broadcast_to(mx.tril(mx.ones((W, W), dtype=mx.bool_)), (B, W, W))
+        return Tree(mx.concatenate([lasts, best], axis=1), mx.zeros((B, 0), mx.int32), mask, W, L, alts)
     # log P(the best path holds before depth d) + log P(choice c at d), per (d, c).
-    holds = mx.cumsum(top_lp[:, 0]) - top_lp[:, 0]
-    score = (holds[:, None] + top_lp[:, 1:]).reshape(-1)
-    picked = mx.argpartition(-score, B - 1)[:B] if B < score.shape[0] else mx.arange(B)
+    holds = mx.cumsum(top_lp[..., 0], axis=-1) - top_lp[..., 0]
+    score = (holds[..., None] + top_lp[..., 1:]).reshape(B, -1)
+    if K < score.shape[1]:
+        picked = mx.argpartition(-score, K - 1, axis=-1)[:, :K]
+    else:
+        picked = mx.broadcast_to(mx.arange(K), (B, K))
     row, choice = picked // (k - 1), picked % (k - 1) + 1
     forks = (row + 1).astype(mx.int32)
     # Branch b: its choice at depth forks[b], then the best path's tokens after it.
-    after = mx.minimum(row[:, None] + mx.arange(1, L)[None], n - 1)
-    branch = mx.concatenate([top[row, choice][:, None].astype(mx.uint32), best[after]], axis=1)
-    tokens = mx.concatenate([last.astype(mx.uint32), best, branch.reshape(-1)])
+    first = mx.take_along_axis(top.reshape(B, -1), row * k + choice, axis=1).astype(mx.uint32)
+    after = mx.minimum(row[..., None] + mx.arange(1, L), n - 1).reshape(B, -1)
+    rest = mx.take_along_axis(best, after, axis=1).reshape(B, K, L - 1)
+    branch = mx.concatenate([first[..., None], rest], axis=2)
+    tokens = mx.concatenate([lasts, best, branch.reshape(B, -1)], axis=1)
     return Tree(tokens, forks, tree_mask(forks, W, L), W, L, alts)
 
 
@@ -127,11 +137,12 @@ def _within_runs(width: int, branches: int, length: int) -> mx.array:
 
 
 def tree_mask(forks: mx.array, width: int, length: int) -> mx.array:
-    """[N, N] bool: within the best path or one branch, the nodes at or before
-    a node; and for a branch node, the best path's nodes above its fork."""
-    same = _within_runs(width, forks.shape[0], length)
-    limit = mx.concatenate([mx.zeros((width,), mx.int32), mx.repeat(forks, length)])
-    return same | (mx.arange(same.shape[0])[None] < limit[:, None])
+    """[B, N, N] bool, per sequence's `forks` [B, branches]: within the best path or one branch,
+    the nodes at or before a node; and for a branch node, the best path's nodes above its fork."""
+    B, K = forks.shape
+    same = _within_runs(width, K, length)
+    limit = mx.concatenate([mx.zeros((B, width), mx.int32), mx.repeat(forks, length, axis=1)], axis=1)
+    return same[None] | (mx.arange(same.shape[0])[None, None] < limit[..., None])
 
 
 def walk(width: int, length: int, forks: Sequence[int], tokens: Sequence[int],
@@ -182,11 +193,11 @@ def self_check(target, width: int = 5, branches: int = 2, context: int = 12) -> 
     V = target.vocab_size
     prompt = mx.random.randint(0, V, (context,), key=mx.random.key(CHECK_KEYS[0]))
     logits = mx.random.normal((width - 1, V), key=mx.random.key(CHECK_KEYS[1])) * CHECK_LOGIT_SCALE
-    tree = build(prompt[-1:], logits, branches)
+    tree = build(prompt[-1:], logits[None], branches)
     cache = target.make_cache()
     target(prompt[None, :-1], cache, last_only=True, taps=False)
-    got = target(tree.tokens[None], cache, tree=(tree.mask, tree.runs()), taps=False)[0][0].astype(mx.float32)
-    tokens, forks, L = tree.tokens.tolist(), tree.forks.tolist(), tree.length
+    got = target(tree.tokens, cache, tree=(tree.mask, tree.runs()), taps=False)[0][0].astype(mx.float32)
+    tokens, forks, L = tree.tokens[0].tolist(), tree.forks[0].tolist(), tree.length
     paths = [list(range(width))] + [list(range(j)) + list(range(width + b * L, width + (b + 1) * L))
                                     for b, j in enumerate(forks)]
     tol = CHECK_TOLERANCE.get(target.dtype, CHECK_TOLERANCE_HALF)

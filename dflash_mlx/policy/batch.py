@@ -15,9 +15,18 @@ carry acceptance statistics (their sizer runs), a width is worth the tokens
 they expect it to commit over its measured seconds per cycle: the cost is
 measured, the acceptance is each sequence's own, and one cycle's luck moves
 neither much. Output does not depend on the widths, so trying costs speed only.
+
+A drafted width's cycle may also verify each sequence's tree (`draft/tree.py`:
+its best path and a few branches, more rows in the same pass) where every
+sequence allows it. A tree at a width is weighed as a width is, by its own
+measured tokens per second at that batch size against the linear cycle's: tried
+once the width has been, kept where it commits more per second, and the other
+retried now and then as a neighbour width is. Trees pay where a pass's rows are
+nearly free (a small batch on a GPU); on a CPU, where each row costs, they do
+not, and the tries are few.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 WIDTHS = (1, 2, 4, 8)  # the candidates: a few, so that each is measured often enough
 TRIES = 3  # cycles each candidate runs at a batch size before the best is chosen on the figures
@@ -41,6 +50,21 @@ STALE_KEEP = 0.5  # what a figure keeps, at least, of itself when a retry after 
 DRAFT_MARGIN = 1.1
 
 
+class BatchPolicy(Protocol):
+    """What decides a batch's cycles (`decode.streams.Streams`): `BatchWidths`, `FixedBatchWidth`."""
+
+    widths: Sequence[int]  # the candidate widths it weighs (none for a fixed one)
+
+    def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
+        """The width of a coming cycle of `batch` sequences (`gains`: the tokens they expect per width)."""
+
+    def branches(self, batch: int, width: int, most: int) -> int:
+        """The tree branches a drafted cycle of `width` verifies, where each sequence allows `most`."""
+
+    def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0) -> None:
+        """A cycle took `seconds` and committed `tokens` in all."""
+
+
 def bucket(batch: int) -> int:
     """Batch sizes measured together (1, 2, 3-4, 5-8, ...): neighbours cost alike, and each
     bucket's candidates are tried before it chooses, so fewer buckets explore less."""
@@ -59,11 +83,11 @@ class BatchWidths:
         self.chosen: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> the cycle it was last chosen
         self.cycle = 0
 
-    def rate(self, batch: int, width: int) -> float:
-        """Measured tokens per second of cycles of `width` at `batch` sequences: averages of
-        tokens and of seconds, so that a cycle whose work an earlier one did (a plain step
-        launched ahead) neither counts as infinitely fast nor drags the figure."""
-        key = (bucket(batch), width)
+    def rate(self, batch: int, width: int, branches: int = 0) -> float:
+        """Measured tokens per second of cycles of `width` (trees of `branches`) at `batch`
+        sequences: averages of tokens and of seconds, so that a cycle whose work an earlier one
+        did (a plain step launched ahead) neither counts as infinitely fast nor drags the figure."""
+        key = _key(batch, width, branches)
         return self.tokens[key] / self.seconds[key]
 
     def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
@@ -104,11 +128,30 @@ class BatchWidths:
         self.chosen[(b, width)] = self.cycle
         return width
 
-    def update(self, batch: int, width: int, seconds: float, tokens: int) -> None:
-        """A cycle of `batch` sequences at `width` took `seconds` and committed `tokens` in all."""
+    def branches(self, batch: int, width: int, most: int) -> int:
+        """The branches of the trees a drafted cycle of `width` at `batch` sequences verifies,
+        where each sequence allows up to `most` (0: linear): each shape tried `TRIES` times once
+        the width has been, then the faster (measured tokens per second), the other retried the
+        more rarely the more a retry loses."""
+        linear, tree = _key(batch, width), _key(batch, width, most)
+        if width < 2 or not most or self.runs.get(linear, 0) < TRIES:
+            return 0
+        if self.runs.get(tree, 0) < TRIES:
+            return most
+        rates = {0: self.rate(batch, width), most: self.rate(batch, width, most)}
+        best = max(rates, key=rates.get)
+        other = most - best
+        key = _key(batch, width, other)
+        lost = self.seconds[key] * max(0.0, 1 - rates[other] / rates[best]) / self.seconds[_key(batch, width, best)]
+        interval = min(max(RETRY, RETRY_BUDGET * lost), MAX_RETRY)
+        return other if self.cycle - self.last.get(key, 0) >= interval else best
+
+    def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0) -> None:
+        """A cycle of `batch` sequences at `width` (trees of `branches`) took `seconds` and
+        committed `tokens` in all."""
         if seconds <= 0:
             return
-        key = (bucket(batch), width)
+        key = _key(batch, width, branches)
         n = self.runs.get(key, 0)
         # The first tries count alike, then recent cycles more: the figure so far keeps `DECAY` per
         # run, or per `RETRY` cycles since its last where that is less, so that a retry after a long
@@ -119,6 +162,11 @@ class BatchWidths:
         self.seconds[key] = keep * self.seconds.get(key, 0.0) + (1 - keep) * seconds
         self.runs[key] = n + 1
         self.last[key] = self.cycle
+
+
+def _key(batch: int, width: int, branches: int = 0) -> tuple:
+    """Where a shape's figures are kept: linear cycles per (batch bucket, width), trees apart."""
+    return (bucket(batch), width) + ((branches,) if branches else ())
 
 
 class FixedBatchWidth:
@@ -132,5 +180,9 @@ class FixedBatchWidth:
     def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
         return self.width
 
-    def update(self, batch: int, width: int, seconds: float, tokens: int) -> None:
+    def branches(self, batch: int, width: int, most: int) -> int:
+        """Trees wherever the sequences ask for them (`tree=n` with a fixed size)."""
+        return most if width > 1 else 0
+
+    def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0) -> None:
         pass

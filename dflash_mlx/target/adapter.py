@@ -39,6 +39,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from ..errors import DFlashError
 from ..kernels import backend, gdn_replay, gdn_replay_each, gdn_verify, qmm_verify
 from .caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind
+from .ragged import RaggedKVCache
 
 
 def initialize_rope(dims, base, scaling_config, max_position_embeddings):
@@ -266,11 +267,18 @@ class RidingAttention(_Wrapper):
 
 
 def _tree_mask(tree: tuple, cache) -> mx.array:
-    """A tree pass's attention mask [N, offset + N]: every node sees the cached prefix, and the
-    nodes its row of the tree's mask says."""
+    """A tree pass's attention mask [B, 1, N, columns]: every node sees its sequence's cached
+    prefix, and the nodes its row of the tree's mask [B, N, N] says. A batch's caches
+    (`target.ragged`) hold sequence b's nodes from its own end, so its row of the tree's mask is
+    read at those columns."""
     mask = tree[0]
-    N, offset = mask.shape[0], cache[0].offset
-    return mx.concatenate([mx.ones((N, offset), dtype=mx.bool_), mask], axis=1)
+    B, N, _ = mask.shape
+    c = cache[0]
+    if isinstance(c.offset, int):  # one sequence's own caches
+        return mx.concatenate([mx.ones((B, N, c.offset), dtype=mx.bool_), mask], axis=2)[:, None]
+    rel = mx.arange(max(c.ends) + N)[None, None] - c.offset[:, None, None]  # column - the sequence's end
+    nodes = mx.take_along_axis(mask, mx.broadcast_to(mx.clip(rel, 0, N - 1), (B, N, rel.shape[2])), axis=2)
+    return ((rel < 0) | ((rel < N) & nodes))[:, None]
 
 
 def _rope_owners(layer: nn.Module) -> List[nn.Module]:
@@ -559,9 +567,10 @@ class TargetAdapter:
         return True
 
     def can_verify_tree(self, cache) -> bool:
-        """Whether a tree pass can run over these caches (all plain KV caches:
-        not quantized, not sliding windows)."""
-        return self.supports_tree and all(type(c) is cache_lib.KVCache for c in cache)
+        """Whether a tree pass can run over these caches (all plain KV caches, a sequence's own or
+        a batch's: not quantized, not sliding windows)."""
+        return self.supports_tree and all(type(c) is cache_lib.KVCache or (type(c) is RaggedKVCache and c.window is None)
+                                          for c in cache)
 
     def can_carry(self, cache) -> bool:
         """Whether a prefill chunk over these caches (a sequence's own) can ride in a pass
@@ -764,3 +773,8 @@ class TargetAdapter:
                 c.keys[..., b + d : b + d + n, :] = k
                 c.values[..., b + d : b + d + n, :] = v
             c.offset = b + len(rows)
+
+    def keep_rows_each(self, cache, rows: Sequence[Sequence[int]], width: int):
+        """`keep_rows` for a batch's caches (`target.ragged`): sequence b keeps rows `rows[b]`."""
+        for c in cache:
+            c.keep_rows(rows, width)

@@ -113,6 +113,22 @@ class RaggedKVCache:
         self.ends = [e - min(d, e) for e, d in zip(self.ends, drops, strict=True)]
         self._moved()
 
+    def keep_rows(self, rows: Sequence[Sequence[int]], width: int) -> None:
+        """After a pass of `width` rows (a tree's nodes), sequence b keeps rows `rows[b]` of it
+        (ascending) as the pass's first and drops the others: one gather and one scatter of the
+        kept rows, for every sequence at once."""
+        bases = [e - width for e in self.ends]
+        K = max(len(r) for r in rows)
+        if any(list(r) != list(range(len(r))) for r in rows):
+            # Sequence b's row j comes from column bases[b] + rows[b][j]; past its own rows, from where it goes.
+            src = mx.array([[b + i for i in r] + [b + j for j in range(len(r), K)] for b, r in zip(bases, rows)])
+            dst = (mx.array(bases)[:, None] + mx.arange(K)[None])[:, None, :, None]
+            src = src[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, dst, mx.take_along_axis(self.keys, src, axis=2), axis=2)
+            self.values = mx.put_along_axis(self.values, dst, mx.take_along_axis(self.values, src, axis=2), axis=2)
+        self.ends = [b + len(r) for b, r in zip(bases, rows)]
+        self._moved()
+
     def filter(self, keep: Sequence[int]) -> None:
         """Keep sequences `keep` (indices, in that order); the buffer shrinks to what they use."""
         self.ends = [self.ends[i] for i in keep]
