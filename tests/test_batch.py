@@ -765,15 +765,17 @@ def test_join_chunks_take_a_set_number_of_cycles():
     assert JoinChunks().fits((3, 16))  # nothing timed yet
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_a_joining_prompt_is_prefilled_in_chunks_of_the_measured_size(pairs, family):
+@pytest.mark.parametrize("family, carries", [("qwen3", True), ("qwen3_5", True), ("qwen3", False)])
+def test_a_joining_prompt_is_prefilled_in_chunks_of_the_measured_size(pairs, monkeypatch, family, carries):
     """Each chunk of a joining prompt is as many tokens as the join policy says then, timed: in
-    the batch's cycle it rides in where the target carries it (qwen3), else on its own (a hybrid's
-    recurrent state); the batch times its cycles alone. Its drafter reads each chunk's taps in
+    the batch's cycle it rides in where the target carries it (K/V and Gated DeltaNet layers),
+    else on its own; the batch times its cycles alone. Its drafter reads each chunk's taps in
     that chunk, so that the first cycle beside the others holds only its last token's."""
     from dflash_mlx.decode.decoder import Decoder
 
     pair = pairs[family]
+    if not carries:
+        monkeypatch.setattr(pair.target, "can_carry", lambda cache: False)
     dec = Decoder(pair, 4)
     dec.add(pair.tokenizer.encode(TEXTS[0]), 40)
     sizes = iter([20, 7, 33, 5, 1000])
@@ -806,9 +808,9 @@ def test_a_joining_prompt_is_prefilled_in_chunks_of_the_measured_size(pairs, fam
     assert next(s for s in dec.seqs if s.uid == joining.uid).unseen == 1
     # The first size asked decided that the prompt is long; the chunks follow the next ones.
     assert dec.joins.asked[0] == 20 and len(long) - 1 > 45
-    rides = -1 if family == "qwen3" else 1
+    rides = -1 if carries else 1
     assert dec.joins.chunks == [rides * n for n in (7, 33, 5, len(long) - 1 - 45)]
-    assert dec.joins.cycles >= (0 if family == "qwen3" else 3)
+    assert dec.joins.cycles >= (0 if carries else 3)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])

@@ -53,17 +53,102 @@ def test_a_rider_changes_nothing_of_the_pass_it_rides_in(pairs, family, width):
     assert close(target(nxt, rider_cache)[0], target(mx.array([[7, 8, 50]]), solo_cache)[0][:, -1:])
 
 
-def test_targets_whose_caches_are_not_plain_kv_carry_no_riders(pairs):
-    """A hybrid target (recurrent states) prefills a joiner in passes of its own."""
-    target = pairs["qwen3_5"].target
+def test_a_target_whose_layers_share_caches_carries_no_riders(more):
+    """Gemma 4's layers that read another layer's K/V: a joiner is prefilled in passes of its own."""
+    target = more("gemma4_text")[0].target
     assert not target.can_carry(own(target, JOINER))
+
+
+def test_a_hybrid_target_carries_riders(pairs):
+    """Gated DeltaNet layers (qwen3_5): a chunk rides in a batch's recorded pass, each group's rows
+    through the mixer on its own states and only the batch's taped: the pass returns what it
+    returns alone, the chunk's taps and states are its own pass's, and each sequence's rollback
+    to its accepted rows is what it is alone."""
+    from dflash_mlx.target.ragged import add_to, batch_of
+
+    target = pairs["qwen3_5"].target
+
+    def batched():
+        caches = [own(target, p) for p in PROMPTS]
+        out = [batch_of(c) for c in caches[0]]
+        for c in caches[1:]:
+            for layer, one in zip(out, c):
+                add_to(layer, one)
+        return out
+
+    batch, alone = batched(), batched()
+    rider_cache, solo_cache = own(target, JOINER[:3]), own(target, JOINER[:3])
+    assert target.can_carry(rider_cache)
+    block = mx.array([[p[-1]] * 4 for p in PROMPTS])
+    chunk = mx.array([JOINER[3:]])
+    rider = Rider(chunk, rider_cache)
+    logits, taps = target(block, batch, record=True, rider=rider)
+    target.crop_each(batch, [1, 4, 2], 4)
+    want_logits, want_taps = target(block, alone, record=True)
+    target.crop_each(alone, [1, 4, 2], 4)
+    _, want_rider = target(chunk, solo_cache, last_only=True)
+    assert close(logits, want_logits) and close(taps, want_taps) and close(rider.hidden, want_rider)
+    nxt = mx.array([[50]] * 3)
+    assert close(target(nxt, batch)[0], target(nxt, alone)[0])
+    assert close(target(nxt[:1], rider_cache)[0], target(nxt[:1], solo_cache)[0])
+
+
+@pytest.fixture(scope="module")
+def more(root, tokenizer_dir, vocab, drafters):
+    """(pair, plain mlx-lm model) of a family beyond the session's, built on first use."""
+    import tiny
+    from mlx_lm import load
+
+    import dflash_mlx
+
+    built = {}
+
+    def get(family):
+        if family not in built:
+            path = tiny.build_target(root / f"ride-{family}", family, tokenizer_dir, vocab[0])
+            built[family] = dflash_mlx.load(str(path), str(drafters["new"])), load(str(path))[0]
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["gpt_oss"])
+def test_sliding_window_targets_carry_riders(more, family):
+    """Sliding-window layers (window 8): a chunk longer than the window rides in a batch's pass
+    (ragged windows) and in a sequence's own (its ring of slack rows, the pass recorded to be
+    cropped): each pass returns what it returns alone, the chunk's taps are its own pass's, and
+    its caches go on as after its own pass."""
+    from dflash_mlx.target.caches import WindowCache
+
+    target = more(family)[0].target
+    solo_cache = own(target, JOINER[:3])
+    rider_cache = own(target, JOINER[:3])
+    assert target.can_carry(rider_cache) and any(isinstance(c, WindowCache) for c in rider_cache)
+    caches = [own(target, p) for p in PROMPTS]
+    batch = [RaggedKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    alone = [RaggedKVCache.merge([c[i] for c in [own(target, p) for p in PROMPTS]]) for i in range(len(caches[0]))]
+    lone, lone_ref = own(target, PROMPTS[2]), own(target, PROMPTS[2])
+    block = mx.array([[p[-1]] * 4 for p in PROMPTS])
+    for (start, end), (cache, ref, rows) in zip(((3, 14), (14, len(JOINER))), ((batch, alone, block),
+                                                                              (lone, lone_ref, block[2:]))):
+        chunk = mx.array([JOINER[start:end]])
+        rider = Rider(chunk, rider_cache)
+        logits, taps = target(rows, cache, record=True, rider=rider)
+        want_logits, want_taps = target(rows, ref, record=True)
+        _, want_rider = target(chunk, solo_cache, last_only=True)
+        assert close(logits, want_logits) and close(taps, want_taps) and close(rider.hidden, want_rider)
+    nxt = mx.array([[50]])
+    assert close(target(nxt, rider_cache)[0], target(nxt, solo_cache)[0])
+    target.crop(lone, 1, 4)  # the lone pass's rows but its first dropped, as a cycle rejecting them does
+    target.crop(lone_ref, 1, 4)
+    assert close(target(nxt, lone)[0], target(nxt, lone_ref)[0])
 
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
          "for i in range(10):\n    print(i * i)\n"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
 @pytest.mark.parametrize("decoding, width", [(1, None), (2, 1), (2, 4)])
 def test_a_joining_prompt_rides_in_the_cycles_of_those_decoding(pairs, baselines, monkeypatch, family, decoding,
                                                                 width):
@@ -109,6 +194,35 @@ def test_a_joining_prompt_rides_in_the_cycles_of_those_decoding(pairs, baselines
     while len(dec):
         for c in dec.fill() + dec.step(width):
             out[c.uid] += c.tokens
+    assert [out[u] for u in range(decoding)] == [plain_greedy(base, p, 40, eos=eos) for p in prompts]
+    assert out[joining.uid] == plain_greedy(base, long, 12, eos=eos)
+
+
+@pytest.mark.parametrize("decoding", [1, 2])
+def test_a_prompt_joining_a_sliding_window_target_rides_and_stays_lossless(more, monkeypatch, decoding):
+    """gpt-oss (window 8): a long prompt joining one sequence alone or two in a batch rides in their
+    cycles' passes, chunk after chunk, and every output is plain greedy decoding."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.decode.decoder import Decoder
+    from dflash_mlx.policy import join
+
+    for name in ("FIRST_CHUNK", "MIN_CHUNK", "MAX_CHUNK"):
+        monkeypatch.setattr(join, name, 16)
+    pair, base = more("gpt_oss")
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS[:decoding]]
+    long = pair.tokenizer.encode(" ".join(TEXTS) * 3)
+    dec = Decoder(pair, 4, block_size=4)
+    out = {c.uid: list(c.tokens) for c in dec.add_many(prompts, [40] * decoding)}
+    joining = dec.add(long, 12, chunked=True)
+    assert joining.filling
+    rode = 0
+    while len(dec):
+        for c in dec.fill() + dec.step(None if decoding == 1 else 4):
+            out.setdefault(c.uid, []).extend(c.tokens)
+        rode += dec.filling.rode > 0
+    assert rode >= (len(long) - 1) // 16 - 1
     assert [out[u] for u in range(decoding)] == [plain_greedy(base, p, 40, eos=eos) for p in prompts]
     assert out[joining.uid] == plain_greedy(base, long, 12, eos=eos)
 

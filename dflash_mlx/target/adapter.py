@@ -11,9 +11,12 @@ length. Which cache types can be rolled back, and so which families are
 supported, is decided per cache in `caches`. Where every cache is a KV
 cache, every layer, its attention and its RoPE are wrapped too: a tree pass
 (`draft/tree.py`) gives the layers its mask and rotates each run of nodes at
-its own positions (`keep_rows` then keeps the accepted branch's K/V rows), and
-another sequence's prefill chunk can ride in a pass (`Rider`): its rows share
-the pass's projections and MLPs and attend over their own caches. Two
+its own positions (`keep_rows` then keeps the accepted branch's K/V rows).
+Where every layer has a cache of its own (K/V, a sliding window or a Gated
+DeltaNet state), each attention is wrapped, and the tape's mixer splits too,
+so that another sequence's prefill chunk can ride in a pass (`Rider`): its rows
+share the pass's projections and MLPs and attend over, or update, their own
+caches. Two
 adapters in one process share nothing.
 
 Under mlx-lm's pipeline parallelism (`model.model.pipeline(group)`) a rank
@@ -229,6 +232,10 @@ class Rider:
     hidden: Optional[mx.array] = None
 
 
+# A rider's own caches (a sequence's): K/V, a sliding window, a Gated DeltaNet state.
+RIDER_CACHES = (cache_lib.KVCache, WindowCache, cache_lib.ArraysCache)
+
+
 class _Grouped:
     """One layer's caches during a pass with a rider: the pass's own and the rider's. The mask
     the model asks the first for is each group's own, as the model would have made it."""
@@ -366,6 +373,8 @@ class TapedGatedDeltaNet(_Wrapper):
         self._taps = taps
 
     def __call__(self, inputs, mask=None, cache=None):
+        if self._taps.groups is not None:
+            return self._grouped(inputs, mask, cache)
         if not self._taps.recording or cache is None or mask is not None:
             return self.inner(inputs, mask, cache)
         g = self.inner
@@ -399,6 +408,21 @@ class TapedGatedDeltaNet(_Wrapper):
         if getattr(g, "sharding_group", None) is not None:  # tensor parallel: heads split across ranks
             out = mx.distributed.all_sum(out, group=g.sharding_group)
         return out
+
+    def _grouped(self, inputs, masks, cache):
+        """During a pass with a rider: each group of rows (the pass's own [B, L], the rider's
+        [1, L]) through the mixer on its own states, only the pass's own taped."""
+        taps = self._taps
+        groups, recording = taps.groups, taps.recording
+        outs, start = [], 0
+        for i, ((B, L), m, c) in enumerate(zip(groups, masks, cache.caches)):
+            taps.groups, taps.recording = None, recording and i == 0
+            try:
+                outs.append(self(inputs[:, start : start + B * L].reshape(B, L, -1), m, c).reshape(1, B * L, -1))
+            finally:
+                taps.groups, taps.recording = groups, recording
+            start += B * L
+        return mx.concatenate(outs, axis=1)
 
     def rollback(self, cache, keep: int):
         """Set `cache` to the state after the first `keep` tokens of the taped block."""
@@ -499,7 +523,7 @@ class TargetAdapter:
         self.slack = slack
         self._gdn: Dict[int, TapedGatedDeltaNet] = {}
         self.supports_tree = not self.pipelined and self._tree_capable(layers)
-        self._riders = self.supports_tree  # where a prefill chunk can ride in another pass (`Rider`)
+        self._riders = not self.pipelined and self._ride_capable(layers)  # a prefill chunk can ride in a pass
         last = self.num_layers - 1
         # Taps this rank computes; under pipeline parallelism the last layer's
         # (HF's final-norm entry) is its output normed here, so that no tap
@@ -514,14 +538,11 @@ class TargetAdapter:
                 wrapped = TapedGatedDeltaNet(mixer, e, self._taps)
                 setattr(layer, name, wrapped)
                 self._gdn[e] = wrapped
-            if self.supports_tree:
-                for owner in _rope_owners(layer):
+            for owner in _rope_owners(layer) if self.supports_tree or self._riders else ():
+                if self.supports_tree:
                     owner.rope = TreeRoPE(owner.rope, self._taps)
-                    name = next((n for n in layer if layer[n] is owner), None)
-                    if name is None:  # an attention nested deeper than the layer: no riders
-                        self._riders = False
-                    else:
-                        setattr(layer, name, RidingAttention(owner, self._taps))
+                if self._riders:
+                    setattr(layer, next(n for n in layer if layer[n] is owner), RidingAttention(owner, self._taps))
             tapped = i in self.local_taps and (i != last or self.pipelined)
             if tapped or self.supports_tree:
                 layers[i] = TappedLayer(layer, i, self._taps, record=tapped)
@@ -566,6 +587,21 @@ class TargetAdapter:
                 return False
         return True
 
+    def _ride_capable(self, layers) -> bool:
+        """Whether a prefill chunk can ride in a pass: every cache K/V (full or a sliding window,
+        each group's own mask made by its own caches) or a Gated DeltaNet state (the tape's
+        wrapper runs each group on its own), and every attention layer's attention a child of
+        the layer taking the mask second, holding the one RoPE (`RidingAttention` wraps it)."""
+        if any(k not in ("offset", "window", "tape") for k in self._kinds.values()) or len(self._kinds) != len(layers):
+            return False
+        for i, layer in enumerate(layers):
+            if self._kinds[i] == "tape":  # a Gated DeltaNet mixer: the tape's wrapper splits the groups
+                continue
+            owners = _rope_owners(layer)
+            if len(owners) != 1 or not any(layer[n] is owners[0] for n in layer) or not _takes_mask(owners[0]):
+                return False
+        return True
+
     def can_verify_tree(self, cache) -> bool:
         """Whether a tree pass can run over these caches (all plain KV caches, a sequence's own or
         a batch's: not quantized, not sliding windows)."""
@@ -575,8 +611,9 @@ class TargetAdapter:
     def can_carry(self, cache) -> bool:
         """Whether a prefill chunk over these caches (a sequence's own) can ride in a pass
         (`Rider`): every layer's attention is wrapped to split the groups and every cache is a
-        plain KV cache; after the first pass has checked the model's layout."""
-        return self._riders and self._checked and all(type(c) is cache_lib.KVCache for c in cache)
+        K/V cache, a sliding window or a Gated DeltaNet state; after the first pass has checked the
+        model's layout."""
+        return self._riders and self._checked and all(type(c) in RIDER_CACHES for c in cache)
 
     def model_head(self, x):
         """The head as the model's own forward calls it: `head`, or where the
@@ -629,12 +666,7 @@ class TargetAdapter:
         taps.recording, taps.last_only, taps.head_calls, taps.rows = record, last_only, 0, rows
         if tree is not None:
             taps.tree_mask, taps.tree_runs = _tree_mask(tree, cache), tree[1]
-        if record and tokens.shape[1] > self.slack:
-            # A recorded pass wider than the windows' slack: keep enough to crop it.
-            self.slack = tokens.shape[1]
-            for c in cache:
-                if isinstance(c, WindowCache):
-                    c.grow_slack(self.slack)
+        self._slack_for(tokens, cache, record)
         try:
             logits = self.model(tokens, cache=cache)
         finally:
@@ -658,6 +690,7 @@ class TargetAdapter:
             heads = rows + mx.arange(B) * L
         else:
             heads = mx.arange(B * L).reshape(B, L)[:, -1 if last_only else slice(None)].reshape(-1)
+        self._slack_for(tokens, cache, record)
         taps.values.clear()
         taps.recording, taps.head_calls = record, 0
         taps.groups, taps.head_rows = groups, heads
@@ -676,6 +709,14 @@ class TargetAdapter:
         if wanted == "layers":
             return logits, tuple(own)
         return logits, mx.concatenate(own, axis=-1) if wanted else None
+
+    def _slack_for(self, tokens: mx.array, cache, record: bool) -> None:
+        """A recorded pass wider than the windows' slack: keep enough to crop it."""
+        if record and tokens.shape[1] > self.slack:
+            self.slack = tokens.shape[1]
+            for c in cache:
+                if isinstance(c, WindowCache):
+                    c.grow_slack(self.slack)
 
     def _tap(self, i: int, tokens: mx.array) -> mx.array:
         """Tap `i` of this pass: zeros where another rank of a pipeline runs layer i."""
