@@ -41,7 +41,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from ..errors import DFlashError
 from ..kernels import backend, gdn_replay, gdn_replay_each, gdn_verify, qmm_verify
-from .caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, rollback_kind
+from .caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, keep_rows, rollback_kind
 from .ragged import RaggedKVCache
 
 
@@ -298,6 +298,35 @@ def _takes_mask(layer: nn.Module) -> bool:
     return len(params) > 2 and params[2] == "mask"
 
 
+def tree_capable(kinds: Dict[int, str], layers) -> bool:
+    """Whether a tree pass can run: every cache a plain KVCache (trimmed and
+    row-copied), every layer taking the mask second and holding exactly
+    one RoPE of a kind that rotates by position alone."""
+    if any(k != "offset" for k in kinds.values()) or len(kinds) != len(layers):
+        return False
+    for layer in layers:
+        owners = _rope_owners(layer)
+        if not _takes_mask(layer) or len(owners) != 1 or type(owners[0].rope) not in TREE_ROPES:
+            return False
+    return True
+
+
+def ride_capable(kinds: Dict[int, str], layers) -> bool:
+    """Whether a prefill chunk can ride in a pass: every cache K/V (full or a sliding window,
+    each group's own mask made by its own caches) or a Gated DeltaNet state (the tape's
+    wrapper runs each group on its own), and every attention layer's attention a child of
+    the layer taking the mask second, holding the one RoPE (`RidingAttention` wraps it)."""
+    if any(k not in ("offset", "window", "tape") for k in kinds.values()) or len(kinds) != len(layers):
+        return False
+    for i, layer in enumerate(layers):
+        if kinds[i] == "tape":  # a Gated DeltaNet mixer: the tape's wrapper splits the groups
+            continue
+        owners = _rope_owners(layer)
+        if len(owners) != 1 or not any(layer[n] is owners[0] for n in layer) or not _takes_mask(owners[0]):
+            return False
+    return True
+
+
 class _FinalNorm(_Wrapper):
     """The model's final norm: records its output, HF's entry for the last layer."""
 
@@ -522,8 +551,8 @@ class TargetAdapter:
         self._taps = _Taps()
         self.slack = slack
         self._gdn: Dict[int, TapedGatedDeltaNet] = {}
-        self.supports_tree = not self.pipelined and self._tree_capable(layers)
-        self._riders = not self.pipelined and self._ride_capable(layers)  # a prefill chunk can ride in a pass
+        self.supports_tree = not self.pipelined and tree_capable(self._kinds, layers)
+        self._riders = not self.pipelined and ride_capable(self._kinds, layers)  # a prefill chunk can ride in a pass
         last = self.num_layers - 1
         # Taps this rank computes; under pipeline parallelism the last layer's
         # (HF's final-norm entry) is its output normed here, so that no tap
@@ -574,33 +603,6 @@ class TargetAdapter:
                 )
             kinds[i] = kind
         return kinds
-
-    def _tree_capable(self, layers) -> bool:
-        """Whether a tree pass can run: every cache a plain KVCache (trimmed and
-        row-copied), every layer taking the mask second and holding exactly
-        one RoPE of a kind that rotates by position alone."""
-        if any(k != "offset" for k in self._kinds.values()) or len(self._kinds) != len(layers):
-            return False
-        for layer in layers:
-            owners = _rope_owners(layer)
-            if not _takes_mask(layer) or len(owners) != 1 or type(owners[0].rope) not in TREE_ROPES:
-                return False
-        return True
-
-    def _ride_capable(self, layers) -> bool:
-        """Whether a prefill chunk can ride in a pass: every cache K/V (full or a sliding window,
-        each group's own mask made by its own caches) or a Gated DeltaNet state (the tape's
-        wrapper runs each group on its own), and every attention layer's attention a child of
-        the layer taking the mask second, holding the one RoPE (`RidingAttention` wraps it)."""
-        if any(k not in ("offset", "window", "tape") for k in self._kinds.values()) or len(self._kinds) != len(layers):
-            return False
-        for i, layer in enumerate(layers):
-            if self._kinds[i] == "tape":  # a Gated DeltaNet mixer: the tape's wrapper splits the groups
-                continue
-            owners = _rope_owners(layer)
-            if len(owners) != 1 or not any(layer[n] is owners[0] for n in layer) or not _takes_mask(owners[0]):
-                return False
-        return True
 
     def can_verify_tree(self, cache) -> bool:
         """Whether a tree pass can run over these caches (all plain KV caches, a sequence's own or
@@ -790,30 +792,9 @@ class TargetAdapter:
         return bool(self._gdn)
 
     def keep_rows(self, cache, rows: Sequence[int], width: int):
-        """After a tree pass over `width` tokens, keep the K/V rows of tokens
-        `rows` (ascending) as the pass's first rows and drop the others.
-
-        Only rows out of place are copied, one slice per contiguous run. The
-        copy is evaluated on its own first: a slice update whose source is a
-        view of the same buffer would copy the whole cache."""
-        moves, i = [], 0
-        while i < len(rows):
-            j = i
-            while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
-                j += 1
-            if rows[i] != i:
-                moves.append((i, rows[i], j + 1 - i))
-            i = j + 1
-        bases = [c.offset - width for c in cache]
-        parts = [[(mx.contiguous(c.keys[..., b + s : b + s + n, :]), mx.contiguous(c.values[..., b + s : b + s + n, :]))
-                  for _, s, n in moves] for c, b in zip(cache, bases)]
-        if moves:
-            mx.async_eval(parts)
-        for c, b, layer_parts in zip(cache, bases, parts):
-            for (d, _, n), (k, v) in zip(moves, layer_parts):
-                c.keys[..., b + d : b + d + n, :] = k
-                c.values[..., b + d : b + d + n, :] = v
-            c.offset = b + len(rows)
+        """After a tree pass over `width` tokens, keep the K/V rows of tokens `rows` (ascending)
+        as the pass's first rows and drop the others (`caches.keep_rows`)."""
+        keep_rows(cache, rows, width)
 
     def keep_rows_each(self, cache, rows: Sequence[Sequence[int]], width: int):
         """`keep_rows` for a batch's caches (`target.ragged`): sequence b keeps rows `rows[b]`."""

@@ -3,7 +3,8 @@ mlx-lm cache types (and so which model families) the adapter supports.
 
 Per cache type, after a verify pass the target keeps only the accepted prefix:
 
-- `KVCache`: the offset moves back (no copy).
+- `KVCache`: the offset moves back (no copy); after a tree pass the accepted
+  branch's rows are moved in place first (`keep_rows`).
 - `RotatingKVCache` (sliding-window layers, e.g. Gemma 4, gpt-oss): replaced by
   `WindowCache`, a ring buffer holding `slack` rows beyond the window, so the
   rows a crop uncovers are still there; the offset moves back (no copy) and
@@ -258,6 +259,33 @@ class WindowCache(cache_lib.RotatingKVCache):
 
 
 # -- the rule, per cache instance -------------------------------------------
+
+def keep_rows(cache, rows, width: int) -> None:
+    """After a tree pass over `width` tokens, keep the K/V rows of tokens
+    `rows` (ascending) as the pass's first rows and drop the others.
+
+    Only rows out of place are copied, one slice per contiguous run. The
+    copy is evaluated on its own first: a slice update whose source is a
+    view of the same buffer would copy the whole cache."""
+    moves, i = [], 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
+            j += 1
+        if rows[i] != i:
+            moves.append((i, rows[i], j + 1 - i))
+        i = j + 1
+    bases = [c.offset - width for c in cache]
+    parts = [[(mx.contiguous(c.keys[..., b + s : b + s + n, :]), mx.contiguous(c.values[..., b + s : b + s + n, :]))
+              for _, s, n in moves] for c, b in zip(cache, bases)]
+    if moves:
+        mx.async_eval(parts)
+    for c, b, layer_parts in zip(cache, bases, parts):
+        for (d, _, n), (k, v) in zip(moves, layer_parts):
+            c.keys[..., b + d : b + d + n, :] = k
+            c.values[..., b + d : b + d + n, :] = v
+        c.offset = b + len(rows)
+
 
 def rollback_kind(cache, mixer=None) -> Optional[str]:
     """How a cache of the target is rolled back: "offset" (KVCache), "window"
