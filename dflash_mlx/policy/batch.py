@@ -21,7 +21,7 @@ its best path and a few branches, more rows in the same pass) where every
 sequence allows it. A tree at a width is weighed as a width is, by its own
 measured tokens per second at that batch size against the linear cycle's: tried
 once the width has been, kept where it commits more per second, and the other
-retried now and then as a neighbour width is. Trees pay where a pass's rows are
+retried rarely (every TREE_RETRY cycles at most). Trees pay where a pass's rows are
 nearly free (a small batch on a GPU); on a CPU, where each row costs, they do
 not, and the tries are few.
 """
@@ -42,6 +42,11 @@ DECAY = 0.9
 RETRY = 32
 RETRY_BUDGET = 64
 MAX_RETRY = 1024  # at least this often, however far behind: the text may come to repeat
+# A width's trees and its linear cycle, whichever is behind, are retried at most every TREE_RETRY cycles:
+# what a tree's extra rows cost is the machine's and stays, only its branches' acceptance follows the text
+# (on a CPU a batch's tree commits about 0.7x the linear cycle's tokens per second, so each retry there
+# costs a third of a cycle).
+TREE_RETRY = 256
 STALE_KEEP = 0.5  # what a figure keeps, at least, of itself when a retry after a long pause updates it
 # A drafting width must beat plain batched decoding (width 1) by this much to be chosen: drafted
 # cycles make a batch's sequences finish apart, so a wave of requests leaves smaller, slower
@@ -143,7 +148,7 @@ class BatchWidths:
         other = most - best
         key = _key(batch, width, other)
         lost = self.seconds[key] * max(0.0, 1 - rates[other] / rates[best]) / self.seconds[_key(batch, width, best)]
-        interval = min(max(RETRY, RETRY_BUDGET * lost), MAX_RETRY)
+        interval = min(max(TREE_RETRY, RETRY_BUDGET * lost), MAX_RETRY)
         return other if self.cycle - self.last.get(key, 0) >= interval else best
 
     def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0) -> None:
