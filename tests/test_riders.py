@@ -310,8 +310,9 @@ def test_a_tree_pass_carrying_a_chunk_equals_both_apart(pairs):
 
 def test_while_a_prompt_joins_the_batch_runs_cycles_that_leave_its_chunks_their_share(pairs, baselines,
                                                                                        monkeypatch):
-    """`Streams` caps the batch policy's width while a prompt joins to the widest whose cycles fit
-    (`JoinChunks.fits`), and lets the policy choose again once it has joined."""
+    """`Streams` caps the batch policy's width while a prompt joins, and for the joiner's first cycle
+    beside the others, to the widest whose cycles fit (`JoinChunks.fits`), and lets the policy
+    choose again once it has joined."""
     from conftest import plain_greedy
 
     from dflash_mlx.decode.streams import Joining, Streams
@@ -348,6 +349,9 @@ def test_while_a_prompt_joins_the_batch_runs_cycles_that_leave_its_chunks_their_
     # The width is chosen a cycle ahead: from the second cycle of the join on, at most 2.
     during = [w for w, filling in widths[2:] if filling]
     assert len(during) > 3 and max(during[1:]) == 2 and widths[-1][0] == 8
+    # The joiner's first cycle beside the others is capped too: three sequences were never timed, so plain.
+    last = max(i for i, (_, filling) in enumerate(widths) if filling)
+    assert widths[last + 1] == (1, False)
     eos = tuple(pair.tokenizer.eos_token_ids)
     assert [out[u] for u in (0, 1)] == [plain_greedy(base, p, 40, eos=eos) for p in prompts]
     assert out[uid] == plain_greedy(base, long, 8, eos=eos)

@@ -82,6 +82,7 @@ class Streams:
     def step(self) -> List[Tuple[int, GenerationEvent]]:
         """A prefill chunk of each request still prefilling (the first events of those done), then
         one cycle for every request decoding; those it ends (EOS, budget, a stop string) have left."""
+        joining = bool(self.decoder.filling)  # a prompt fills, or joins in this step's cycle
         out = [(c.uid, self._first(c)) for c in self.decoder.fill()]
         B = len(self.decoder.seqs)
         if B == 0:
@@ -95,13 +96,13 @@ class Streams:
             # Widths are chosen a cycle ahead, so that a plain step launches the next one only where
             # it will run; where the batch has changed, this cycle runs what is chosen now.
             then = self.policy.choose(B, expected_gains(self.decoder.seqs, self.policy.widths))
-            if self.decoder.filling:  # a prompt joins: cycles cheap enough to leave its chunks their share
+            if joining:  # cycles cheap enough to leave a joining prompt's chunks, and its first cycle, their share
                 fits = self.decoder.joins.fits
                 then = max((w for w in self.policy.widths if w <= then and fits((B, w))),
                            default=min(self.policy.widths, default=then))
             width = self._then[1] if self._then is not None and self._then[0] == B else then
             self._then = (B, then)
-            branches = self.policy.branches(B, width, self.decoder.branches) if not self.decoder.filling else 0
+            branches = self.policy.branches(B, width, self.decoder.branches) if not joining else 0
             tic = time.perf_counter()
             committed = self.decoder.step(width, then, branches)
             if not self.decoder.filling.rode:  # a cycle that carried a joining prompt's chunk says nothing of its width

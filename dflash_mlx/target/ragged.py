@@ -144,29 +144,27 @@ class RaggedKVCache:
         self.values = self.values[idx, :, : min(columns, self.capacity)]
 
     def extend(self, caches: Sequence[KVCache]) -> None:
-        """Append single-sequence caches (one layer's) as new sequences; their rows are copied once."""
+        """Append single-sequence caches (one layer's) as new sequences. One new buffer holds
+        every sequence: the rows held already and the new ones are each copied into it once."""
         lengths = [c.offset if c.keys is not None else 0 for c in caches]
         ref = self if self.keys is not None else next((c for c in caches if c.keys is not None), None)
         if ref is None:  # no rows anywhere yet
             self.ends += lengths
             self._moved()
             return
-        before = 0 if self.keys is not None else len(self.ends)  # sequences already here without rows
+        held = max(self.ends, default=0) if self.keys is not None else 0  # columns of rows held already
         columns = max(self.capacity, -(-max(lengths + [1]) // STEP) * STEP)
-        B, H, D, M = before + len(caches), ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
+        B, H, D, M = len(self.ends) + len(caches), ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
         k = mx.zeros((B, H, columns, D), ref.keys.dtype)
         v = mx.zeros((B, H, columns, M), ref.values.dtype)
-        for i, (c, n) in enumerate(zip(caches, lengths), start=before):
+        if held:
+            k[: len(self.ends), :, :held] = self.keys[..., :held, :]
+            v[: len(self.ends), :, :held] = self.values[..., :held, :]
+        for i, (c, n) in enumerate(zip(caches, lengths), start=len(self.ends)):
             if n:
                 k[i : i + 1, :, :n] = c.keys[..., :n, :]
                 v[i : i + 1, :, :n] = c.values[..., :n, :]
-        if self.keys is None:
-            self.keys, self.values = k, v
-        else:
-            if columns > self.capacity:
-                self._reserve(columns, self.keys, self.values)
-            self.keys = mx.concatenate([self.keys, k], axis=0)
-            self.values = mx.concatenate([self.values, v], axis=0)
+        self.keys, self.values = k, v
         self.ends += lengths
         self._moved()
 
