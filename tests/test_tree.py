@@ -491,28 +491,33 @@ def test_a_lone_tree_request_joined_by_another_goes_on_in_a_batch_of_trees(pairs
 
 
 def test_a_batch_verifies_trees_where_they_commit_more_per_second():
-    """At a drafted width, trees are tried once the linear cycle has been, then the faster of the
-    two runs and the other is retried now and then; per batch size and width."""
+    """Where the batch's measured widths say its rows are nearly free, a width's trees are tried
+    once its linear cycle has been, then the faster of the two runs and the other is retried
+    rarely; where rows cost (the extra rows' share of the cycle above `TREE_GAIN`), no tree is
+    tried. Per batch size and width."""
     from dflash_mlx.policy.batch import TREE_RETRY, TRIES, BatchWidths, FixedBatchWidth
 
     p = BatchWidths(8)
     speed = {0: 10.0, 2: 14.0}
 
-    def run(batch, width, cycles):
+    def run(batch, width, cycles, seconds=1.0):
         chosen = []
         for _ in range(cycles):
             p.cycle += 1
             k = p.branches(batch, width, 2)
             chosen.append(k)
-            p.update(batch, width, 1.0, speed[k], k)
+            p.update(batch, width, seconds, speed[k], k)
         return chosen
 
     assert p.branches(2, 1, 2) == 0 and p.branches(2, 4, 0) == 0  # plain steps, sequences without trees
+    for _ in range(TRIES):
+        p.update(2, 2, 0.98, 8.0)  # width 2 nearly as dear as width 4: rows are nearly free
+        p.update(8, 2, 0.5, 30.0)  # at 8 sequences, width 4 costs twice width 2: rows cost
     assert run(2, 4, 2 * TRIES) == [0] * TRIES + [2] * TRIES
     later = run(2, 4, 2 * TREE_RETRY)
     assert later.count(2) > 0.95 * len(later) and 0 in later  # the faster, the other retried
-    speed[2] = 5.0  # each row costs: trees lose
+    speed[2] = 5.0  # trees lose after all
     later = run(2, 4, 4 * TREE_RETRY)
     assert later[-TREE_RETRY:].count(0) >= TREE_RETRY - 1
-    assert run(8, 4, TRIES) == [0] * TRIES  # another batch size measures anew
+    assert run(8, 4, 4 * TRIES) == [0] * 4 * TRIES  # another batch size, whose rows cost: never tried
     assert FixedBatchWidth(4).branches(2, 4, 2) == 2 and FixedBatchWidth(4).branches(2, 1, 2) == 0

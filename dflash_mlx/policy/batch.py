@@ -18,15 +18,19 @@ neither much. Output does not depend on the widths, so trying costs speed only.
 
 A drafted width's cycle may also verify each sequence's tree (`draft/tree.py`:
 its best path and a few branches, more rows in the same pass) where every
-sequence allows it. A tree at a width is weighed as a width is, by its own
-measured tokens per second at that batch size against the linear cycle's: tried
-once the width has been, kept where it commits more per second, and the other
-retried rarely (every TREE_RETRY cycles at most). Trees pay where a pass's rows are
-nearly free (a small batch on a GPU); on a CPU, where each row costs, they do
-not, and the tries are few.
+sequence allows it. Trees pay only where a pass's rows are nearly free (a small
+batch on a GPU): the batch's own measured seconds per width say what a row
+costs at its size, and a tree whose extra rows would cost more than
+`TREE_GAIN` of the cycle is never tried (on a CPU, none is). Otherwise a tree at
+a width is weighed as a width is, by its own measured tokens per second at
+that batch size against the linear cycle's: tried once the width has been,
+kept where it commits more per second, and the other retried rarely (every
+`TREE_RETRY` cycles at most).
 """
 
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+from .costs import tree_rows
 
 WIDTHS = (1, 2, 4, 8)  # the candidates: a few, so that each is measured often enough
 TRIES = 3  # cycles each candidate runs at a batch size before the best is chosen on the figures
@@ -47,6 +51,9 @@ MAX_RETRY = 1024  # at least this often, however far behind: the text may come t
 # (on a CPU a batch's tree commits about 0.7x the linear cycle's tokens per second, so each retry there
 # costs a third of a cycle).
 TREE_RETRY = 256
+# Branches add 13-17% tokens per cycle, alone and in batches (`benchmarks/tree.py`): a tree whose extra rows
+# would cost more than this share of the linear cycle's seconds cannot pay, and is not tried.
+TREE_GAIN = 0.25
 STALE_KEEP = 0.5  # what a figure keeps, at least, of itself when a retry after a long pause updates it
 # A drafting width must beat plain batched decoding (width 1) by this much to be chosen: drafted
 # cycles make a batch's sequences finish apart, so a wave of requests leaves smaller, slower
@@ -139,7 +146,7 @@ class BatchWidths:
         the width has been, then the faster (measured tokens per second), the other retried the
         more rarely the more a retry loses."""
         linear, tree = _key(batch, width), _key(batch, width, most)
-        if width < 2 or not most or self.runs.get(linear, 0) < TRIES:
+        if width < 2 or not most or self.runs.get(linear, 0) < TRIES or not self._rows_cheap(batch, width, most):
             return 0
         if self.runs.get(tree, 0) < TRIES:
             return most
@@ -150,6 +157,18 @@ class BatchWidths:
         lost = self.seconds[key] * max(0.0, 1 - rates[other] / rates[best]) / self.seconds[_key(batch, width, best)]
         interval = min(max(TREE_RETRY, RETRY_BUDGET * lost), MAX_RETRY)
         return other if self.cycle - self.last.get(key, 0) >= interval else best
+
+    def _rows_cheap(self, batch: int, width: int, branches: int) -> bool:
+        """Whether a tree's extra rows could cost less than `TREE_GAIN` of the linear cycle of
+        `width` at `batch` sequences, at what a row costs between the narrower measured width
+        and this one (none measured: not known to be cheap)."""
+        below = [w for w in self.widths if w < width and self.runs.get(_key(batch, w), 0) >= TRIES]
+        if not below:
+            return False
+        w0 = max(below)
+        at, under = self.seconds[_key(batch, width)], self.seconds[_key(batch, w0)]
+        per_row = max(0.0, at - under) / (width - w0)  # a block row of every sequence
+        return per_row * (tree_rows(width, branches) - width) < TREE_GAIN * at
 
     def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0) -> None:
         """A cycle of `batch` sequences at `width` (trees of `branches`) took `seconds` and
