@@ -463,16 +463,20 @@ def test_trees_in_a_batch_are_lossless_and_keep_each_sequences_branch(pairs, bas
     assert together >= 3 * 4 and branched == {c.uid for c in firsts}
 
 
-def test_a_lone_tree_request_joined_by_another_goes_on_in_a_batch_of_trees(pairs, baselines):
+def test_a_lone_tree_request_joined_by_another_goes_on_in_a_batch_of_trees(pairs, baselines, monkeypatch):
     """Through the streams: a request verifying trees alone (`tree=2`, a fixed size) is joined by
-    another that allows trees; their cycles together verify both trees in one pass, and each
-    gets plain greedy text."""
+    another that allows trees, its prompt prefilled a chunk per cycle; every drafted cycle,
+    those carrying its chunks too, verifies trees, together in one pass once it has joined, and
+    each gets plain greedy text."""
     from dflash_mlx.decode.decoder import Asks
     from dflash_mlx.decode.streams import Joining, Streams
+    from dflash_mlx.policy import join
     from dflash_mlx.policy.batch import FixedBatchWidth
 
+    for name in ("FIRST_CHUNK", "MIN_CHUNK", "MAX_CHUNK"):
+        monkeypatch.setattr(join, name, 16)
     pair = pairs["qwen3"]
-    prompts = [pair.tokenizer.encode(PROMPTS[i]) for i in (0, 2)]
+    prompts = [pair.tokenizer.encode(PROMPTS[0]), pair.tokenizer.encode(" ".join(PROMPTS) * 2)]
     refs = [greedy_ref(baselines["qwen3"], p, 24) for p in prompts]
     streams = Streams(pair, 4, FixedBatchWidth(4), block_size=4)
     uid, first = streams.add(Joining(prompts[0], 24, asks=Asks(tree=2)))
@@ -480,14 +484,15 @@ def test_a_lone_tree_request_joined_by_another_goes_on_in_a_batch_of_trees(pairs
     for u, ev in streams.step():
         out[u] += ev.tokens
     (uid2, first2), = streams.add_many([Joining(prompts[1], 24, asks=Asks(tree=2))])
-    out[uid2] = [] if first2 is None else list(first2.tokens)  # None: its prompt is prefilled a chunk per step
+    assert first2 is None  # its prompt is prefilled a chunk per step
+    out[uid2] = []
     stats = {}
     while len(streams):
         for u, ev in streams.step():
             out[u] += ev.tokens
             stats[u] = ev.stats
     assert [out[uid], out[uid2]] == refs
-    assert stats[uid2].tree_cycles == stats[uid2].draft_cycles > 0
+    assert all(s.tree_cycles == s.draft_cycles > 0 for s in stats.values())
 
 
 def test_a_batch_verifies_trees_where_they_commit_more_per_second():

@@ -36,7 +36,8 @@ from .caches import Caches
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
 from .filling import Filling, Fillings
-from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, caught_up, drained, joined, prefill_steps
+from .kept import Kept
+from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, drained, prefill_steps
 from .running import Asks, Committed, Proposal, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
@@ -85,7 +86,7 @@ class Decoder:
         target whose caches cannot be batched decodes one sequence at a time."""
         self.pair, self.target, self.source = pair, pair.target, pair.draft_source
         self.prompt_cache, self.lookup = prompt_cache, lookup
-        self.finished: list = []  # (sequence, its caches, tokens they hold) of finished sequences, for `keep`
+        self.kept = Kept(pair, prompt_cache)  # what finished sequences computed, for `keep`
         if width < 1:
             raise DFlashError(f"The batch's block width must be >= 1 (got {width}).")
         self.width = min(width, self.source.block_size)
@@ -154,7 +155,7 @@ class Decoder:
         if out.finish is None:
             self._join(seq, f.tcache)
         else:  # its caches hold the prompt
-            self._ended(seq, f.tcache, len(f.prompt))
+            self.kept.ended(seq, f.tcache, len(f.prompt))
         return out
 
     def add_many(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
@@ -185,7 +186,7 @@ class Decoder:
         self.joins.chunk(sum(len(p) - reused for p, (_, _, reused) in zip(prompts, starts)), time.perf_counter() - tic)
         keep = [b for b, c in enumerate(out) if c.finish is None]
         for b in (b for b, c in enumerate(out) if c.finish is not None):
-            self._ended(seqs[b], None if self.prompt_cache is None else [layer.extract(b) for layer in cache],
+            self.kept.ended(seqs[b], None if self.prompt_cache is None else [layer.extract(b) for layer in cache],
                         len(prompts[b]))
         if keep:
             for c in cache:
@@ -358,23 +359,12 @@ class Decoder:
         for b, s in enumerate(self.seqs):
             if b not in kept:
                 self.drafting.unpool(b, s)
-                self._ended(s, None if self.prompt_cache is None else self.caches.of(b), len(s.history) - 1)
+                self.kept.ended(s, None if self.prompt_cache is None else self.caches.of(b), len(s.history) - 1)
         self._keep_only(keep)
 
-    def _ended(self, seq: Running, tcache: list, rows: int) -> None:
-        """A sequence ended: with a prompt cache, its caches (holding `rows` tokens of its history)
-        are held for `keep`; what the pair's sizer learnt from it is written."""
-        if self.prompt_cache is not None:
-            self.finished.append((seq, tcache, rows))
-        if seq.keeps_rates:
-            self.pair.keep_rates()  # what the pair's sizers learnt outlives the process, as its cost curve does
-
     def keep(self) -> None:
-        """Hand what finished sequences computed to the prompt cache (after their answers are out):
-        the caches hold every committed token but the last, the drafter has read their taps."""
-        for seq, tcache, rows in self.finished:
-            store(self.prompt_cache, self.target, seq, tcache, rows)
-        self.finished = []
+        """Hand what finished sequences computed to the prompt cache (after their answers are out)."""
+        self.kept.keep()
 
     def remove(self, uid: int) -> Optional[str]:
         """Drop a sequence before it finished (nothing if it is not in the batch); with a prompt
@@ -443,15 +433,6 @@ def fetch(prompt_cache, target, prompt: Sequence[int], source):
     if prompt_cache is None:
         return target.make_cache(), source.new_state(), 0
     return prompt_cache.fetch(target, source, prompt)
-
-
-def store(prompt_cache, target, seq: Running, tcache: list, rows: int) -> None:
-    """A finished sequence's caches (holding `rows` tokens of its history) and its drafter's
-    context (given the taps it has not read) kept in the prompt cache."""
-    if seq.taps:
-        seq.source.add_context(seq.dstate, joined(caught_up(seq.source, seq.dstate, seq.take_taps())))
-    mx.eval([c.state for c in tcache], seq.source.arrays(seq.dstate))
-    prompt_cache.store(target, seq.source, seq.dstate, seq.history[:rows], tcache, seq.at_prompt)
 
 
 def check_room(prompt: Sequence[int], window: Optional[int], target, busy: bool) -> None:

@@ -96,13 +96,16 @@ class Streams:
             # Widths are chosen a cycle ahead, so that a plain step launches the next one only where
             # it will run; where the batch has changed, this cycle runs what is chosen now.
             then = self.policy.choose(B, expected_gains(self.decoder.seqs, self.policy.widths))
-            if joining:  # cycles cheap enough to leave a joining prompt's chunks, and its first cycle, their share
-                fits = self.decoder.joins.fits
-                then = max((w for w in self.policy.widths if w <= then and fits((B, w))),
-                           default=min(self.policy.widths, default=then))
+            # A policy weighing widths runs cycles cheap enough to leave a joining prompt's chunks, and its
+            # first cycle, their share (a fixed one runs what it was given).
+            fits, capped = self.decoder.joins.fits, joining and bool(self.policy.widths)
+            if capped:
+                then = max((w for w in self.policy.widths if w <= then and fits((B, w))), default=min(self.policy.widths))
             width = self._then[1] if self._then is not None and self._then[0] == B else then
             self._then = (B, then)
-            branches = self.policy.branches(B, width, self.decoder.branches) if not joining else 0
+            branches = self.policy.branches(B, width, self.decoder.branches)
+            if capped and branches and not fits((B, width, branches)):
+                branches = 0
             tic = time.perf_counter()
             committed = self.decoder.step(width, then, branches)
             if not self.decoder.filling.rode:  # a cycle that carried a joining prompt's chunk says nothing of its width
