@@ -15,6 +15,16 @@ def close(a, b):
     return mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
 
 
+def rides_as_apart(target, tokens, cache, ref, chunk, rider_cache, solo_cache, **kwargs) -> bool:
+    """Whether a pass over `tokens` carrying `chunk` returns the logits and taps of the same pass
+    apart (over `ref`, caches like `cache`), and leaves the chunk the taps of its own pass."""
+    rider = Rider(chunk, rider_cache)
+    logits, taps = target(tokens, cache, rider=rider, **kwargs)
+    want_logits, want_taps = target(tokens, ref, **kwargs)
+    _, want_rider = target(chunk, solo_cache, last_only=True)
+    return close(logits, want_logits) and close(taps, want_taps) and close(rider.hidden, want_rider)
+
+
 def own(target, prompt):
     cache = target.make_cache()
     mx.eval(target(mx.array([prompt]), cache)[0], [c.state for c in cache])
@@ -132,11 +142,7 @@ def test_sliding_window_targets_carry_riders(more, family):
     for (start, end), (cache, ref, rows) in zip(((3, 14), (14, len(JOINER))), ((batch, alone, block),
                                                                               (lone, lone_ref, block[2:]))):
         chunk = mx.array([JOINER[start:end]])
-        rider = Rider(chunk, rider_cache)
-        logits, taps = target(rows, cache, record=True, rider=rider)
-        want_logits, want_taps = target(rows, ref, record=True)
-        _, want_rider = target(chunk, solo_cache, last_only=True)
-        assert close(logits, want_logits) and close(taps, want_taps) and close(rider.hidden, want_rider)
+        assert rides_as_apart(target, rows, cache, ref, chunk, rider_cache, solo_cache, record=True)
     nxt = mx.array([[50]])
     assert close(target(nxt, rider_cache)[0], target(nxt, solo_cache)[0])
     target.crop(lone, 1, 4)  # the lone pass's rows but its first dropped, as a cycle rejecting them does
@@ -299,11 +305,7 @@ def test_a_tree_pass_carrying_a_chunk_equals_both_apart(pairs):
     nodes, chunk = mx.array([[5, 9, 14, 3, 40]]), mx.array([JOINER[3:12]])
     cache, alone = own(target, PROMPTS[0]), own(target, PROMPTS[0])
     rider_cache, solo_cache = own(target, JOINER[:3]), own(target, JOINER[:3])
-    rider = Rider(chunk, rider_cache)
-    logits, taps = target(nodes, cache, tree=tree, rider=rider)
-    want_logits, want_taps = target(nodes, alone, tree=tree)
-    _, want_rider = target(chunk, solo_cache, last_only=True)
-    assert close(logits, want_logits) and close(taps, want_taps) and close(rider.hidden, want_rider)
+    assert rides_as_apart(target, nodes, cache, alone, chunk, rider_cache, solo_cache, tree=tree)
     nxt = mx.array([[50]])
     assert close(target(nxt, rider_cache)[0], target(nxt, solo_cache)[0])
 
