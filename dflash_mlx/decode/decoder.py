@@ -187,7 +187,7 @@ class Decoder:
         keep = [b for b, c in enumerate(out) if c.finish is None]
         for b in (b for b, c in enumerate(out) if c.finish is not None):
             self.kept.ended(seqs[b], None if self.prompt_cache is None else [layer.extract(b) for layer in cache],
-                        len(prompts[b]))
+                            len(prompts[b]))
         if keep:
             for c in cache:
                 c.filter(keep)
@@ -217,9 +217,9 @@ class Decoder:
 
     def step(self, width: Optional[int] = None, then: Optional[int] = None, branches: int = 0) -> List[Committed]:
         """One cycle for every sequence in the batch at `width` (default: a sequence alone, its
-        policy's plan; several, the largest), verified as trees of `branches` branches where
-        that is drafted and each sequence allows it (`branches`); finished sequences leave it. `then`: the width of
-        the cycle after it (default: the same); a plain step launches the next before the host
+        policy's plan; several, the largest), a drafted one verifying trees of `branches`
+        branches where every sequence allows that many; finished sequences leave it. `then`: the
+        width of the cycle after it (default: the same); a plain step launches the next before the host
         reads its tokens only where that is plain too, so no step is computed to be dropped. A
         sequence alone has its next cycle launched before this one's tokens are handed back. Its
         seconds size join chunks. Where a cycle launched ahead was settled when the batch changed

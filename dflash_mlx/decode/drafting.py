@@ -138,8 +138,9 @@ class Drafting:
         if len(copies) == width - 1:  # no drafter pass: its taps wait for the next one
             tokens = mx.array(copies, dtype=mx.uint32)
             return Draft(tokens, point_masses(tokens, seq.source.vocab_size) if seq.rejection else None, None)
-        return draft(seq.source, seq.dstate, seq.last, _caught_up(seq), width, seq.params, copies, proc=seq.proc or None,
-                     alternatives=alternatives, scales=scales, noise=None if noise is None else noise[:-1])
+        return draft(seq.source, seq.dstate, seq.last, _caught_up(seq), width, seq.params, copies,
+                     proc=seq.proc or None, alternatives=alternatives, scales=scales,
+                     noise=None if noise is None else noise[:-1])
 
 
 def _caught_up(seq: Running) -> Optional[mx.array]:

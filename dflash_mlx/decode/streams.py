@@ -100,7 +100,8 @@ class Streams:
             # first cycle, their share (a fixed one runs what it was given).
             fits, capped = self.decoder.joins.fits, joining and bool(self.policy.widths)
             if capped:
-                then = max((w for w in self.policy.widths if w <= then and fits((B, w))), default=min(self.policy.widths))
+                then = max((w for w in self.policy.widths if w <= then and fits((B, w))),
+                           default=min(self.policy.widths))
             width = self._then[1] if self._then is not None and self._then[0] == B else then
             self._then = (B, then)
             branches = self.policy.branches(B, width, self.decoder.branches)

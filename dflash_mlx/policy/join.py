@@ -54,10 +54,11 @@ def _mean(old: Optional[float], new: float) -> float:
 class JoinChunks:
     """Seconds per prefill row and per batch cycle, measured; the next join chunk's size.
 
-    A cycle's shape is (sequences, width), and a tree's branches after them: cycles of one shape cost alike, and a batch's widths
-    change while a prompt joins, so a cycle that carried a chunk is compared with cycles of its
-    own shape, and the next chunk fills what the last shape's cycle leaves of 1 + JOIN_CYCLES
-    typical cycles (the gap the sequences decoding wait while a prompt joins)."""
+    A cycle's shape is (sequences, width), and a tree's branches after them: cycles of one shape
+    cost alike, and a batch's widths change while a prompt joins, so a cycle that carried a chunk
+    is compared with cycles of its own shape, and the next chunk fills what the last shape's cycle
+    leaves of 1 + JOIN_CYCLES typical cycles (the gap the sequences decoding wait while a prompt
+    joins)."""
 
     def __init__(self):
         self.row_seconds: Optional[float] = None

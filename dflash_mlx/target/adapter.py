@@ -607,8 +607,8 @@ class TargetAdapter:
     def can_verify_tree(self, cache) -> bool:
         """Whether a tree pass can run over these caches (all plain KV caches, a sequence's own or
         a batch's: not quantized, not sliding windows)."""
-        return self.supports_tree and all(type(c) is cache_lib.KVCache or (type(c) is RaggedKVCache and c.window is None)
-                                          for c in cache)
+        return self.supports_tree and all(
+            type(c) is cache_lib.KVCache or (type(c) is RaggedKVCache and c.window is None) for c in cache)
 
     def can_carry(self, cache) -> bool:
         """Whether a prefill chunk over these caches (a sequence's own) can ride in a pass
