@@ -1,5 +1,6 @@
 """Loading a target + drafter pair and checking that they belong together."""
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from .policy.costs import CONTEXTS, CostCurve, curve_key, load_or_measure, tree_
 from .policy.sizer import BlockSizer
 from .policy.store import Learned
 from .target.adapter import TargetAdapter, load_target, materialize, model_dims
+from .constrain.compiler import Grammars
 from .config import CONVERSION, DrafterConfig, check_pair
 from .draft.drafter import DFlashDrafter
 from .draft.drafter2 import draft_source, drafter_class, published_keys
@@ -48,6 +50,13 @@ class DFlashPair:
     def __post_init__(self):
         self.learned = Learned(lambda **kw: self.cost_curve(**kw), lambda: self.rates_path(),
                                self.draft_source.block_size)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Grammars compiled for this pair's tokenizer (`constrain`), built on first use."""
+        if self.tokenizer is None:
+            raise DFlashError("Structured output needs the model's tokenizer; this pair was loaded without one.")
+        return Grammars(self.tokenizer, self.target.vocab_size, sorted(self.tokenizer.eos_token_ids))
 
     @property
     def draft_context(self) -> Optional[int]:

@@ -23,6 +23,8 @@ from ..draft import tree as trees
 from ..policy.plan import Outcome
 from ..target.adapter import Rider
 from ..sampling import agreeing, greedy_log_probs, gumbel_rows, log_probs, pick
+from ..constrain.mask import allowed
+from .constrained import masked
 from .passes import TreeVerified, accept, logprob_rows, token_logprobs, verify_tree
 from .sequence import SequenceState
 
@@ -57,8 +59,10 @@ def pick_next(seqs: Sequence[SequenceState], logits: mx.array, pending: Optional
     """Each sequence's next token [B] from its row of `logits` [B, V] (greedy, its seed's draws,
     or mlx-lm's sampler), and per sequence its log probabilities (or None). Sequences drawing
     from the same distribution are picked in one op. `pending` [B]: tokens not committed yet
-    that the rows follow (a step launched ahead): processors see them, draws are a position on."""
+    that the rows follow (a step launched ahead): processors see them, draws are a position on.
+    A sequence's grammar masks its row first (never with `pending`: its mask needs the token)."""
     B = len(seqs)
+    logits = masked(seqs, logits)
     if any(s.proc for s in seqs):
         logits = mx.concatenate([
             s.proc.row(logits[b : b + 1], None if pending is None else pending[b : b + 1]) if s.proc
@@ -129,6 +133,12 @@ class Block:
     q_lps: list  # per sequence: the log probabilities its drafts were drawn from (rejection sampling), or None
     noises: list  # per sequence: its seed's draws' noise rows [width, V], or None
     alternatives: Optional[mx.array] = None  # one sequence: the drafter's 2nd and 3rd choices [width - 1, 2]
+    masks: Optional[mx.array] = None  # [B, width, words]: each row's grammar mask (`decode.constrained.checked`)
+    refused: Optional[list] = None  # per sequence, a forbidden draft cut off and its proposal row, or None
+
+    @property
+    def width(self) -> int:
+        return self.drafts.shape[1] + 1
 
 
 class LinearCycle:
@@ -141,6 +151,8 @@ class LinearCycle:
         self.width = block.drafts.shape[1] + 1
         tokens = mx.concatenate([block.lasts[:, None], block.drafts], axis=1)
         logits, self.hidden = rows.target(tokens, rows.cache, record=True, rider=rows.rider)
+        if block.masks is not None:
+            logits = allowed(logits, block.masks)
         seqs = rows.seqs
         self.processed = [None] * len(seqs)  # per sequence, the rows rejection sampling verified on
         if len(seqs) > 1 and all(s.params.greedy and not s.proc and s.top is None for s in seqs):
@@ -148,7 +160,7 @@ class LinearCycle:
             self.accepted, self.logprobs = agreeing(block.drafts, self.picks), [None] * len(seqs)
         else:
             each = [accept(block.drafts[b], logits[b], s.params, block.q_lps[b], s.top, s.proc or None,
-                           block.noises[b]) for b, s in enumerate(seqs)]
+                           block.noises[b], block.refused and block.refused[b]) for b, s in enumerate(seqs)]
             self.picks = mx.stack([a.picks.astype(mx.uint32) for a in each])
             self.accepted = mx.stack([a.accepted for a in each]).astype(mx.uint32)
             self.logprobs = [a.logprobs for a in each]

@@ -33,6 +33,7 @@ from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
 from ..target.ragged import add_to, batch_of
 from .caches import Caches
+from .constrained import checked, constrained
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
 from .filling import Filling, Fillings
@@ -245,8 +246,8 @@ class Decoder:
         w = self.width if width is None else max(1, min(width, self.width))
         if w > 1 and not all(s.tapped for s in self.seqs):
             w = 1  # a sequence without a drafter's context cannot draft
-        if w == 1:
-            return self._plain_step(then is None or then <= 1)
+        if w == 1:  # the next step is launched ahead unless a grammar's mask needs this one's tokens
+            return self._plain_step((then is None or then <= 1) and not constrained(self.seqs))
         self._drop_ahead()
         if branches:
             return self._run(self._tree(Plan(w, 0, branches)))
@@ -273,9 +274,13 @@ class Decoder:
         return self._tree(plan)
 
     def _linear(self, width: int, copies: List[List[int]], alternatives: bool = False) -> "Launched":
-        """A drafted cycle of `width` for every sequence, `copies` of their lookups first, launched."""
+        """A drafted cycle of `width` for every sequence, `copies` (lookup or forced tokens) first,
+        launched; cut where the sequences' grammars forbid every draft after (`checked`)."""
         p = self.drafting.propose(self.seqs, width, copies, alternatives)
-        return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in copies], p)
+        p.block = checked(self.seqs, p.block)
+        width = p.block.width
+        p.copies = [c[: width - 1] for c in p.copies]
+        return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in p.copies], p)
 
     def _tree(self, plan: Plan) -> "Launched":
         """A tree cycle of the plan's width and branches for every sequence, launched."""

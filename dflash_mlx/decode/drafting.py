@@ -11,6 +11,7 @@ from ..draft import tree as trees
 from ..draft.lookup import point_masses
 from ..draft.pool import DraftBatch
 from ..policy.proposal import reached_gains
+from .constrained import forced
 from .cycle import Block, LinearCycle
 from .passes import Draft, caught_up, draft, joined, pick_drafts
 from .running import Proposal, Running
@@ -54,8 +55,11 @@ class Drafting:
 
     @staticmethod
     def copies(seq: Running, width: int) -> List[int]:
-        """The lookup tokens a batch's drafted cycle of `width` copies for `seq` (first positions),
-        as many as its sizer run expects to pay."""
+        """The tokens a batch's drafted cycle of `width` copies for `seq` (first positions): those
+        its grammar forces, else its lookup's, as many as its sizer run expects to pay."""
+        certain = forced(seq, width - 1)
+        if certain:
+            return certain
         if seq.sizer is None:
             return []
         offer = seq.source.offer(seq.dstate, width - 1)
@@ -71,7 +75,8 @@ class Drafting:
                 s.lesson = None
             copied, rows = len(p.copies[b]), cycle.processed[b]
             drafted = copied < p.block.drafts.shape[1]  # the drafter filled positions: its scales were used
-            if rows is not None and drafted and s.scaler.learning() and accepted[b] >= copied:
+            # A grammar's masks are not the drafter's: what they reject teaches the scales nothing.
+            if rows is not None and drafted and s.constraint is None and s.scaler.learning() and accepted[b] >= copied:
                 s.lesson = reached_gains(rows, p.block.q_lps[b], copied, accepted[b], p.scales[b], s.params)
 
     def read_held(self, seqs: List[Running], b: int) -> None:

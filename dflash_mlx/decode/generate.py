@@ -13,6 +13,8 @@ one host synchronisation when it settles. The cycles
 from typing import Generator, Optional, Sequence, Union
 
 from ..cache.prompt_cache import PromptCache
+from ..constrain.grammar import Grammar
+from ..errors import DFlashError
 from ..draft.source import DraftSource
 from ..sampling import SamplingParams
 from .events import GenerationEvent
@@ -37,6 +39,7 @@ def stream_generate(
     logits_processors: Sequence = (),
     tree: Optional[int] = None,
     proposal_scale: Union[str, float, object] = "auto",
+    grammar: Optional[Grammar] = None,
     ) -> Generator[GenerationEvent, None, None]:
     """Generate with DFlash, yielding one event per verify cycle.
 
@@ -66,6 +69,11 @@ def stream_generate(
     acceptance each would have had; a number fixes it (1: the drafter's own q);
     a `ProposalScales` object learns into that object.
 
+    With a `grammar` (`constrain.Grammar`: a JSON schema, regex or Lark grammar), every token
+    keeps to it: the output is exactly plain decoding's with the grammar's mask applied before
+    each pick (`constrain.processor.GrammarProcessor` with mlx-lm). Drafts the grammar forbids
+    are cut before the target verifies them, and tokens it forces are drafted as certain copies.
+
     A caller that stops early (closes the generator, or drops it) ends the request as a stop
     string would: its caches go to the prompt cache.
 
@@ -81,7 +89,10 @@ def stream_generate(
     width = block_size if isinstance(block_size, int) else source.block_size
     streams = Streams(pair, max(1, min(width, source.block_size)), prompt_cache=prompt_cache,
                            block_size=block_size or source.block_size)
-    asks = Asks(params, logits_processors, logprobs, tree=tree, lookup=lookup, proposal_scale=proposal_scale)
+    if grammar is not None and tree:
+        raise DFlashError("Tree verification does not run under a grammar; drop --tree or the grammar.")
+    asks = Asks(params, logits_processors, logprobs, tree=tree, lookup=lookup, proposal_scale=proposal_scale,
+                grammar=grammar)
     uid, event = streams.add(Joining(list(prompt), max_tokens, stop, asks, source), prefill_step)
     try:
         while True:

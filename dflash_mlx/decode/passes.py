@@ -228,14 +228,21 @@ class Accepted(NamedTuple):
 
 
 def accept(tokens: mx.array, logits: mx.array, params: SamplingParams, q_lp: Optional[mx.array] = None,
-           top: Optional[int] = None, proc: Optional[Processed] = None, noise: Optional[mx.array] = None) -> Accepted:
+           top: Optional[int] = None, proc: Optional[Processed] = None, noise: Optional[mx.array] = None,
+           refused: Optional[tuple] = None) -> Accepted:
     """Verify drafts `tokens` [n] against the target's rows `logits` [n + 1, V] of [last, tokens]:
     the greedy rule, or with `noise` (a seeded request's `sampling.Draws` rows) the drafts checked
     against the target's draws, or else rejection sampling against `q_lp`, the log probabilities
-    the drafts were drawn from; with `top`, the picks' log probabilities."""
+    the drafts were drawn from; with `top`, the picks' log probabilities. `refused` (rejection
+    sampling): the draft after `tokens`, which the last row's mask forbids, and its proposal row
+    [1, V]: that row rejects it (the token comes from the residual), with no target row of its own."""
     if proc:
         logits = proc(logits, tokens)
-    if noise is None:
+    if noise is None and refused is not None and not params.greedy:
+        # Its target row is never read: the draft has probability 0 there, so it is rejected first.
+        accepted, token = verify_accept(mx.concatenate([tokens, refused[0]]), mx.concatenate([logits, logits[-1:]]),
+                                        params, mx.concatenate([q_lp, refused[1]]))
+    elif noise is None:
         accepted, token = verify_accept(tokens, logits, params, q_lp)
     else:
         drawn = choose(logits, params, noise)

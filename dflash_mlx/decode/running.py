@@ -9,6 +9,7 @@ import mlx.core as mx
 from ..draft import tree as trees
 from ..policy.plan import PLAIN, Outcome, Plan
 from ..sampling import Draws, Processed, SamplingParams, choose, pick
+from .constrained import forced, masked
 from .cycle import Block
 from .passes import logprob_rows, token_logprobs
 from .request import block_policy, proposal_scaler
@@ -31,6 +32,7 @@ class Asks:
     tree: Optional[int] = None  # tree branches its cycles may verify (None: as many as its policy weighs)
     lookup: bool = True  # its drafts may copy from its n-gram lookup, where its policy expects that to pay
     proposal_scale: Any = "auto"  # how an unseeded sampled sequence's drafts are drawn (`policy.proposal`)
+    grammar: Any = None  # what its output keeps to (`constrain.Grammar`), or None
 
 
 @dataclass(kw_only=True)
@@ -52,6 +54,7 @@ class Running(SequenceState):
     def pick(self, logits: mx.array, noise: Optional[mx.array]):
         """Its next token from its row of `logits` (and its log probabilities): greedy, its
         draws, or (unseeded) mlx-lm's sampler."""
+        logits = masked([self], logits)
         if self.proc:
             logits = self.proc.row(logits)
         picks = pick(logits, self.params) if self.rejection else choose(logits, self.params, noise)
@@ -117,7 +120,9 @@ class Running(SequenceState):
     def plan_alone(self) -> "AlonePlan":
         """Its next cycle's plan when it decodes alone (its policy's, asked with its lookup's offer
         unless chosen while a plain step was in flight, fitted to its budget), and the offer's
-        tokens that plan copies."""
+        tokens that plan copies. Tokens its grammar forces take the first draft positions instead,
+        as many as there are (`constrained.FORCED_RUN` at most), whatever the plan's width: they
+        are certain."""
         plan, offer, self.chosen = self.chosen, [], None
         left = self.max_tokens - self.generated
         if plan is None:
@@ -126,6 +131,10 @@ class Running(SequenceState):
         width = min(plan.width, left)
         copied = min(plan.copied, width - 1, len(offer))
         plan = Plan(width, copied, min(plan.branches, self.branches) if width > 1 and not copied else 0)
+        certain = forced(self, left - 1)
+        if certain:
+            width = max(width if self.tapped else 1, len(certain) + 1)
+            return AlonePlan(Plan(width, len(certain)), certain)
         return AlonePlan(plan, list(offer[:copied]))
 
     def plain_next(self) -> bool:
@@ -133,6 +142,8 @@ class Running(SequenceState):
         launches before the host reads this one), unless a lookup offer may be worth waiting for."""
         left = self.max_tokens - self.generated
         self.chosen = None  # a plan chosen for this step is spent: the next is chosen now or when it comes
+        if self.constraint is not None:  # its next mask needs this step's token, and may force drafts
+            return False
         if left > 1 and not (self.lookup and self.source.may_offer(self.dstate)
                              and self.run.lookup_pays(len(self.history) + 1)):
             self.chosen = self.run.choose(len(self.history) + 1, unseen=self.unseen + 1, left=left - 1)
@@ -184,7 +195,7 @@ def new_sequence(pair, uid: int, prompt: Sequence[int], max_tokens: int, source,
     block_size = block_size if asks.block_size is None else asks.block_size
     auto = block_size == "auto"
     policy = block_policy(pair, source, block_size, asks.tree or 0, params)
-    can_tree = params.greedy and not asks.processors and target.can_verify_tree(tcache)
+    can_tree = params.greedy and not asks.processors and asks.grammar is None and target.can_verify_tree(tcache)
     # Unset, as many branches as the policy's cost curve timed (its trees passed `trees.works` then).
     branches = (policy.default_branches if asks.tree is None else asks.tree) if can_tree else 0
     if asks.tree and branches and not trees.works(target):
@@ -206,7 +217,9 @@ def new_sequence(pair, uid: int, prompt: Sequence[int], max_tokens: int, source,
     scaler = None
     if not params.greedy and tapped and draws is None:
         scaler = proposal_scaler(pair, source, params, asks.proposal_scale)
+    constraint = None if asks.grammar is None else pair.grammars.constraint(asks.grammar)
     return Running(uid=uid, max_tokens=max_tokens, source=source, dstate=dstate, params=params,
                    proc=Processed(asks.processors, prompt), draws=draws, top=asks.logprobs, scaler=scaler,
+                   constraint=constraint,
                    run=run, sizer=sizer, lookup=lookup, tapped=tapped, branches=branches,
                    keeps_rates=auto and source is pair.draft_source)

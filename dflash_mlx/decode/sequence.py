@@ -2,7 +2,8 @@
 
 How its tokens are drawn (sampling settings, logits processors that have seen its history, a
 seed's draws, log probabilities, proposal scales), its draft source and that source's state,
-the target taps its drafter has not read yet, its last token and what it has committed. A
+the target taps its drafter has not read yet, its last token and what it has committed, and the
+grammar it keeps to. A
 sequence of the decoder (`running.Running`) is one, alone or in a batch, and the cycles
 (`cycle.py`) decode it either way.
 """
@@ -26,6 +27,7 @@ class SequenceState:
     draws: Optional[Draws] = None  # a seeded sampled sequence's draws (None: rejection sampling)
     top: Optional[int] = None  # with `logprobs=k`: the k most likely tokens at each position
     scaler: Any = None  # an unseeded sampled sequence's proposal scales (`policy.proposal`), where it drafts
+    constraint: Any = None  # its grammar's matcher (`constrain.Constraint`): masks every position it picks
     last: Optional[mx.array] = None  # [1] the last committed token (the next block's first)
     taps: list = field(default_factory=list)  # target taps of committed tokens the drafter has not read (lazy)
     history: List[int] = field(default_factory=list)  # the prompt and the committed tokens
@@ -42,7 +44,9 @@ class SequenceState:
         return None if self.draws is None else self.draws.noise(n)
 
     def drawn(self, tokens: List[int]) -> None:
-        """Tokens committed: the logits processors see them, the draws move past them."""
+        """Tokens committed: the grammar and the logits processors see them, the draws move past them."""
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
         if self.proc:
             self.proc.commit(mx.array(tokens))
         if self.draws is not None:

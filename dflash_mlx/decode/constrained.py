@@ -1,0 +1,72 @@
+"""Sequences that keep to a grammar (`constrain/`), in the decoder's cycles: every row a token is
+picked from is masked by the grammar at that row's position, a drafted block is cut at its first
+draft the grammar forbids before the target verifies it, and the tokens the grammar forces next
+are drafted as copies no model need make."""
+
+import dataclasses
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..constrain.mask import allowed, upload
+
+# The most forced tokens one cycle verifies: a schema's boilerplate goes through the target in one
+# pass whatever the policy's width, up to this many rows (beyond, a pass costs like a prefill chunk
+# and the rest is forced again next cycle).
+FORCED_RUN = 64
+
+
+def constrained(seqs: Sequence) -> bool:
+    return any(s.constraint is not None for s in seqs)
+
+
+def masked(seqs: Sequence, logits: mx.array) -> mx.array:
+    """Each sequence's row of `logits` [B, V] masked by its grammar now (free sequences' rows as
+    they are). The rows are launched on the device first, so the host fills the masks while they
+    are computed."""
+    if not constrained(seqs):
+        return logits
+    mx.async_eval(logits)
+    words = next(s.constraint.words for s in seqs if s.constraint is not None)
+    bits = np.full((len(seqs), words), -1, dtype=np.int32)
+    for b, s in enumerate(seqs):
+        if s.constraint is not None:
+            bits[b] = s.constraint.masks().bits[0]
+    return allowed(logits, upload(bits))
+
+
+def forced(seq, room: int) -> List[int]:
+    """The tokens `seq`'s grammar forces next, at most `room` (none for a free sequence)."""
+    return [] if seq.constraint is None else seq.constraint.forced(min(room, FORCED_RUN))
+
+
+def checked(seqs: Sequence, block):
+    """A drafted `cycle.Block` read against each sequence's grammar (one host synchronisation: the
+    engine is on the host): cut after the last position any sequence's grammar allows its drafts to
+    reach, with the masks of every row it keeps (`Block.masks`). A free sequence keeps every draft.
+
+    A sequence verified by rejection sampling whose first forbidden draft is cut off keeps it aside
+    with its proposal row (`Block.refused`): its row is a rejection, and the token drawn there comes
+    from the residual of the target's and the drafter's distributions, as for any rejected draft.
+    Drawn from the target's row alone instead, the text would not follow the target's distribution."""
+    if not constrained(seqs):
+        return block
+    drafts = block.drafts.tolist()
+    masks = [None if s.constraint is None else s.constraint.masks(d) for s, d in zip(seqs, drafts)]
+    width = max(len(d) + 1 if m is None else m.valid + 1 for d, m in zip(drafts, masks))
+    words = next(m.bits.shape[1] for m in masks if m is not None)
+    bits = np.full((len(seqs), width, words), -1, dtype=np.int32)
+    for b, m in enumerate(masks):
+        if m is not None:
+            bits[b] = m.bits[:width]
+    refused = [None if m is None or q is None or m.valid != width - 1 or m.valid == len(d)
+               else (mx.array(d[m.valid : m.valid + 1], dtype=block.drafts.dtype), q[m.valid : m.valid + 1])
+               for d, m, q in zip(drafts, masks, block.q_lps)]
+    return dataclasses.replace(block, drafts=block.drafts[:, : width - 1],
+                               q_lps=[_cut(q, width - 1) for q in block.q_lps], noises=[_cut(n, width) for n in block.noises],
+                               alternatives=_cut(block.alternatives, width - 1), masks=upload(bits), refused=refused)
+
+
+def _cut(rows: Optional[mx.array], n: int) -> Optional[mx.array]:
+    return rows if rows is None or rows.shape[0] == n else rows[:n]
