@@ -121,6 +121,13 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", help="Show paths, settings and per-cycle acceptance."),
     timeout: float = ranged(600.0, "--timeout", min=0.0, help=TIMEOUT_HELP),
     sharding: str = typer.Option("auto", "--sharding", help=SHARDING_HELP),
+    json_schema: Optional[str] = typer.Option(
+        None, "--json-schema", help="Constrain the output to a JSON schema: a file, or the schema's JSON.",
+    ),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to a regular expression."),
+    grammar: Optional[str] = typer.Option(
+        None, "--grammar", help="Constrain the output to a Lark (or GBNF) grammar file (llguidance's syntax).",
+    ),
 ):
     """Generate text with DFlash speculative decoding, streaming it.
 
@@ -128,12 +135,16 @@ def generate(
     the processes (see `python -m dflash_mlx.distributed`) and rank 0 prints."""
     import dflash_mlx
     from dflash_mlx import distributed
+    from dflash_mlx.cli.grammar_options import grammar_option
+    from dflash_mlx.decode.request import check_grammar
     from dflash_mlx.prompt import build_prompt
     from dflash_mlx.sampling import SamplingParams
 
     block, sharding, scale = _one_block_size(block_size), _sharding(sharding), _proposal_scale(proposal_scale)
     try:
         params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+        constraint = grammar_option(json_schema, regex, grammar)
+        check_grammar(constraint, tree)
     except DFlashError as e:
         fail(str(e))
     prompt = _prompt_text(prompt)
@@ -148,6 +159,8 @@ def generate(
         if sharded and temp > 0:  # one seed for all ranks, so they draw the same numbers
             params = replace(params, seed=distributed.shared_seed(seed, g))
         pair, block = _load_pair(model, draft, g, sharding, draft_context, block)
+        if constraint is not None:  # refused before any note or measurement
+            pair.grammars.compile(constraint)
         if main_rank:
             _note_demo(pair)
             _note_draft_context(pair)
@@ -161,7 +174,7 @@ def generate(
             _print_settings(pair, len(ids), block, params)
         for event in dflash_mlx.stream_generate(
             pair, ids, max_tokens=max_tokens, sampling=params, block_size=block, lookup=lookup, tree=tree,
-            proposal_scale=scale,
+            proposal_scale=scale, grammar=constraint,
         ):
             watchdog.beat()
             out.write(event.text)

@@ -345,3 +345,46 @@ def test_only_the_package_warnings_become_warning_lines():
     lines = r.stderr.splitlines()
     assert r.returncode == 0 and lines[:2] == ["warning: ours", "warning: logged here"], r.stderr
     assert "<string>:" in lines[2] and "UserWarning: theirs" in lines[2]
+
+
+def test_structured_output_flags(tmp_path):
+    import json
+
+    import jsonschema
+
+    import dflash_mlx
+    from dflash_mlx.constrain import Grammar
+
+    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["unit", "days"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "sum.lark").write_text('start: "x = " /[0-9]{1,3}/ " + " /[0-9]{1,3}/\n')
+    pair = dflash_mlx.load("demo")
+    common = ("--prompt", "The forecast as JSON:", "--no-chat-template", "-m", "60")
+    for flag in (str(tmp_path / "schema.json"), json.dumps(schema)):
+        r = run_cli(*common, "--json-schema", flag)
+        assert r.exit_code == 0, r.output
+        jsonschema.validate(json.loads(r.stdout), schema)
+        want = dflash_mlx.generate(pair, pair.tokenizer.encode("The forecast as JSON:"), max_tokens=60,
+                                   grammar=Grammar.json_schema(schema))[0]
+        assert r.stdout == want + "\n"
+    r = run_cli(*common, "--grammar", str(tmp_path / "sum.lark"))
+    assert r.exit_code == 0 and re.fullmatch(r"x = [0-9]{1,3} \+ [0-9]{1,3}\n", r.stdout), r.output
+    r = run_cli(*common, "--regex", "(yes|no)!")
+    assert r.exit_code == 0 and r.stdout in ("yes!\n", "no!\n"), r.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--regex", "a", "--json-schema", "{}"), "give one of them"),
+    (("--json-schema", "missing.json"), "no such file"),
+    (("--json-schema", '{"type": "object", "properties": {"a": {"type": "strin"}}}'), "Invalid type"),
+    (("--json-schema", "{oops"), "not valid JSON"),
+    (("--regex", "a(b"), "regex"),
+    (("--regex", "a", "--tree", "2"), "Tree verification"),
+])
+def test_bad_structured_output_flags_are_one_clear_line(args, words):
+    r = run_cli("--prompt", "hi", "--no-chat-template", "-m", "4", *args)
+    assert r.exit_code != 0
+    lines = r.stderr.strip().splitlines()  # the demo pair's note may come first, once it is loaded
+    assert lines[-1].startswith("error:") and words in lines[-1] and len(lines) <= 2, r.stderr
