@@ -42,6 +42,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .constrain.grammar import Grammar
 from .errors import DFlashError
 
 # Families whose tensor-parallel DFlash output is tested equal to plain
@@ -337,7 +338,8 @@ def follow(pair, channel: JobChannel, block_size, prompt_cache=None) -> None:
                                      sampling=SamplingParams(**request["params"]), block_size=block_size,
                                      stop=request["stop"], prompt_cache=prompt_cache,
                                      logprobs=request["logprobs"],
-                                     logits_processors=make_processors(request["processors"])):
+                                     logits_processors=make_processors(request["processors"]),
+                                     grammar=request["grammar"] and Grammar(**request["grammar"])):
                 if not channel.keep_going():
                     break
         except DFlashError:

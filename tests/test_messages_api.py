@@ -111,3 +111,34 @@ def test_tool_use_blocks_and_a_tool_result_turn(tool_server):
                                    messages=[{"role": "user", "content": "Weather in Paris?"}])
     assert plain.content[0].text == f"<tool_call>{CALL}</tool_call>" and plain.stop_reason == "end_turn"
     assert json.dumps(use.input) in CALL
+
+
+def test_tool_choice_any_and_tool_force_a_call(tool_server):
+    clock = {"name": "get_time", "description": "The time now",
+             "input_schema": {"type": "object", "properties": {}, "additionalProperties": False}}
+    claude = anthropic.Anthropic(base_url=tool_server, api_key="x", max_retries=0)
+    msg = claude.messages.create(model="tiny-tools", max_tokens=80, temperature=0, tools=ANTHROPIC_TOOLS + [clock],
+                                 tool_choice={"type": "tool", "name": "get_time"},
+                                 messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert [(b.type, b.name, b.input) for b in msg.content] == [("tool_use", "get_time", {})]
+    assert msg.stop_reason == "tool_use"
+    msg = claude.messages.create(model="tiny-tools", max_tokens=80, temperature=0, tools=ANTHROPIC_TOOLS + [clock],
+                                 tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                 messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert [(b.type, b.name, b.input) for b in msg.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+    bad = dict(clock, input_schema={"type": "object", "properties": {"a": {"type": "strin"}}}, strict=True)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny-tools", max_tokens=8, tools=[bad], tool_choice={"type": "any"},
+                               messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["type"] == "error" and "parameters cannot be enforced" in e.value.body["error"]["message"]
+
+
+def test_output_format_constrains_the_text(text_server):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}},
+              "required": ["answer"], "additionalProperties": False}
+    claude = anthropic.Anthropic(base_url=text_server, api_key="secret", max_retries=0)
+    msg = claude.messages.create(model="tiny-qwen3", max_tokens=40, temperature=0,
+                                 messages=[{"role": "user", "content": "hi"}],
+                                 extra_body={"output_format": {"type": "json_schema", "schema": schema}})
+    assert msg.stop_reason == "end_turn"
+    assert set(json.loads(msg.content[0].text)) == {"answer"}

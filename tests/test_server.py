@@ -41,10 +41,10 @@ def client(served):
     return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def expected_chat(targets, drafters, text, max_tokens):
+def expected_chat(targets, drafters, text, max_tokens, *args):
     """What the `generate` command prints for the same prompt."""
     r = CliRunner().invoke(app, ["generate", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]),
-                                 "--prompt", text, "-m", str(max_tokens)])
+                                 "--prompt", text, "-m", str(max_tokens), *args])
     assert r.exit_code == 0, r.output
     return r.stdout[:-1]
 
@@ -281,6 +281,17 @@ def raw_post(url, path, body, headers=None):
           "repetition_context_size": 0}, 400, "'repetition_context_size' must be a positive integer"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "xtc_probability": 0.5}, 400,
          "'xtc_probability' is not supported yet"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400,
+         "'response_format' must be"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+          "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "needs"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"type": "strin"}}}}, 400,
+         "Invalid type"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                   "schema": {"type": "array", "uniqueItems": True}}}}, 400,
+         "uniqueItems"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
          "'top_logprobs' needs 'logprobs': true"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
@@ -820,3 +831,34 @@ def test_the_event_loop_is_free_while_a_request_waits_for_the_tokenizer(served):
         assert "status" not in result  # still waiting for the lock
     asking.join(60)
     assert result["status"] == 200
+
+
+FORECAST = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["unit", "days"], "additionalProperties": False}
+
+
+def test_response_format_constrains_the_answer(client, served, targets, drafters):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "The forecast as JSON"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                       response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), FORECAST)
+    assert r.choices[0].message.content == expected_chat(targets, drafters, "The forecast as JSON", 60,
+                                                         "--json-schema", json.dumps(FORECAST))
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
+    # Not strict: a keyword the engine cannot enforce is ignored rather than refused.
+    loose = dict(FORECAST, properties=dict(FORECAST["properties"], tags={"type": "array", "uniqueItems": True}))
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "f", "schema": loose}})
+    assert r.choices[0].finish_reason == "stop" and set(json.loads(r.choices[0].message.content)) == {"unit", "days"}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
+    assert r.choices[0].message.content.startswith("{")

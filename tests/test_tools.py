@@ -136,7 +136,7 @@ def test_a_conversation_with_a_tool_result(client, tool_pair):
 
 
 @pytest.mark.parametrize("extra, words", [
-    ({"tool_choice": "required"}, "'tool_choice' may be \"auto\" or \"none\""),
+    ({"tool_choice": "any"}, "'tool_choice' must be"),
     ({"tools": [{"type": "function"}]}, "'tools' must be a list of"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
@@ -187,3 +187,43 @@ def test_the_splitter_holds_back_split_markers_and_keeps_bad_calls_as_text():
         assert content == "Let me check. and <tool_call>not json done <tool_"
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
             ("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now", "strict": True,
+                                          "parameters": {"type": "object", "properties": {},
+                                                         "additionalProperties": False}}}
+
+
+def ask_long(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                          max_tokens=80, temperature=0, **kw)
+
+
+def test_a_forced_tool_call_is_made_in_the_models_format(client):
+    """The model writes a get_weather call by itself; forced to call get_time, whose call is all
+    forced tokens, it makes that call instead; "required" lets it make its own."""
+    r = ask_long(client, tools=TOOLS + [CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
+    assert r.choices[0].finish_reason == "tool_calls"
+    r = ask_long(client, tools=TOOLS + [CLOCK], tool_choice="required", parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    stream = ask_long(client, tools=TOOLS + [CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                      stream=True)
+    calls = [c for chunk in stream for c in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
+    assert [c.function.name for c in calls] == ["get_time"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in 'tools'"),
+    ({"tool_choice": "always"}, "'tool_choice' must be"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "both constrain"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}}]},
+     "parameters cannot be enforced"),
+])
+def test_bad_forced_tool_calls_are_400s(client, extra, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, **{"tools": TOOLS, **extra})
+    assert words in e.value.body["message"]

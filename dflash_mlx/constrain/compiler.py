@@ -75,7 +75,8 @@ def engine_grammar(grammar: Grammar) -> str:
     """The grammar in llguidance's form."""
     try:
         if grammar.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(grammar.text, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(grammar.text,
+                                                                 defaults=dict(JSON_OPTIONS, lenient=grammar.lenient))
         if grammar.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if grammar.kind == "regex":

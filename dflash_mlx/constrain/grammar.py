@@ -23,7 +23,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 @dataclass(frozen=True)
 class Grammar:
     kind: str  # one of KINDS
-    text: str  # the schema as canonical JSON, the regex, or the Lark grammar
+    text: str  # the schema as compact JSON, the regex, or the Lark grammar
+    lenient: bool = False  # a schema's keywords the engine cannot enforce are ignored, not refused
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -33,8 +34,9 @@ class Grammar:
                               f"{MAX_GRAMMAR_BYTES} are taken. Shorten it.")
 
     @classmethod
-    def json_schema(cls, schema: Union[str, dict]) -> "Grammar":
-        """From a schema (an object, or its JSON text)."""
+    def json_schema(cls, schema: Union[str, dict], lenient: bool = False) -> "Grammar":
+        """From a schema (an object, or its JSON text). `lenient`: keywords the engine cannot
+        enforce (e.g. `uniqueItems`) are ignored (OpenAI's non-strict schemas); else refused."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -43,7 +45,7 @@ class Grammar:
                                   f"{e.colno}); fix it.") from None
         if not isinstance(schema, (dict, bool)):
             raise DFlashError(f"A JSON schema is an object (got {type(schema).__name__}).")
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")))  # its key order is the output's
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), lenient)  # its key order is the output's
 
     @classmethod
     def json_object(cls) -> "Grammar":
@@ -61,7 +63,7 @@ class Grammar:
     @property
     def key(self) -> str:
         """The grammar's hash: compiled grammars are cached by it."""
-        return hashlib.sha256(f"{self.kind}\0{self.text}".encode()).hexdigest()
+        return hashlib.sha256(f"{self.kind}\0{self.lenient:d}\0{self.text}".encode()).hexdigest()
 
     def schema(self) -> Any:
         """The JSON Schema its output validates against (None for a regex or a grammar)."""

@@ -84,13 +84,23 @@ def to_chat(body: Any) -> Dict[str, Any]:
                              "tools")
         out["tools"] = [{"type": "function", "function": {
             "name": t["name"], "description": t.get("description", ""),
-            "parameters": t.get("input_schema", {"type": "object"})}} for t in tools]
+            "parameters": t.get("input_schema", {"type": "object"}), "strict": t.get("strict", False)}} for t in tools]
     choice = body.get("tool_choice")
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind not in ("auto", "none", "any", "tool"):
-            raise BadRequest("'tool_choice' must be {\"type\": \"auto\"}, {\"type\": \"none\"}, ...", "tool_choice")
-        out["tool_choice"] = kind if kind in ("auto", "none") else "required"
+        if kind not in ("auto", "none", "any", "tool") or (kind == "tool" and not isinstance(choice.get("name"), str)):
+            raise BadRequest("'tool_choice' must be {\"type\": \"auto\"}, {\"type\": \"none\"}, {\"type\": \"any\"} or "
+                             "{\"type\": \"tool\", \"name\": ...}.", "tool_choice")
+        out["tool_choice"] = ({"type": "function", "function": {"name": choice["name"]}} if kind == "tool"
+                              else "required" if kind == "any" else kind)
+        if choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    fmt = body.get("output_format")
+    if fmt is not None:  # structured outputs: the text is JSON that validates against the schema
+        if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
+            raise BadRequest("'output_format' must be {\"type\": \"json_schema\", \"schema\": {...}}.", "output_format")
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"],
+                                                                         "strict": True}}
     return out
 
 

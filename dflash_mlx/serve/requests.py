@@ -13,7 +13,9 @@ from typing import Any, List, Optional
 from ..prompt import build_chat_prompt
 from ..sampling import SamplingParams
 from . import messages_api
-from .tools import ToolError, check_tools, template_messages, tool_choice
+from ..constrain.grammar import Grammar
+from ..errors import DFlashError
+from .tools import ToolError, call_grammar, check_tools, forced_tool, template_messages, tool_choice
 from .worker import APIError, Engine, Job
 
 MAX_STOP = 4  # stop strings per request: OpenAI's limit
@@ -25,7 +27,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and completions' logpro
 UNSUPPORTED = {
     "n": lambda v: v not in (None, 1),
     "xtc_probability": lambda v: v not in (None, 0, 0.0),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
     "echo": lambda v: v not in (None, False),
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: v is not None,
@@ -174,6 +175,7 @@ def parse_request(engine: Engine, body: Any, chat: bool):
                                     "format for it); send the request without 'tools'.", param="tools")
         if body.get("tool_choice") == "none":
             tools = None  # not shown to the model, and its text is not parsed for calls
+    grammar = _grammar(engine, body, chat, tools)
     prompt = _tokenize(engine, body, chat, tools)
     if not prompt:
         raise APIError(400, "The prompt is empty.", param="messages" if chat else "prompt")
@@ -186,11 +188,56 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         raise APIError(400, f"The prompt has {len(prompt)} tokens but the model reads at most {window}; "
                             "shorten the prompt.", param="messages" if chat else "prompt",
                        code="context_length_exceeded")
-    job = Job(prompt, max_tokens, params, stop, logprobs, processors, tools)
+    job = Job(prompt, max_tokens, params, stop, logprobs, processors, tools, grammar)
     options = _get(body, "stream_options", dict, None, None, "an object") if stream else None
     if options is not None:
         job.usage_chunk = _get(options, "include_usage", bool, False, None, "a boolean")
     return job, stream
+
+
+def _grammar(engine: Engine, body, chat: bool, tools: Optional[list]) -> Optional[Grammar]:
+    """What the request constrains its output to (`response_format`, or a tool call `tool_choice`
+    forces), compiled here: a schema the engine cannot take is a 400 before any byte."""
+    forced = None
+    try:
+        forced = forced_tool(body.get("tool_choice"), tools) if chat else None
+        grammar = _response_format(body.get("response_format"))
+        if forced is not None:
+            if grammar is not None:
+                raise APIError(400, "'response_format' and a forced tool call ('tool_choice') both constrain the "
+                                    "answer; send one of them.", param="response_format")
+            parallel = _get(body, "parallel_tool_calls", bool, True, None, "a boolean")
+            grammar = call_grammar(engine.tokenizer, engine.pair.grammars.tokenizer.is_special_token, tools, forced,
+                                   parallel)
+        if grammar is not None:
+            engine.pair.grammars.compile(grammar)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param)
+    except DFlashError as e:
+        if forced is not None:  # the call's grammar holds the tools' parameter schemas
+            raise APIError(400, f"The tools' parameters cannot be enforced: {e}", param="tools")
+        raise APIError(400, str(e), param="response_format")
+    return grammar
+
+
+def _response_format(value) -> Optional[Grammar]:
+    """OpenAI's `response_format`: text, `json_object`, or `json_schema` (strict or not)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise APIError(400, "'response_format' json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                "{...}}}.", param="response_format")
+        strict = _get(spec, "strict", bool, False, None, "a boolean")
+        return Grammar.json_schema(spec["schema"], lenient=not strict)
+    raise APIError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                        "{\"type\": \"json_schema\", \"json_schema\": {...}}.", param="response_format")
 
 
 def _processor_args(body, engine: Engine) -> dict:

@@ -8,7 +8,9 @@ tool parser mlx-lm picked for the model's family (`TokenizerWrapper`'s
 
 import json
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from ..constrain.grammar import JSON_OPTIONS, Grammar
 
 
 class ToolError(ValueError):
@@ -149,10 +151,63 @@ def splitter(tokenizer, tools: Optional[list]) -> Optional[ToolCallSplitter]:
 
 
 def tool_choice(value: Any, tools: Optional[list]) -> Dict[str, Any]:
-    """The template arguments for `tool_choice`: "auto" (default) and "none" (the tools are not shown)."""
-    if value in (None, "auto"):
-        return {"tools": tools} if tools else {}
+    """The template arguments for `tool_choice`: the tools are shown unless it is "none"."""
+    forced_tool(value, tools)  # a bad value is refused
     if value == "none":
         return {}
-    raise ToolError("'tool_choice' may be \"auto\" or \"none\" here (forcing a call needs constrained decoding, "
-                    "which this server does not do).", "tool_choice")
+    return {"tools": tools} if tools else {}
+
+
+def forced_tool(value: Any, tools: Optional[list]) -> Union[None, bool, str]:
+    """What `tool_choice` forces: a call of any tool ("required": True), of the named one (its
+    name: {"type": "function", "function": {"name": ...}}), or nothing ("auto", "none": None)."""
+    if value in (None, "auto", "none"):
+        return None
+    if value == "required":
+        name = True
+    elif (isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict)
+          and isinstance(value["function"].get("name"), str)):
+        name = value["function"]["name"]
+    else:
+        raise ToolError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                        "\"function\": {\"name\": ...}}.", "tool_choice")
+    if not tools:
+        raise ToolError("'tool_choice' forces a tool call, but the request has no 'tools'.", "tool_choice")
+    if name is not True and all(t["function"]["name"] != name for t in tools):
+        raise ToolError(f"'tool_choice' names the function '{name}', which is not in 'tools'.", "tool_choice")
+    return name
+
+
+def call_grammar(tokenizer, special, tools: list, name: Union[bool, str], parallel: bool) -> Grammar:
+    """A grammar whose text is a call (or with `parallel`, calls on lines of their own) of the
+    tools (the one named `name`, unless it is True) in the model's tool-call format, each call's
+    arguments kept to its function's parameters' schema (non-strict functions': leniently).
+    `special(id)`: whether a token is special (its marker is then that token, not text)."""
+    if not _reads_json_calls(getattr(tokenizer, "tool_parser", None)):
+        raise ToolError("Forcing a tool call needs a model whose calls are JSON between markers (as mlx-lm's "
+                        "json_tools parser reads them); this model's are not. Use tool_choice \"auto\".",
+                        "tool_choice")
+    chosen = [t["function"] for t in tools if name is True or t["function"]["name"] == name]
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               "arguments": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
+    schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls},
+                  **{"x-guidance": dict(JSON_OPTIONS, lenient=not all(f.get("strict") for f in chosen))})
+    start, end = (_marker(tokenizer, special, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
+    more = ' ("\\n" call)*' if parallel else ""
+    return Grammar.lark(f'start: call{more}\ncall: {start} "\\n"? %json {json.dumps(schema)} "\\n"? {end}\n')
+
+
+def _reads_json_calls(parser) -> bool:
+    """Whether the model's tool parser reads a call written as JSON {"name", "arguments"} as that call."""
+    probe = {"name": "f", "arguments": {"a": [1, "b"]}}
+    try:
+        return parser is not None and parser(json.dumps(probe), None) == probe
+    except Exception:  # any other format's parser
+        return False
+
+
+def _marker(tokenizer, special, text: str) -> str:
+    """A tool-call marker in a Lark rule: its special token, or its text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 and special(ids[0]) else json.dumps(text)

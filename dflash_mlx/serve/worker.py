@@ -28,6 +28,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..cache.prompt_cache import PromptCache
+from ..constrain.grammar import Grammar
 from ..decode import stream_generate
 from ..decode.decoder import Asks, batch_width
 from ..decode.streams import Joining, Streams
@@ -95,6 +96,7 @@ class Job:
     logprobs: Optional[int] = None  # how many top tokens to report per token (None: no log probabilities)
     processor_args: dict = field(default_factory=dict)  # make_logits_processors' arguments (penalties, logit bias)
     tools: Optional[list] = None  # the request's tools: calls in the output are parsed
+    grammar: Optional[Grammar] = None  # what the output keeps to (`constrain.Grammar`): a schema, a forced call
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # the handler has seen the engine's last event (None)
@@ -127,6 +129,10 @@ class Engine:
         self.tokenizer = pair.tokenizer
         self.pair = pair
         if pair.tokenizer is not None:
+            try:  # the grammar engine's view of the vocabulary, built now from the tokenizer itself
+                pair.grammars
+            except DFlashError:
+                pass  # a tokenizer it cannot read: structured output requests are refused with why
             self.tokenizer = _Locked(pair.tokenizer, self.tokenizer_lock)
             self.pair = copy.copy(pair)  # the worker's pair: the same models, the locked tokenizer
             object.__setattr__(self.pair, "tokenizer", self.tokenizer)
@@ -242,7 +248,8 @@ class Engine:
         """Prefill the joining jobs (together where their prompts are short) and let them in."""
         try:
             firsts = batch.add_many([Joining(job.prompt, job.max_tokens, job.stop,
-                                             Asks(job.params, make_processors(job.processor_args), job.logprobs))
+                                             Asks(job.params, make_processors(job.processor_args), job.logprobs,
+                                                  grammar=job.grammar))
                                      for job in joining])
         except DFlashError as e:
             if len(joining) > 1:  # find the one at fault: the others go in
@@ -287,7 +294,7 @@ class Engine:
             events = stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
                                      sampling=job.params, block_size=self.block_size, stop=job.stop,
                                      prompt_cache=self.prompt_cache, logprobs=job.logprobs,
-                                     logits_processors=make_processors(job.processor_args))
+                                     logits_processors=make_processors(job.processor_args), grammar=job.grammar)
             for event in events:
                 self.stats["generated_tokens"] += len(event.tokens)
                 if event.finish_reason is not None:
@@ -319,7 +326,8 @@ class Engine:
             seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
         self.channel.send({"prompt": list(job.prompt), "max_tokens": job.max_tokens,
                            "params": dataclasses.asdict(job.params), "stop": list(job.stop),
-                           "logprobs": job.logprobs, "processors": job.processor_args, "seed": seed})
+                           "logprobs": job.logprobs, "processors": job.processor_args, "seed": seed,
+                           "grammar": None if job.grammar is None else dataclasses.asdict(job.grammar)})
         if seed is not None:
             mx.random.seed(seed)
 
