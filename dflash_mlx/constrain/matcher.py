@@ -6,8 +6,9 @@ after the committed tokens and d_0..d_i-1. Drafts past the first one the grammar
 never accepted (no allowed pick equals a forbidden draft), so their rows need no mask.
 """
 
+import time
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
@@ -29,13 +30,22 @@ class Constraint:
         self.matcher = matcher
         self.words = (vocab_size + 31) // 32
         self.eos = set(eos)
+        self.seconds = 0.0  # host time in masks and forced tokens, not yet taken (`take_seconds`)
 
-    def masks(self, drafts: Sequence[int] = ()) -> Masks:
+    def allows(self, drafts: Sequence[int]) -> int:
+        """How many of the leading drafts the grammar allows after the committed tokens."""
+        tic = time.perf_counter()
+        valid = self.matcher.validate_tokens(list(drafts)) if len(drafts) else 0
+        self.seconds += time.perf_counter() - tic
+        return valid
+
+    def masks(self, drafts: Sequence[int] = (), valid: Optional[int] = None) -> Masks:
         """The masks of a block's rows after the committed tokens, each draft in turn (the
-        matcher is left where it was)."""
+        matcher is left where it was); `valid`: what `allows(drafts)` said, if it was asked."""
         drafts = list(drafts)
+        valid = self.allows(drafts) if valid is None else valid
+        tic = time.perf_counter()
         m = self.matcher
-        valid = m.validate_tokens(drafts) if drafts else 0
         # An end-of-sequence draft the grammar allows ends the text: no row after it needs a mask,
         # and the matcher never consumes it (it could not be rolled back past its stop).
         ends = next((i for i, t in enumerate(drafts[:valid]) if t in self.eos), valid)
@@ -46,13 +56,22 @@ class Constraint:
                 m.consume_token(drafts[i])
         if ends:
             m.rollback(ends)
+        self.seconds += time.perf_counter() - tic
         return Masks(bits, valid)
 
     def forced(self, limit: int) -> List[int]:
         """Up to `limit` tokens the grammar allows no alternative to, next."""
         if limit <= 0 or self.matcher.is_stopped():
             return []
-        return self.matcher.compute_ff_tokens()[:limit]
+        tic = time.perf_counter()
+        tokens = self.matcher.compute_ff_tokens()[:limit]
+        self.seconds += time.perf_counter() - tic
+        return tokens
+
+    def take_seconds(self) -> float:
+        """The host seconds spent since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The sequence committed `tokens` (its masks allowed them)."""

@@ -53,19 +53,32 @@ def checked(seqs: Sequence, block):
     if not constrained(seqs):
         return block
     drafts = block.drafts.tolist()
-    masks = [None if s.constraint is None else s.constraint.masks(d) for s, d in zip(seqs, drafts)]
-    width = max(len(d) + 1 if m is None else m.valid + 1 for d, m in zip(drafts, masks))
-    words = next(m.bits.shape[1] for m in masks if m is not None)
-    bits = np.full((len(seqs), width, words), -1, dtype=np.int32)
-    for b, m in enumerate(masks):
-        if m is not None:
-            bits[b] = m.bits[:width]
-    refused = [None if m is None or q is None or m.valid != width - 1 or m.valid == len(d)
-               else (mx.array(d[m.valid : m.valid + 1], dtype=block.drafts.dtype), q[m.valid : m.valid + 1])
-               for d, m, q in zip(drafts, masks, block.q_lps)]
+    valid = [len(d) if s.constraint is None else s.constraint.allows(d) for s, d in zip(seqs, drafts)]
+    width = max(valid) + 1
+    refused = [None if q is None or v != width - 1 or v == len(d)
+               else (mx.array(d[v : v + 1], dtype=block.drafts.dtype), q[v : v + 1])
+               for d, v, q in zip(drafts, valid, block.q_lps)]
     return dataclasses.replace(block, drafts=block.drafts[:, : width - 1],
                                q_lps=[_cut(q, width - 1) for q in block.q_lps], noises=[_cut(n, width) for n in block.noises],
-                               alternatives=_cut(block.alternatives, width - 1), masks=upload(bits), refused=refused)
+                               alternatives=_cut(block.alternatives, width - 1),
+                               masks=BlockMasks(seqs, [d[: width - 1] for d in drafts], valid), refused=refused)
+
+
+class BlockMasks:
+    """A checked block's masks [B, width, words], filled on the host when asked for: once the
+    verify pass is launched, so that the device computes while the host fills them."""
+
+    def __init__(self, seqs: Sequence, drafts: List[List[int]], valid: List[int]):
+        self.seqs, self.drafts, self.valid = seqs, drafts, valid
+
+    def fill(self) -> mx.array:
+        width = len(self.drafts[0]) + 1
+        words = next(s.constraint.words for s in self.seqs if s.constraint is not None)
+        bits = np.full((len(self.seqs), width, words), -1, dtype=np.int32)
+        for b, (s, d, v) in enumerate(zip(self.seqs, self.drafts, self.valid)):
+            if s.constraint is not None:
+                bits[b] = s.constraint.masks(d, min(v, len(d))).bits
+        return upload(bits)
 
 
 def _cut(rows: Optional[mx.array], n: int) -> Optional[mx.array]:

@@ -133,7 +133,7 @@ class Block:
     q_lps: list  # per sequence: the log probabilities its drafts were drawn from (rejection sampling), or None
     noises: list  # per sequence: its seed's draws' noise rows [width, V], or None
     alternatives: Optional[mx.array] = None  # one sequence: the drafter's 2nd and 3rd choices [width - 1, 2]
-    masks: Optional[mx.array] = None  # [B, width, words]: each row's grammar mask (`decode.constrained.checked`)
+    masks: Any = None  # each row's grammar mask, filled once the verify pass is launched (`constrained.BlockMasks`)
     refused: Optional[list] = None  # per sequence, a forbidden draft cut off and its proposal row, or None
 
     @property
@@ -152,7 +152,8 @@ class LinearCycle:
         tokens = mx.concatenate([block.lasts[:, None], block.drafts], axis=1)
         logits, self.hidden = rows.target(tokens, rows.cache, record=True, rider=rows.rider)
         if block.masks is not None:
-            logits = allowed(logits, block.masks)
+            mx.async_eval(logits)  # the pass runs while the host fills the grammars' masks
+            logits = allowed(logits, block.masks.fill())
         seqs = rows.seqs
         self.processed = [None] * len(seqs)  # per sequence, the rows rejection sampling verified on
         if len(seqs) > 1 and all(s.params.greedy and not s.proc and s.top is None for s in seqs):

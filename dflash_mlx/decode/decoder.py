@@ -33,7 +33,7 @@ from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
 from ..target.ragged import add_to, batch_of
 from .caches import Caches
-from .constrained import checked, constrained
+from .constrained import checked, constrained, forced
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
 from .filling import Filling, Fillings
@@ -67,6 +67,7 @@ class Launched:
     cycle: Any  # decode.cycle's PlainStep, LinearCycle or TreeCycle
     plans: List[Plan]  # per sequence
     proposal: Optional[Proposal] = None  # a drafted cycle's drafts, which proposal scales learn from
+    forced: Optional[List[int]] = None  # per sequence, the first drafts its grammar forced
 
     @property
     def plain(self) -> bool:
@@ -251,7 +252,9 @@ class Decoder:
         self._drop_ahead()
         if branches:
             return self._run(self._tree(Plan(w, 0, branches)))
-        return self._run(self._linear(w, [self.drafting.copies(s, w) for s in self.seqs]))
+        certain = [forced(s, w - 1) for s in self.seqs]  # a grammar's forced tokens before a lookup's
+        return self._run(self._linear(w, [f or self.drafting.copies(s, w) for f, s in zip(certain, self.seqs)],
+                                      forced=[len(f) for f in certain]))
 
     def _alone(self, seq: Running) -> List[Committed]:
         """A cycle of a sequence alone, as its policy plans it; unless a prompt is joining, the next
@@ -270,17 +273,21 @@ class Decoder:
         if plan.width == 1:
             return Launched(PlainStep(self._rows(), seq.last), [PLAIN])
         if not plan.branches:
-            return self._linear(plan.width, [planned.copies], alternatives=seq.run.learns_branches)
+            return self._linear(plan.width, [planned.copies], alternatives=seq.run.learns_branches,
+                                forced=[planned.forced])
         return self._tree(plan)
 
-    def _linear(self, width: int, copies: List[List[int]], alternatives: bool = False) -> "Launched":
-        """A drafted cycle of `width` for every sequence, `copies` (lookup or forced tokens) first,
-        launched; cut where the sequences' grammars forbid every draft after (`checked`)."""
+    def _linear(self, width: int, copies: List[List[int]], alternatives: bool = False,
+                forced: Optional[List[int]] = None) -> "Launched":
+        """A drafted cycle of `width` for every sequence, `copies` first (the first `forced[b]` of
+        sequence b's forced by its grammar, the rest a lookup's), launched; cut where the
+        sequences' grammars forbid every draft after (`checked`)."""
         p = self.drafting.propose(self.seqs, width, copies, alternatives)
         p.block = checked(self.seqs, p.block)
         width = p.block.width
         p.copies = [c[: width - 1] for c in p.copies]
-        return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in p.copies], p)
+        return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in p.copies], p,
+                        [min(f, width - 1) for f in forced or [0] * len(copies)])
 
     def _tree(self, plan: Plan) -> "Launched":
         """A tree cycle of the plan's width and branches for every sequence, launched."""
@@ -318,19 +325,21 @@ class Decoder:
             self._ahead = Launched(PlainStep(self._rows(), cycle.tokens, pending=True), [PLAIN] * len(self.seqs))
         rider = cycle.rows.carried()
         if p is None:
-            return self._commit(cycle, launched.plans, cycle.settle(also=rider))
+            return self._commit(cycle, launched, cycle.settle(also=rider))
         outcomes = cycle.settle(also=rider + tuple(s.lesson[1] for s in self.seqs if s.lesson is not None))
         self.drafting.learn(self.seqs, p, cycle, [o.accepted for o in outcomes])
-        return self._commit(cycle, launched.plans, outcomes)
+        return self._commit(cycle, launched, outcomes)
 
-    def _commit(self, cycle, plans: List[Plan], outcomes) -> List[Committed]:
+    def _commit(self, cycle, launched: Launched, outcomes) -> List[Committed]:
         """What a settled cycle committed for each sequence, cut at EOS and budgets; each
         sequence's caches keep a row per committed token but the newest (for a finished one, a row
         per token it committed: its history but the last); finished sequences leave."""
         out = []
-        for seq, o, plan in zip(self.seqs, outcomes, plans):
+        forced = launched.forced or [0] * len(self.seqs)
+        for seq, o, plan, f in zip(self.seqs, outcomes, launched.plans, forced):
             c = Committed(seq.uid, o.tokens, accepted=o.accepted, logprobs=o.logprobs, plan=plan,
-                          branched=o.branched)
+                          branched=o.branched, forced=f,
+                          grammar_seconds=0.0 if seq.constraint is None else seq.constraint.take_seconds())
             c.finish = seq.finish(c, self.eos)
             out.append(c)
         if any(c.finish for c in out):

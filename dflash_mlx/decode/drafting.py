@@ -11,7 +11,6 @@ from ..draft import tree as trees
 from ..draft.lookup import point_masses
 from ..draft.pool import DraftBatch
 from ..policy.proposal import reached_gains
-from .constrained import forced
 from .cycle import Block, LinearCycle
 from .passes import Draft, caught_up, draft, joined, pick_drafts
 from .running import Proposal, Running
@@ -55,11 +54,8 @@ class Drafting:
 
     @staticmethod
     def copies(seq: Running, width: int) -> List[int]:
-        """The tokens a batch's drafted cycle of `width` copies for `seq` (first positions): those
-        its grammar forces, else its lookup's, as many as its sizer run expects to pay."""
-        certain = forced(seq, width - 1)
-        if certain:
-            return certain
+        """The lookup tokens a batch's drafted cycle of `width` copies for `seq` (first positions),
+        as many as its sizer run expects to pay."""
         if seq.sizer is None:
             return []
         offer = seq.source.offer(seq.dstate, width - 1)

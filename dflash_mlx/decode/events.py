@@ -16,6 +16,8 @@ class GenerationStats:
     lookup_cycles: int = 0  # draft cycles whose first tokens came from the n-gram lookup
     proposal_scales: Optional[str] = None  # the learned scales when the request ended (sampling, 'auto')
     tree_cycles: int = 0  # draft cycles verified as a tree
+    forced_tokens: int = 0  # drafts a grammar forced (certain: no model made them)
+    grammar_seconds: float = 0.0  # host seconds in the grammar engine (masks, forced tokens)
     branch_cycles: int = 0  # tree cycles that accepted a branch's token
     acceptance_lengths: List[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
@@ -34,6 +36,8 @@ class GenerationStats:
         )
         if self.lookup_cycles:
             drafting += f" ({self.lookup_cycles} of {self.draft_cycles} draft cycles from lookup)"
+        if self.forced_tokens:
+            drafting += f" ({self.forced_tokens} tokens forced by the grammar)"
         if self.tree_cycles:
             drafting += f" ({self.branch_cycles} of {self.tree_cycles} tree cycles through a branch)"
         return (

@@ -134,7 +134,7 @@ class Running(SequenceState):
         certain = forced(self, left - 1)
         if certain:
             width = max(width if self.tapped else 1, len(certain) + 1)
-            return AlonePlan(Plan(width, len(certain)), certain)
+            return AlonePlan(Plan(width, len(certain)), certain, len(certain))
         return AlonePlan(plan, list(offer[:copied]))
 
     def plain_next(self) -> bool:
@@ -157,6 +157,7 @@ class AlonePlan:
 
     plan: Plan
     copies: List[int]
+    forced: int = 0  # the first copies are its grammar's forced tokens
 
 
 @dataclass
@@ -173,6 +174,8 @@ class Committed:
     plan: Plan = PLAIN  # how the cycle ran for it
     branched: bool = False  # a tree cycle committed a branch's token
     cached: int = 0  # with its first token: the prompt tokens the prompt cache held
+    forced: int = 0  # its first drafts were tokens its grammar forced
+    grammar_seconds: float = 0.0  # host seconds its grammar's masks and forced tokens took since the last
     proposal_scales: Optional[str] = None  # with its last: the proposal scales it learnt (unseeded sampling)
 
 

@@ -116,7 +116,9 @@ class Streams:
             stats = self.streams[c.uid].stats
             stats.cycles += 1
             stats.draft_cycles += c.plan.width > 1
-            stats.lookup_cycles += c.plan.copied > 0
+            stats.lookup_cycles += c.plan.copied > c.forced
+            stats.forced_tokens += c.forced
+            stats.grammar_seconds += c.grammar_seconds
             stats.tree_cycles += c.plan.branches > 0
             stats.branch_cycles += c.branched
             stats.acceptance_lengths.append(c.accepted + 1)
