@@ -30,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 
 import dflash_mlx
-from dflash_mlx.bench import load_prompts, machine_info, median
+from dflash_mlx.bench import load_prompts, machine_info, median, prompt_text
 from dflash_mlx.hub import cache_root
 
 DEMO = Path(dflash_mlx.__file__).parent / "demo"
@@ -58,7 +58,7 @@ def stand_in(window: int, dtype: str = "float32") -> Path:
 
 def conversation(tokenizer, n: int):
     """About `n` tokens of turns taken from the shipped suites, and one more turn."""
-    texts = [p for suite in load_prompts().values() for p in suite]
+    texts = [prompt_text(p) for suite in load_prompts().values() for p in suite]
     ids, i = [], 0
     while len(ids) < n:
         ids += tokenizer.encode(f"\n# turn {i}\n{texts[i % len(texts)]}\n")

@@ -640,7 +640,8 @@ def _block_sizes(text: str):
 def bench(
     model: str = typer.Option("demo", "--model", help="Alias, repo id or directory."),
     draft: Optional[str] = typer.Option(None, "--draft", "--draft-model"),
-    suite: str = typer.Option("all", "--suite", help="code, math, chat or all (shipped prompt suites)."),
+    suite: str = typer.Option("all", "--suite",
+                              help="code, math, chat, json (answers kept to a JSON schema each) or all."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="A .jsonl of {\"prompt\": ...} rows instead."),
     max_tokens: int = ranged(128, "--max-tokens", "-m", min=1),
     block_size: str = typer.Option("auto", "--block-size", help="N, auto, sweep, or a comma list (e.g. 4,8,16,auto)."),
@@ -784,9 +785,17 @@ def _print_bench(result: dict, temp: float) -> None:
         shares = ", ".join(f"{k}: {v:.0%}" for k, v in d["share"].items())
         err.print(f"{d['ranks']} ranks: {d['collectives_per_pass']} collectives per target pass ({per_pass} alone); "
                   f"their share of a step or cycle: {shares}")
+    for key, s in result["suites"].get("json", {}).items():
+        err.print(f"json, block {key}: {s['stopped']} of {s['prompts']} answers ended within the budget, "
+                  f"{s['stopped'] - len(s['invalid_prompts'])} of them valid against their schemas; "
+                  f"{s['forced_tokens']} tokens forced by the grammars; {s['grammar_seconds'] * 1000:.0f} ms in "
+                  "the grammar engine (both loops constrain with the same engine)")
     mismatched = [p for s in result["overall"].values() for p in s.get("mismatched_prompts", [])]
     if mismatched:
         print_warning(err, f"{len(mismatched)} greedy output(s) differ from plain mlx-lm decoding")
+    invalid = [p for s in result["overall"].values() for p in s.get("invalid_prompts", [])]
+    if invalid:
+        print_warning(err, f"{len(invalid)} answer(s) that stopped do not validate against their schema")
 
 
 def _write_bench(result: dict, out: Optional[str], plot: Optional[str]) -> None:

@@ -49,8 +49,10 @@ from .machine import blas_name, peak_memory_gb
 from .errors import DFlashError
 from .prompt import build_prompt
 from .sampling import SamplingParams
+from .constrain.grammar import Grammar
+from .constrain.processor import GrammarProcessor
 
-SUITES = ("code", "math", "chat")
+SUITES = ("code", "math", "chat", "json")
 SCHEMA_VERSION = 3
 
 
@@ -76,7 +78,12 @@ def machine_info() -> Dict:
     }
 
 
-def load_prompts(suite: Optional[str] = None, path: Optional[str] = None) -> Dict[str, List[str]]:
+def prompt_text(prompt) -> str:
+    """A prompt's text (a `json` suite prompt also has its schema)."""
+    return prompt if isinstance(prompt, str) else prompt["prompt"]
+
+
+def load_prompts(suite: Optional[str] = None, path: Optional[str] = None) -> Dict[str, list]:
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -91,11 +98,12 @@ def load_prompts(suite: Optional[str] = None, path: Optional[str] = None) -> Dic
                 continue
             try:
                 row = json.loads(line)
-                rows.append(row["prompt"] if isinstance(row, dict) else None)
+                rows.append(_prompt_row(row) if isinstance(row, dict) else None)
             except (ValueError, KeyError, RecursionError):
                 rows.append(None)
-            if not isinstance(rows[-1], str):
-                raise DFlashError(f"{path}:{n} must be a JSON object with a 'prompt' string.")
+            if rows[-1] is None:
+                raise DFlashError(f"{path}:{n} must be a JSON object with a 'prompt' string (and, to constrain "
+                                  "the answer, a 'schema' object).")
         if not rows:
             raise DFlashError(f"--prompts {path} holds no prompts; give a .jsonl file of {{\"prompt\": ...}} rows.")
         return {p.stem: rows}
@@ -105,8 +113,26 @@ def load_prompts(suite: Optional[str] = None, path: Optional[str] = None) -> Dic
     out = {}
     for name in names:
         text = resources.files("dflash_mlx").joinpath(f"suites/{name}.jsonl").read_text()
-        out[name] = [json.loads(l)["prompt"] for l in text.splitlines() if l.strip()]
+        out[name] = [_prompt_row(json.loads(line)) for line in text.splitlines() if line.strip()]
     return out
+
+
+def _prompt_row(row: dict):
+    """A prompt's text, or with a JSON schema its answer keeps to, {"prompt", "schema"}."""
+    if not isinstance(row.get("prompt"), str) or not isinstance(row.get("schema", {}), dict):
+        return None
+    return {"prompt": row["prompt"], "schema": row["schema"]} if "schema" in row else row["prompt"]
+
+
+def validates(text: str, schema: dict) -> bool:
+    """Whether `text` is JSON that validates against `schema`."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 class OracleSource(DraftSource):
@@ -133,11 +159,11 @@ class OracleSource(DraftSource):
         return one_hot.astype(mx.float32) * 100.0
 
 
-def _dflash_run(pair, ids, max_tokens, params, block_size, source=None):
+def _dflash_run(pair, ids, max_tokens, params, block_size, source=None, grammar=None):
     tokens, stats, ttft = [], None, None
     tic = time.perf_counter()
     for ev in stream_generate(pair, ids, max_tokens=max_tokens, sampling=params, block_size=block_size,
-                              draft_source=source):
+                              draft_source=source, grammar=grammar):
         if ttft is None:
             ttft = time.perf_counter() - tic
         tokens += ev.tokens
@@ -145,6 +171,8 @@ def _dflash_run(pair, ids, max_tokens, params, block_size, source=None):
     return {"tokens": tokens, "generation_tps": stats.generation_tps, "prompt_tps": stats.prompt_tps,
             "ttft": ttft, "acceptance_lengths": stats.acceptance_lengths,
             "draft_cycles": stats.draft_cycles, "lookup_cycles": stats.lookup_cycles, "tree_cycles": stats.tree_cycles,
+            "forced_tokens": stats.forced_tokens, "grammar_seconds": stats.grammar_seconds,
+            "finish_reason": stats.finish_reason,
             "decode_seconds": stats.generation_tokens / stats.generation_tps if stats.generation_tps else 0.0}
 
 
@@ -273,6 +301,10 @@ def summarise(rows: List[Dict], key: str) -> Dict:
         "baseline_ttft": median([r["baseline"]["ttft"] for r in rows]),
         "dflash_ttft": median([r["dflash"][key]["ttft"] for r in rows]),
         "identical": sum(1 for r in rows if r["dflash"][key]["identical"] is True),
+        "forced_tokens": sum(r["dflash"][key].get("forced_tokens", 0) for r in rows),
+        "grammar_seconds": sum(r["dflash"][key].get("grammar_seconds", 0.0) for r in rows),
+        "stopped": sum(1 for r in rows if r["dflash"][key].get("finish_reason") == "stop"),
+        "invalid_prompts": [r["prompt"] for r in rows if r["dflash"][key].get("valid") is False],
         "mismatched_prompts": [r["prompt"] for r in rows if r["dflash"][key]["identical"] is False],
     }
     splits = [o for r in rows for o in r["dflash"][key].get("oracle_runs", [])]
@@ -332,7 +364,7 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
     done, rng = 0, random.Random(0)
     # Warm-up: compile kernels and fill allocator caches once for each path,
     # on the longest prompt, so neither path's prefill meets sizes first.
-    first = max((context_prompt(tok, t, context) for texts in prompts.values() for t in texts), key=len)
+    first = max((context_prompt(tok, prompt_text(t), context) for texts in prompts.values() for t in texts), key=len)
     progress(0, total, "warming up")
     baseline_generate(model, tok, first, 8, temp)
     for bs in block_sizes:
@@ -340,11 +372,17 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
     suites = {}
     for suite, texts in prompts.items():
         rows = []
-        for text in texts:
+        for prompt in texts:
+            text, schema = prompt_text(prompt), None if isinstance(prompt, str) else prompt["schema"]
             ids = context_prompt(tok, text, context)
+            grammar = None if schema is None else Grammar.json_schema(schema)
+
+            def processors():  # mlx-lm's: the same grammar engine, a fresh matcher per run
+                return [] if grammar is None else [GrammarProcessor(pair.grammars.constraint(grammar), len(ids))]
+
             runs, dr, source = [], {bs: [] for bs in block_sizes}, None
             if oracle:  # the target's own greedy continuation, drafted back to it
-                source = OracleSource(ids, baseline_generate(model, tok, ids, max_tokens, temp)["tokens"],
+                source = OracleSource(ids, baseline_generate(model, tok, ids, max_tokens, temp, processors())["tokens"],
                                       pair.target.vocab_size, pair.draft_source.block_size)
             # Repeats interleave the settings in a fresh random order each
             # time, so neither a slow spell of the machine nor what ran just
@@ -356,10 +394,10 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
                     what = "baseline" if bs is None else f"block {bs}"
                     progress(done, total, f"{suite}: {what}")  # said before it runs: a long prompt takes minutes
                     if bs is None:
-                        runs.append(baseline_generate(model, tok, ids, max_tokens, temp))
+                        runs.append(baseline_generate(model, tok, ids, max_tokens, temp, processors()))
                     else:
                         bs_run = bs if not (oracle and bs == "auto") else pair.draft_source.block_size
-                        run = _dflash_run(pair, ids, max_tokens, params, bs_run, source)
+                        run = _dflash_run(pair, ids, max_tokens, params, bs_run, source, grammar)
                         if oracle:
                             run["oracle"] = _oracle_split(pair, ids, run, max_tokens, params, bs_run, source)
                         dr[bs].append(run)
@@ -376,6 +414,9 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
                 if oracle:
                     d["oracle_runs"] = [x["oracle"] for x in dr[bs]]
                 d["identical"] = all(x["tokens"] == base["tokens"] for x in dr[bs]) if temp == 0 else None
+                if schema is not None:  # an answer that stopped (not cut by the budget) validates
+                    d["valid"] = all(validates(tok.decode(x["tokens"]), schema) for x in dr[bs]
+                                     if x["finish_reason"] == "stop")
                 d["generated_tokens"] = len(d.pop("tokens"))
                 row["dflash"][str(bs)] = d
             rows.append(row)

@@ -60,8 +60,8 @@ def test_repeats_interleave_settings_and_each_repeat_is_checked(pairs, monkeypat
     pair = pairs["qwen3"]
     real, calls = bench._dflash_run, []
 
-    def recording(pair, ids, max_tokens, params, block_size, source=None):
-        r = real(pair, ids, max_tokens, params, block_size, source)
+    def recording(pair, ids, max_tokens, params, block_size, source=None, grammar=None):
+        r = real(pair, ids, max_tokens, params, block_size, source, grammar)
         calls.append(block_size)
         if block_size == 4 and calls.count(4) == 3:  # the second measured repeat of block 4 goes wrong
             r["tokens"] = r["tokens"][:-1] + [(r["tokens"][-1] + 1) % 300]
@@ -229,7 +229,9 @@ def test_plain_target_unwraps_nested_quantized_wrappers(targets, drafters, tmp_p
 
 def test_shipped_suites():
     suites = bench.load_prompts("all")
-    assert set(suites) == {"code", "math", "chat"} and all(len(v) == 12 for v in suites.values())
+    assert set(suites) == {"code", "math", "chat", "json"}
+    assert all(len(suites[s]) == 12 for s in ("code", "math", "chat")) and len(suites["json"]) == 8
+    assert all(isinstance(p, dict) and isinstance(p["schema"], dict) for p in suites["json"])
 
 
 def test_machine_info_comes_from_mlx():
@@ -337,3 +339,16 @@ def test_peers_runner_pairs_runtimes_prompt_by_prompt():
     assert h2h["against"]["dspark/default"]["geomean"] == pytest.approx(1.5 ** 0.5)
     text = run.table({"summary": summary, "head_to_head": h2h})
     assert "ours/default vs dspark/default (the fastest peer default): 1.75x median per prompt" in text
+
+
+def test_a_json_prompt_is_constrained_in_both_loops_and_its_answer_validated(pairs):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9,
+                                                                               "minimum": 0}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    result = bench.run_bench(pairs["qwen3"], {"json": [{"prompt": "status:", "schema": schema}]}, max_tokens=40,
+                             block_sizes=[4])
+    s = result["suites"]["json"]["4"]
+    assert s["identical"] == 1 and s["stopped"] == 1 and s["invalid_prompts"] == [] and s["forced_tokens"] > 0
+    row = result["prompts"]["json"][0]
+    assert row["dflash"]["4"]["valid"] is True and row["baseline"]["generated_tokens"] < 40
+    assert bench.validates('{"ok": true, "n": 3}', schema) and not bench.validates('{"ok": 1, "n": 3}', schema)

@@ -19,9 +19,10 @@ from .adapter import _Wrapper, materialize
 from ..errors import DFlashError
 
 
-def generate(model: nn.Module, tokenizer, prompt: Sequence[int], max_tokens: int, temp: float = 0.0) -> Dict:
-    """Tokens from mlx-lm's own decoding loop, stopping at the tokenizer's EOS
-    (not included), with mlx-lm's timings: "generation_tps" and "prompt_tps"
+def generate(model: nn.Module, tokenizer, prompt: Sequence[int], max_tokens: int, temp: float = 0.0,
+             processors: Sequence = ()) -> Dict:
+    """Tokens from mlx-lm's own decoding loop (with its `logits_processors`), stopping at the
+    tokenizer's EOS (not included), with mlx-lm's timings: "generation_tps" and "prompt_tps"
     as mlx-lm reports them, and "ttft", the seconds to the first token."""
     from mlx_lm.generate import generation_stream, stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -29,7 +30,7 @@ def generate(model: nn.Module, tokenizer, prompt: Sequence[int], max_tokens: int
     tokens, last, ttft = [], None, None
     tic = time.perf_counter()
     for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens,
-                             sampler=make_sampler(temp)):
+                             sampler=make_sampler(temp), logits_processors=list(processors) or None):
         if ttft is None:
             ttft = time.perf_counter() - tic
         if r.finish_reason != "stop":  # "stop": the EOS token itself
