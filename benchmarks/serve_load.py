@@ -16,7 +16,11 @@ last token received), time to first token per request (median, max), and whether
 answer equals that server's answer to the same prompt sent alone. Each N runs
 `--repeats` times; figures are medians. With `--before CHECKOUT` (a git worktree of an
 earlier commit), that checkout's `dflash-mlx serve` runs as a third server, "before": a
-before/after run of a change, taking turns with the others.
+before/after run of a change, taking turns with the others. With `--suite json` the prompts
+are the `json` suite's and our servers get each prompt's schema as `response_format`
+(`json_schema`, strict); mlx-lm's server has no structured output and answers the same
+prompts unconstrained. Each constrained answer that ends before `--max-tokens` is checked
+against its schema ("valid").
 """
 
 import argparse
@@ -73,25 +77,35 @@ def start(kind: str, pair: Path, log, before: Optional[Path] = None):
     return proc, url
 
 
-def ask(client, prompt: str, max_tokens: int, model: str):
-    """(text, tokens, seconds to the first token, seconds to the last)."""
+def ask(client, prompt, max_tokens: int, model: str):
+    """(text, tokens, seconds to the first token, seconds to the last, finish reason). `prompt`: its text, or
+    {"prompt", "schema"}: the answer keeps to the schema (`response_format`)."""
     tic = time.perf_counter()
     first, parts, n = None, [], 0
+    extra = {}
+    if isinstance(prompt, dict):
+        if model != "default_model":  # mlx-lm's server: no structured output
+            extra["response_format"] = {"type": "json_schema",
+                                        "json_schema": {"name": "answer", "schema": prompt["schema"], "strict": True}}
+        prompt = prompt["prompt"]
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+                                            stream_options={"include_usage": True}, **extra)
+    finish = None
     for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
         if chunk.choices and chunk.choices[0].delta.content:
             if first is None:
                 first = time.perf_counter() - tic
             parts.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             n = chunk.usage.completion_tokens
-    return "".join(parts), n, first or 0.0, time.perf_counter() - tic
+    return "".join(parts), n, first or 0.0, time.perf_counter() - tic, finish
 
 
 def load(client, prompts, max_tokens, model):
-    """Every prompt at once: (answers, aggregate tok/s, times to first token)."""
+    """Every prompt at once: (answers, aggregate tok/s, times to first token, finish reasons)."""
     results = [None] * len(prompts)
 
     def run(i):
@@ -105,7 +119,14 @@ def load(client, prompts, max_tokens, model):
         t.join()
     wall = time.perf_counter() - tic
     tokens = sum(r[1] or len(r[0]) for r in results)
-    return [r[0] for r in results], tokens / wall, [r[2] for r in results]
+    return [r[0] for r in results], tokens / wall, [r[2] for r in results], [r[4] for r in results]
+
+
+def variant(prompt, i: int):
+    """The prompt made distinct (a suite shorter than the clients)."""
+    if isinstance(prompt, dict):
+        return dict(prompt, prompt=f"{prompt['prompt']} (request {i})")
+    return f"{prompt}\n# variant {i}"
 
 
 def main(argv=None):
@@ -115,6 +136,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--servers", default="dflash-mlx,mlx-lm")
+    ap.add_argument("--suite", default="code", choices=["code", "json"])
     ap.add_argument("--before", default=None, metavar="CHECKOUT",
                     help="another checkout of this repository, served beside ours as 'before'")
     ap.add_argument("--out", default=None)
@@ -122,14 +144,14 @@ def main(argv=None):
     sys.path.insert(0, str(REPO))
     import openai
 
-    from dflash_mlx.bench import load_prompts, machine_info
+    from dflash_mlx.bench import load_prompts, machine_info, validates
     from dflash_mlx.machine import blas_name
 
     pair = Path(args.pair).expanduser()
     levels = [int(n) for n in args.concurrency.split(",")]
-    prompts = load_prompts("code")["code"]
+    prompts = load_prompts(args.suite)[args.suite]
     if max(levels) > len(prompts):
-        prompts = [f"{p}\n# variant {i}" for i in range(-(-max(levels) // len(prompts))) for p in prompts]
+        prompts = [variant(p, i) for i in range(-(-max(levels) // len(prompts))) for p in prompts]
     kinds = args.servers.split(",") + (["before"] if args.before else [])
     before = Path(args.before).resolve() if args.before else None
     servers, logs = {}, {}
@@ -142,9 +164,9 @@ def main(argv=None):
             servers[kind] = proc, client, model
         alone = {kind: {} for kind in kinds}
         for kind, (_, client, model) in servers.items():
-            for p in prompts[: max(levels)]:
+            for i, p in enumerate(prompts[: max(levels)]):
                 ask(client, p, 8, model)  # warm-up (and, for ours, the cost curve)
-                alone[kind][p] = ask(client, p, args.max_tokens, model)[0]
+                alone[kind][i] = ask(client, p, args.max_tokens, model)[0]
         rows = []
         for n in levels:
             runs = {kind: [] for kind in kinds}
@@ -159,7 +181,10 @@ def main(argv=None):
                 row = {"server": kind, "clients": n, "tps": statistics.median(r[1] for r in runs[kind]),
                        "tps_runs": [r[1] for r in runs[kind]],
                        "ttft_median": statistics.median(ttft), "ttft_max": max(ttft),
-                       "identical": all(a == alone[kind][p] for r in runs[kind] for a, p in zip(r[0], prompts[:n]))}
+                       "identical": all(a == alone[kind][i] for r in runs[kind] for i, a in enumerate(r[0]))}
+                if args.suite == "json" and kind != "mlx-lm":  # answers cut by the budget are not complete
+                    ended = [(a, p) for r in runs[kind] for a, p, f in zip(r[0], prompts[:n], r[3]) if f == "stop"]
+                    row["valid"] = f"{sum(validates(a, p['schema']) for a, p in ended)} of {len(ended)} ended"
                 rows.append(row)
                 print(f"{kind} x{n}: {row['tps']:.1f} tok/s, ttft {row['ttft_median']:.2f} / "
                       f"{row['ttft_max']:.2f} s, identical {row['identical']}", file=sys.stderr, flush=True)
