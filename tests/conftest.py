@@ -135,12 +135,13 @@ class Counted:
         return self._target(*args, **kwargs)
 
 
-def plain_greedy(model, prompt, max_tokens, eos=(0,)):
-    """Greedy tokens from mlx-lm's own generate_step, stopping after EOS."""
+def plain_greedy(model, prompt, max_tokens, eos=(0,), processors=None):
+    """Greedy tokens from mlx-lm's own generate_step (with its `logits_processors`), stopping after EOS."""
     from mlx_lm.generate import generate_step
 
     out = []
-    for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, logits_processors=processors)
+    for (tok, _), _ in zip(steps, range(max_tokens)):
         tok = int(tok)
         if tok in eos:
             break

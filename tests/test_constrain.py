@@ -9,11 +9,11 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 import conftest
 import dflash_mlx
 from conftest import Counted, OracleSource
+from test_lossless import dflash_tokens
 from dflash_mlx.constrain import Grammar
 from dflash_mlx.constrain.compiler import GRAMMAR_CACHE, Grammars
 from dflash_mlx.constrain.grammar import MAX_GRAMMAR_BYTES
@@ -43,25 +43,15 @@ def demo():
     return dflash_mlx.load("demo")
 
 
-def constrained_ref(model, pair, grammar, prompt, max_tokens, sampler=None):
+def constrained_ref(model, pair, grammar, prompt, max_tokens):
     """mlx-lm's `generate_step` with the grammar's logits processor, to the first EOS."""
     proc = GrammarProcessor(pair.grammars.constraint(grammar), len(prompt))
-    eos, out = pair.tokenizer.eos_token_ids, []
-    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, logits_processors=[proc], sampler=sampler)
-    for (tok, _), _ in zip(steps, range(max_tokens)):
-        if int(tok) in eos:
-            break
-        out.append(int(tok))
-    return out
+    return conftest.plain_greedy(model, prompt, max_tokens, pair.tokenizer.eos_token_ids, [proc])
 
 
-def run(pair, prompt, grammar, **kw):
+def run(pair, prompt, grammar, max_tokens=256, **kw):
     """(tokens, events) of one constrained request."""
-    out, events = [], []
-    for ev in dflash_mlx.stream_generate(pair, prompt, grammar=grammar, **kw):
-        out += ev.tokens
-        events.append(ev)
-    return out, events
+    return dflash_tokens(pair, prompt, max_tokens, grammar=grammar, **kw)
 
 
 # -- grammars and their compiler -------------------------------------------------------------------
@@ -182,6 +172,43 @@ def test_rollback_at_every_position_under_a_grammar(demo, block_size):
         check_no_forbidden_rows(demo, grammar, out, events, seen)
 
 
+def test_lookup_copies_under_a_grammar(demo):
+    """Cycles that copy a lookup's offer (the constrained answer itself, one position in turn
+    corrupted), mixed with drafter cycles and plain steps: output equals plain constrained
+    decoding, and copies were verified beside the forced tokens."""
+    from dflash_mlx.draft.source import DFlashDraftSource
+    from dflash_mlx.policy.plan import Plan
+
+    class AnswerLookup(DFlashDraftSource):
+        def __init__(self, pair, prompt, answer):
+            super().__init__(pair.drafter, pair.target)
+            self.answer, self.seen, self.offers = answer, -len(prompt), 0
+
+        def commit(self, state, tokens):
+            super().commit(state, tokens)
+            self.seen += len(tokens)
+
+        def offer(self, state, limit):
+            tokens = list(self.answer[self.seen : self.seen + limit])
+            if tokens:
+                k = self.offers % len(tokens)
+                tokens[k] = (tokens[k] + 1) % self.vocab_size
+            self.offers += 1
+            return tokens
+
+        def may_offer(self, state):
+            return True
+
+    grammar = Grammar.json_schema(SCHEMAS["person"])
+    prompt = demo.tokenizer.encode(PROMPT)
+    ref = constrained_ref(demo.target.model, demo, grammar, prompt, 80)
+    policy = conftest.ScriptedWidths([Plan(6, 5), Plan(4, 2), 1, 5])
+    out, events = run(demo, prompt, grammar, max_tokens=80, block_size=policy,
+                      draft_source=AnswerLookup(demo, prompt, ref))
+    assert out == ref
+    assert events[-1].stats.lookup_cycles > 0 and events[-1].stats.forced_tokens > 0
+
+
 def test_drafts_the_grammar_forbids_are_cut_before_the_target_sees_them(demo):
     """A drafter that drafts an end-of-sequence token everywhere: every verify pass is the forced
     tokens and the last committed token alone, each forced token accepted."""
@@ -194,11 +221,9 @@ def test_drafts_the_grammar_forbids_are_cut_before_the_target_sees_them(demo):
     assert out == constrained_ref(demo.target.model, demo, WEATHER, prompt, 40)
     assert source.calls > 0
     check_no_forbidden_rows(demo, WEATHER, out, events, seen)
-    # Each block is the forced run alone (every draft after it is cut, but an end of sequence where
-    # the grammar is complete), all of it accepted.
+    # Each block is a forced run, or nothing but the last token (every draft cut), all of it accepted.
     for ev, tokens in zip(events[1:], seen.verified):
-        assert ev.accepted == len(tokens) - 1 and eos not in tokens[:-1]
-    assert seen.verified[-1][-1] == eos
+        assert ev.accepted == len(tokens) - 1 and eos not in tokens
 
 
 def test_forced_tokens_go_through_in_one_pass_even_where_free_text_decodes_plainly(demo):
@@ -243,13 +268,15 @@ def test_seeded_sampling_under_a_grammar_is_the_same_at_every_width(demo):
     assert demo.grammars.constraint(GRAMMARS["refs"]).masks(outs[0]).valid == len(outs[0])
 
 
-def test_a_batch_of_constrained_and_free_sequences_equals_each_alone(demo):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_batch_of_constrained_and_free_sequences_equals_each_alone(demo, sampled):
     prompts = [demo.tokenizer.encode(p) for p in (PROMPT, "Write a config file", "def parse_args(argv):")]
     grammars = [WEATHER, Grammar.json_schema(SCHEMAS["server_config"]), None]
-    alone = [run(demo, p, g, max_tokens=40, block_size=4)[0] for p, g in zip(prompts, grammars)]
+    params = SamplingParams(temp=0.9, seed=3) if sampled else SamplingParams()
+    alone = [run(demo, p, g, max_tokens=40, block_size=4, sampling=params)[0] for p, g in zip(prompts, grammars)]
     streams = Streams(demo, 4, block_size=4)
     got = {}
-    firsts = streams.add_many([Joining(p, 40, asks=Asks(grammar=g)) for p, g in zip(prompts, grammars)])
+    firsts = streams.add_many([Joining(p, 40, asks=Asks(params, grammar=g)) for p, g in zip(prompts, grammars)])
     order = [uid for uid, _ in firsts]
     for uid, ev in firsts:
         got[uid] = list(ev.tokens)
@@ -257,7 +284,8 @@ def test_a_batch_of_constrained_and_free_sequences_equals_each_alone(demo):
         for uid, ev in streams.step():
             got[uid] += ev.tokens
     assert [got[u] for u in order] == alone
-    assert alone[2] == conftest.plain_greedy(demo.target.model, prompts[2], 40, demo.tokenizer.eos_token_ids)
+    if not sampled:
+        assert alone[2] == conftest.plain_greedy(demo.target.model, prompts[2], 40, demo.tokenizer.eos_token_ids)
 
 
 def test_a_prefix_cache_entry_serves_constrained_and_free_requests_alike(demo):

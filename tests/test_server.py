@@ -862,3 +862,23 @@ def test_response_format_constrains_the_answer(client, served, targets, drafters
                                        response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
     assert r.choices[0].message.content.startswith("{")
+
+
+def test_constrained_and_free_requests_decoded_together_answer_as_alone(client, served):
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST, "strict": True}}
+    asks = [dict(response_format=fmt), {}, dict(response_format={"type": "json_object"}), dict(response_format=fmt)]
+    texts = ["The forecast as JSON", "hello there", "A JSON object please", "Next week's forecast"]
+
+    def answer(i):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": texts[i]}],
+                                              max_tokens=50, temperature=0, **asks[i]).choices[0].message.content
+
+    alone = [answer(i) for i in range(4)]
+    together = [None] * 4
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, answer(i))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone
+    assert set(json.loads(alone[0])) == {"unit", "days"}

@@ -120,21 +120,20 @@ class Running(SequenceState):
     def plan_alone(self) -> "AlonePlan":
         """Its next cycle's plan when it decodes alone (its policy's, asked with its lookup's offer
         unless chosen while a plain step was in flight, fitted to its budget), and the offer's
-        tokens that plan copies. Tokens its grammar forces take the first draft positions instead,
-        as many as there are (`constrained.FORCED_RUN` at most), whatever the plan's width: they
-        are certain."""
+        tokens that plan copies. Tokens its grammar forces make a cycle of their own instead (its
+        policy is not asked), as many as there are (`constrained.FORCED_RUN` at most): they are
+        certain, and a drafter after them would draft blind to them."""
         plan, offer, self.chosen = self.chosen, [], None
         left = self.max_tokens - self.generated
+        certain = forced(self, left - 1)
+        if certain:
+            return AlonePlan(Plan(len(certain) + 1, len(certain)), certain, len(certain))
         if plan is None:
             offer = self.source.offer(self.dstate, self.source.block_size - 1) if self.lookup else []
             plan = self.run.choose(len(self.history), offer, unseen=self.unseen, left=left)
         width = min(plan.width, left)
         copied = min(plan.copied, width - 1, len(offer))
         plan = Plan(width, copied, min(plan.branches, self.branches) if width > 1 and not copied else 0)
-        certain = forced(self, left - 1)
-        if certain:
-            width = max(width if self.tapped else 1, len(certain) + 1)
-            return AlonePlan(Plan(width, len(certain)), certain, len(certain))
         return AlonePlan(plan, list(offer[:copied]))
 
     def plain_next(self) -> bool:
