@@ -227,3 +227,19 @@ def test_bad_forced_tool_calls_are_400s(client, extra, words):
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, **{"tools": TOOLS, **extra})
     assert words in e.value.body["message"]
+
+
+def test_strict_tools_keep_calls_the_model_makes_of_its_own_accord(client):
+    """Under tool_choice "auto", a strict tool's calls keep to its schema: the model's own call
+    (city Paris) is not in it, so the call it makes is the one the schema allows."""
+    rome = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city", "strict": True,
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Rome"]}}, "required": ["city"],
+                       "additionalProperties": False}}}
+    r = ask_long(client, tools=[rome])
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
+    loose = dict(rome, function=dict(rome["function"], strict=False))
+    r = ask_long(client, tools=[loose])  # not strict: the model's own call stands
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"}

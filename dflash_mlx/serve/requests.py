@@ -15,7 +15,7 @@ from ..sampling import SamplingParams
 from . import messages_api
 from ..constrain.grammar import Grammar
 from ..errors import DFlashError
-from .tools import ToolError, call_grammar, check_tools, forced_tool, template_messages, tool_choice
+from .tools import ToolError, call_grammar, check_tools, forced_tool, strict_tools, template_messages, tool_choice
 from .worker import APIError, Engine, Job
 
 MAX_STOP = 4  # stop strings per request: OpenAI's limit
@@ -196,16 +196,19 @@ def parse_request(engine: Engine, body: Any, chat: bool):
 
 
 def _grammar(engine: Engine, body, chat: bool, tools: Optional[list]) -> Optional[Grammar]:
-    """What the request constrains its output to (`response_format`, or a tool call `tool_choice`
-    forces), compiled here: a schema the engine cannot take is a 400 before any byte."""
-    forced = None
+    """What the request constrains its output to (`response_format`, a tool call `tool_choice`
+    forces, or under "auto" the calls of strict tools), compiled here: a schema the engine cannot
+    take is a 400 before any byte."""
+    forced, calls = None, False
     try:
         forced = forced_tool(body.get("tool_choice"), tools) if chat else None
+        calls = forced is not None or (chat and strict_tools(body.get("tool_choice"), tools))
         grammar = _response_format(body.get("response_format"))
-        if forced is not None:
-            if grammar is not None:
-                raise APIError(400, "'response_format' and a forced tool call ('tool_choice') both constrain the "
-                                    "answer; send one of them.", param="response_format")
+        if calls and grammar is not None and forced is not None:
+            raise APIError(400, "'response_format' and a forced tool call ('tool_choice') both constrain the "
+                                "answer; send one of them.", param="response_format")
+        calls = calls and grammar is None  # with a response format, strict tools under "auto" are not kept to
+        if calls:
             parallel = _get(body, "parallel_tool_calls", bool, True, None, "a boolean")
             grammar = call_grammar(engine.tokenizer, engine.pair.grammars.tokenizer.is_special_token, tools, forced,
                                    parallel)
@@ -214,7 +217,7 @@ def _grammar(engine: Engine, body, chat: bool, tools: Optional[list]) -> Optiona
     except ToolError as e:
         raise APIError(400, str(e), param=e.param)
     except DFlashError as e:
-        if forced is not None:  # the call's grammar holds the tools' parameter schemas
+        if calls:  # the call's grammar holds the tools' parameter schemas
             raise APIError(400, f"The tools' parameters cannot be enforced: {e}", param="tools")
         raise APIError(400, str(e), param="response_format")
     return grammar

@@ -158,6 +158,12 @@ def tool_choice(value: Any, tools: Optional[list]) -> Dict[str, Any]:
     return {"tools": tools} if tools else {}
 
 
+def strict_tools(value: Any, tools: Optional[list]) -> bool:
+    """Whether calls the model may make of its own accord (`tool_choice` "auto") must keep to
+    their functions' schemas: a tool says `"strict": true`."""
+    return value in (None, "auto") and any(t["function"].get("strict") for t in tools or ())
+
+
 def forced_tool(value: Any, tools: Optional[list]) -> Union[None, bool, str]:
     """What `tool_choice` forces: a call of any tool ("required": True), of the named one (its
     name: {"type": "function", "function": {"name": ...}}), or nothing ("auto", "none": None)."""
@@ -178,24 +184,34 @@ def forced_tool(value: Any, tools: Optional[list]) -> Union[None, bool, str]:
     return name
 
 
-def call_grammar(tokenizer, special, tools: list, name: Union[bool, str], parallel: bool) -> Grammar:
+def call_grammar(tokenizer, special, tools: list, name: Union[None, bool, str], parallel: bool) -> Grammar:
     """A grammar whose text is a call (or with `parallel`, calls on lines of their own) of the
     tools (the one named `name`, unless it is True) in the model's tool-call format, each call's
     arguments kept to its function's parameters' schema (non-strict functions': leniently).
-    `special(id)`: whether a token is special (its marker is then that token, not text)."""
+    With `name` None (`tool_choice` "auto" with strict tools) the text is free, and each call in
+    it, from its start marker on, is kept so. `special(id)`: whether a token is special (its
+    marker is then that token, not text)."""
     if not _reads_json_calls(getattr(tokenizer, "tool_parser", None)):
-        raise ToolError("Forcing a tool call needs a model whose calls are JSON between markers (as mlx-lm's "
-                        "json_tools parser reads them); this model's are not. Use tool_choice \"auto\".",
+        raise ToolError("Constraining tool calls (tool_choice \"required\" or a named function, or strict tools) "
+                        "needs a model whose calls are JSON between markers (as mlx-lm's json_tools parser reads "
+                        "them); this model's are not. Use tool_choice \"auto\" with tools that are not strict.",
                         "tool_choice")
-    chosen = [t["function"] for t in tools if name is True or t["function"]["name"] == name]
+    chosen = [t["function"] for t in tools if name in (None, True) or t["function"]["name"] == name]
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                "arguments": f.get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
     schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls},
                   **{"x-guidance": dict(JSON_OPTIONS, lenient=not all(f.get("strict") for f in chosen))})
     start, end = (_marker(tokenizer, special, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
-    more = ' ("\\n" call)*' if parallel else ""
-    return Grammar.lark(f'start: call{more}\ncall: {start} "\\n"? %json {json.dumps(schema)} "\\n"? {end}\n')
+    body = f'"\\n"? %json {json.dumps(schema)} "\\n"? {end}'
+    if name is not None:
+        more = ' ("\\n" call)*' if parallel else ""
+        return Grammar.lark(f"start: call{more}\ncall: {start} {body}\n")
+    # Free text, and a call from each start marker on: a special marker is a token free text
+    # never holds; a textual one is found in the text by a lazy lexeme (the text up to it).
+    head = (f"call: TEXT {start} {body}\n" if start.startswith("<[") else
+            f"call_start[lazy]: TEXT {start}\ncall: call_start {body}\n")
+    return Grammar.lark(f"start: (call){'*' if parallel else '?'} TEXT\nTEXT: /(.|\\n)*/\n{head}")
 
 
 def _reads_json_calls(parser) -> bool:
