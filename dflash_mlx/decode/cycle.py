@@ -148,7 +148,7 @@ class LinearCycle:
 
     def __init__(self, rows: Rows, block: Block):
         self.rows, self.block = rows, block
-        self.width = block.drafts.shape[1] + 1
+        self.width = block.width
         tokens = mx.concatenate([block.lasts[:, None], block.drafts], axis=1)
         logits, self.hidden = rows.target(tokens, rows.cache, record=True, rider=rows.rider)
         if block.masks is not None:
