@@ -201,7 +201,8 @@ def main(argv=None):
     for r in rows:
         vs = f"{r['tps'] / base[r['clients']]:.2f}x" if r["clients"] in base else "-"
         own1 = next((o["tps"] for o in rows if o["server"] == r["server"] and o["clients"] == 1), None) or ours1
-        print(f"| {r['server']} | {r['clients']} | {r['tps']:.1f} | {vs} | {r['tps'] / own1:.2f}x | "
+        scaled = f"{r['tps'] / own1:.2f}x" if own1 else "-"  # no 1-client run
+        print(f"| {r['server']} | {r['clients']} | {r['tps']:.1f} | {vs} | {scaled} | "
               f"{r['ttft_median']:.2f} / {r['ttft_max']:.2f} s | {r['identical']} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine_info(), "blas": blas_name(), "pair": str(pair),

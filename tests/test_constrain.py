@@ -288,6 +288,55 @@ def test_a_batch_of_constrained_and_free_sequences_equals_each_alone(demo, sampl
         assert alone[2] == conftest.plain_greedy(demo.target.model, prompts[2], 40, demo.tokenizer.eos_token_ids)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_constrained_plain_steps_in_a_batch_run_one_ahead(demo, sampled):
+    """A batch's plain steps launch the next step's target pass before the host reads the current
+    one's tokens, constrained sequences too: the pass in flight is picked from once its mask is
+    known. Penalties and seeded draws see every token once (no pending token counted twice), and
+    each answer equals its answer alone."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash_mlx.decode.decoder import Decoder
+
+    prompts = [demo.tokenizer.encode(p) for p in (PROMPT, "Write a config file", "def parse_args(argv):")]
+    grammars = [WEATHER, Grammar.json_schema(SCHEMAS["server_config"]), None]
+    params = SamplingParams(temp=0.9, seed=3) if sampled else SamplingParams()
+    procs = lambda: make_logits_processors(repetition_penalty=1.3, repetition_context_size=16)  # noqa: E731
+    alone = [run(demo, p, g, max_tokens=40, block_size=1, sampling=params, logits_processors=procs())[0]
+             for p, g in zip(prompts, grammars)]
+    dec = Decoder(demo, 4)
+    firsts = dec.add_many(prompts, [40] * 3, asks=[Asks(params, procs(), grammar=g) for g in grammars])
+    out = {f.uid: list(f.tokens) for f in firsts}
+    ahead = []
+    while len(dec):
+        for c in dec.step(1):
+            out[c.uid] += c.tokens
+        ahead.append(dec._ahead is not None)
+    assert sum(ahead) >= len(ahead) - 3  # a step in flight but where a sequence ended
+    assert [out[f.uid] for f in firsts] == alone
+    assert demo.grammars.constraint(WEATHER).masks(alone[0]).valid == len(alone[0])
+
+
+def test_forced_tokens_count_as_certain_in_what_a_batch_expects_of_a_width(demo):
+    """The batch's policy weighs each width by the tokens its sequences expect it to commit: a
+    sequence whose grammar forces tokens next expects them all, whatever its drafter's rates."""
+    from dflash_mlx.decode.decoder import Decoder
+    from dflash_mlx.decode.drafting import expected_gains
+
+    keys = {f"field_number_{i}": {"const": i} for i in range(6)}
+    boiler = Grammar.json_schema({"type": "object", "properties": keys, "required": list(keys),
+                                  "additionalProperties": False})
+    prompts = [demo.tokenizer.encode(p) for p in (PROMPT, "def parse_args(argv):")]
+    dec = Decoder(demo, 8, lookup=True, block_size="auto")
+    dec.add_many(prompts, [60] * 2, asks=[Asks(grammar=boiler, lookup=False), Asks(lookup=False)])
+    constrained, free = dec.seqs
+    both = expected_gains(dec.seqs, [1, 2, 4, 8])
+    alone = expected_gains([free], [1, 2, 4, 8])
+    assert len(constrained.constraint.forced(64)) > 8
+    for w in (1, 2, 4, 8):
+        assert both[w] == pytest.approx(alone[w] + w)  # the free one's expectation, and w certain tokens
+
+
 def test_a_prefix_cache_entry_serves_constrained_and_free_requests_alike(demo):
     cache = dflash_mlx.PromptCache(demo)
     prompt = demo.tokenizer.encode(PROMPT + " and in Rome, please, in celsius")

@@ -31,6 +31,7 @@ class Constraint:
         self.words = (vocab_size + 31) // 32
         self.eos = set(eos)
         self.seconds = 0.0  # host time in masks and forced tokens, not yet taken (`take_seconds`)
+        self._forced: Optional[List[int]] = None  # the forced tokens after the committed ones, once asked
 
     def allows(self, drafts: Sequence[int]) -> int:
         """How many of the leading drafts the grammar allows after the committed tokens."""
@@ -63,10 +64,11 @@ class Constraint:
         """Up to `limit` tokens the grammar allows no alternative to, next."""
         if limit <= 0 or self.matcher.is_stopped():
             return []
-        tic = time.perf_counter()
-        tokens = self.matcher.compute_ff_tokens()[:limit]
-        self.seconds += time.perf_counter() - tic
-        return tokens
+        if self._forced is None:  # asked by the batch's policy and by the cycle: computed once
+            tic = time.perf_counter()
+            self._forced = self.matcher.compute_ff_tokens()
+            self.seconds += time.perf_counter() - tic
+        return self._forced[:limit]
 
     def take_seconds(self) -> float:
         """The host seconds spent since the last call."""
@@ -75,6 +77,7 @@ class Constraint:
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The sequence committed `tokens` (its masks allowed them)."""
+        self._forced = None
         if tokens and not self.matcher.consume_tokens(list(tokens)):
             raise RuntimeError(f"a committed token broke the grammar: {self.matcher.get_error()}")
 

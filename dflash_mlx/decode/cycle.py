@@ -24,7 +24,7 @@ from ..policy.plan import Outcome
 from ..target.adapter import Rider
 from ..sampling import agreeing, greedy_log_probs, gumbel_rows, log_probs, pick
 from ..constrain.mask import allowed
-from .constrained import masked
+from .constrained import constrained, masked
 from .passes import TreeVerified, accept, logprob_rows, token_logprobs, verify_tree
 from .sequence import SequenceState
 
@@ -91,7 +91,11 @@ class PlainStep:
     """Width 1: one plain decoding step for every sequence. Its `tokens` [B] are on the
     device before the host reads them, so the next step can be launched from them first
     (`pending`), as mlx-lm's `generate_step` does; a step launched so and not wanted after
-    all is undone with `drop`."""
+    all is undone with `drop`.
+
+    Where a sequence keeps to a grammar, a step launched ahead runs its target pass only: its
+    row's mask needs the token before, so its tokens are picked (`tokens`) once that is
+    committed, while the pass runs, and the step after is launched from them in turn."""
 
     def __init__(self, rows: Rows, lasts: mx.array, pending: bool = False):
         self.rows = rows
@@ -99,17 +103,32 @@ class PlainStep:
         alone = len(rows.seqs) == 1  # its taps as the tapped layers' outputs, joined later (`joined`)
         logits, self.hidden = rows.target(lasts[:, None], rows.cache, rider=rows.rider,
                                           taps=("layers" if alone else True) if rows.taps else False)
-        self.tokens, self.logprobs = pick_next(rows.seqs, logits[:, -1], lasts if pending else None)
-        mx.async_eval(self.tokens, [lp for lp in self.logprobs if lp is not None])
+        self.logits, self._tokens, self.logprobs = logits[:, -1], None, []
+        if pending and constrained(rows.seqs):
+            mx.async_eval(self.logits)
+        else:
+            self._pick(lasts if pending else None)
+
+    def _pick(self, pending: Optional[mx.array]) -> None:
+        self._tokens, self.logprobs = pick_next(self.rows.seqs, self.logits, pending)
+        mx.async_eval(self._tokens, [lp for lp in self.logprobs if lp is not None])
+
+    @property
+    def tokens(self) -> mx.array:
+        """[B] the step's tokens (lazy); a step whose pick waited for the tokens before it picks now."""
+        if self._tokens is None:
+            self._pick(None)
+        return self._tokens
 
     def settle(self, also: tuple = ()) -> List[Outcome]:
         """`also`: lazy arrays to evaluate in the same synchronisation."""
+        tokens = self.tokens
         lps = [lp for lp in self.logprobs if lp is not None]
         if lps or also:
-            mx.eval(self.tokens, lps, *also)
-        picked = self.tokens.tolist()  # the cycle's one host synchronisation
+            mx.eval(tokens, lps, *also)
+        picked = tokens.tolist()  # the cycle's one host synchronisation
         alone = len(picked) == 1
-        return [Outcome(0, [t], self.tokens[b : b + 1],
+        return [Outcome(0, [t], tokens[b : b + 1],
                         None if self.hidden is None else self.hidden if alone else self.hidden[b : b + 1],
                         lp and logprob_rows(lp, 1)) for b, (t, lp) in enumerate(zip(picked, self.logprobs))]
 

@@ -33,7 +33,7 @@ from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
 from ..target.ragged import add_to, batch_of
 from .caches import Caches
-from .constrained import checked, constrained, forced
+from .constrained import checked, forced
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
 from .filling import Filling, Fillings
@@ -247,8 +247,8 @@ class Decoder:
         w = self.width if width is None else max(1, min(width, self.width))
         if w > 1 and not all(s.tapped for s in self.seqs):
             w = 1  # a sequence without a drafter's context cannot draft
-        if w == 1:  # the next step is launched ahead unless a grammar's mask needs this one's tokens
-            return self._plain_step((then is None or then <= 1) and not constrained(self.seqs))
+        if w == 1:
+            return self._plain_step(then is None or then <= 1)
         self._drop_ahead()
         if branches:
             return self._run(self._tree(Plan(w, 0, branches)))

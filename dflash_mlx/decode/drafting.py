@@ -11,6 +11,7 @@ from ..draft import tree as trees
 from ..draft.lookup import point_masses
 from ..draft.pool import DraftBatch
 from ..policy.proposal import reached_gains
+from .constrained import forced
 from .cycle import Block, LinearCycle
 from .passes import Draft, caught_up, draft, joined, pick_drafts
 from .running import Proposal, Running
@@ -56,7 +57,7 @@ class Drafting:
     def copies(seq: Running, width: int) -> List[int]:
         """The lookup tokens a batch's drafted cycle of `width` copies for `seq` (first positions),
         as many as its sizer run expects to pay."""
-        if seq.sizer is None:
+        if seq.sizer is None or not seq.lookup:
             return []
         offer = seq.source.offer(seq.dstate, width - 1)
         return list(offer[: seq.sizer.copies(offer, width)])
@@ -163,16 +164,18 @@ def _copied(d: Draft, copies: List[int]) -> Draft:
 
 def expected_gains(seqs: List[Running], widths: Sequence[int]) -> Optional[dict]:
     """The tokens the sequences expect a cycle of each width to commit, in all, from their sizer
-    runs' acceptance statistics and their lookup offers, copied as `Drafting.copies` would (None
-    unless every sequence has a sizer run)."""
+    runs' acceptance statistics and their lookup offers, copied as `Drafting.copies` would, or the
+    tokens their grammars force, copied first and certain (None unless every sequence has a sizer
+    run)."""
     if not widths or not seqs or any(s.sizer is None for s in seqs):
         return None
     gains = dict.fromkeys(widths, 0.0)
     for s in seqs:
-        offer = s.source.offer(s.dstate, max(widths) - 1)
+        certain = forced(s, max(widths) - 1)
+        offer = certain or (s.source.offer(s.dstate, max(widths) - 1) if s.lookup else [])
         order = getattr(offer, "order", 0)
         alphas = s.sizer.alphas()
-        look = s.sizer.lookup_alphas(order) if offer else None
+        look = [1.0] * len(alphas) if certain else s.sizer.lookup_alphas(order) if offer else None
         for w in widths:
             gains[w] += 1 + s.sizer.best_copies(len(offer), order, min(w, s.sizer.max_width), alphas, look)[1]
     return gains
