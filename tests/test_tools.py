@@ -37,23 +37,23 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                            "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module")
-def tool_pair(tmp_path_factory):
+def build_tool_pair(root, template: str, call: str):
+    """A bigram-chain target (see the module's docstring) whose assistant turn is the tool call
+    `call` (one added token) between the markers, under chat template `template`."""
     from mlx_lm.utils import _get_classes
     from tokenizers import Tokenizer
 
-    root = tmp_path_factory.mktemp("tools")
     tiny.train_tokenizer(root / "tok")
     tok = Tokenizer.from_file(str(root / "tok" / "tokenizer.json"))
-    tok.add_tokens(["<tool_call>", "</tool_call>", CALL, "<|tool|>"])
+    tok.add_tokens(["<tool_call>", "</tool_call>", call, "<|tool|>"])
     target = root / "target"
     target.mkdir()
     tok.save(str(target / "tokenizer.json"))
     cfg = json.loads((root / "tok" / "tokenizer_config.json").read_text())
-    (target / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=TEMPLATE)))
+    (target / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=template)))
     V = tok.get_vocab_size()
     ids = tok.get_vocab()
-    chain = [ids[t] for t in ["<|assistant|>", "<tool_call>", CALL, "</tool_call>", "<|end|>"]]
+    chain = [ids[t] for t in ["<|assistant|>", "<tool_call>", call, "</tool_call>", "<|end|>"]]
 
     config = dict(tiny.target_config("qwen3", V), tie_word_embeddings=False)
     model_cls, args_cls = _get_classes(config)
@@ -73,6 +73,11 @@ def tool_pair(tmp_path_factory):
     drafter = tiny.build_drafter(root / "drafter",
                                  tiny.drafter_config("old", V, 6, mask_token_id=ids["<|mask|>"]))
     return dflash_mlx.load(str(target), str(drafter))
+
+
+@pytest.fixture(scope="module")
+def tool_pair(tmp_path_factory):
+    return build_tool_pair(tmp_path_factory.mktemp("tools"), TEMPLATE, CALL)
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +248,109 @@ def test_strict_tools_keep_calls_the_model_makes_of_its_own_accord(client):
     r = ask_long(client, tools=[loose])  # not strict: the model's own call stands
     (call,) = r.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+# -- a model whose calls are XML parameters (qwen3_coder's format: Qwen3-Coder, Qwen3.5) ------------
+
+CALL_XML = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+TEMPLATE_XML = (
+    "{% if tools %}<|system|>{% for t in tools %}{{ t.function.name }};{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<|assistant|>{{ m.content }}"
+    "{% for c in m.tool_calls %}<tool_call>\n<function={{ c.function.name }}>\n"
+    "{% for k, v in c.function.arguments.items() %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}"
+    "</function>\n</tool_call>{% endfor %}<|end|>"
+    "{% elif m.role == 'tool' %}<|tool|>{{ m.content }}<|end|>"
+    "{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+ROME = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Rome"]}}, "required": ["city"],
+                   "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def xml_pair(tmp_path_factory):
+    return build_tool_pair(tmp_path_factory.mktemp("xml-tools"), TEMPLATE_XML, CALL_XML)
+
+
+@pytest.fixture(scope="module")
+def xml_client(xml_pair):
+    server = make_server(xml_pair, MODEL, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x", max_retries=0,
+                        timeout=120)
+    server.shutdown()
+    server.engine.close()
+
+
+def test_forced_and_strict_calls_in_the_xml_parameter_format(xml_client, xml_pair):
+    """mlx-lm reads this model's calls with its qwen3_coder parser; a forced call and a strict
+    tool's call are written in that format, and come back as OpenAI tool calls."""
+    assert xml_pair.tokenizer.tool_parser.__module__.endswith("qwen3_coder")
+    (call,) = ask_long(xml_client, tools=TOOLS).choices[0].message.tool_calls  # the model's own call
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    r = ask_long(xml_client, tools=TOOLS + [CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
+    for choice in ("auto", "required"):
+        (call,) = ask_long(xml_client, tools=[ROME], tool_choice=choice).choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
+
+
+@pytest.mark.parametrize("param, words", [
+    ({"type": "string", "pattern": "^[A-Z]"}, "cannot enforce on a string"),
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, "needs one \\\"type\\\""),
+    ({"type": ["string", "null"]}, "needs one \\\"type\\\""),
+])
+def test_xml_parameters_the_format_cannot_enforce_are_400s_when_strict(xml_client, param, words):
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": param}, "required": ["a"], "additionalProperties": False}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(xml_client, tools=[tool], tool_choice="required")
+    assert words.replace("\\", "") in e.value.body["message"]
+    loose = {"type": "function", "function": dict(tool["function"], strict=False)}
+    assert ask(xml_client, tools=[loose], tool_choice="required").choices[0].finish_reason in ("tool_calls", "length")
+
+
+def test_the_xml_call_grammar_takes_exactly_the_calls_the_parser_reads_as_valid(xml_pair):
+    """Each parameter's value in the XML format: raw text for a string (its bounds kept, never
+    `</parameter>` nor `null`), an enum's values, either case of a boolean, JSON for the rest;
+    a required parameter cannot be left out and an optional one can; what the grammar takes, the
+    model's parser reads as the arguments."""
+    from dflash_mlx.serve.tool_grammars import call_format, call_grammar, json_body, xml_body
+
+    tok = xml_pair.tokenizer
+    params = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9}, "hourly": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["city", "days"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    grammar = call_grammar(tok, xml_pair.grammars.tokenizer.is_special_token, tools, True, False)
+
+    def takes(text):
+        c = xml_pair.grammars.constraint(grammar)
+        ids = tok.encode(text, add_special_tokens=False)
+        if c.allows(ids) < len(ids):
+            return False
+        c.commit(ids)
+        return c.accepting
+
+    def call(**values):
+        return "<tool_call>\n<function=get_weather>\n" + "".join(
+            f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items()) + "</function>\n</tool_call>"
+
+    good = call(city="Paris, <France>\n", unit="c", days=3, hourly="True", tags='["a", "b"]')
+    assert takes(good)
+    assert tok.tool_parser(good[len("<tool_call>"):-len("</tool_call>")], tools) == {"name": "get_weather", "arguments": {
+        "city": "Paris, <France>\n", "unit": "c", "days": 3, "hourly": True, "tags": ["a", "b"]}}
+    assert takes(call(city="", days=9))  # optional parameters left out
+    for bad in (call(city="Paris</parameter>", days=3), call(city="null", days=3), call(city="x" * 21, days=3),
+                call(city="Paris", days=10), call(city="Paris", unit="k", days=3), call(days=3),
+                call(city="Paris", days=3, hourly="yes"), call(city="Paris", days=3, tags="[1]"),
+                call(days=3, city="Paris")):
+        assert not takes(bad), bad
+    assert call_format(tok.tool_parser) is xml_body
+    from mlx_lm.tool_parsers import json_tools, pythonic
+    assert call_format(json_tools.parse_tool_call) is json_body and call_format(pythonic.parse_tool_call) is None

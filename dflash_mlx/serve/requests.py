@@ -15,7 +15,8 @@ from ..sampling import SamplingParams
 from . import messages_api
 from ..constrain.grammar import Grammar
 from ..errors import DFlashError
-from .tools import ToolError, call_grammar, check_tools, forced_tool, strict_tools, template_messages, tool_choice
+from .tool_grammars import call_grammar
+from .tools import ToolError, check_tools, forced_tool, strict_tools, template_messages, tool_choice
 from .worker import APIError, Engine, Job
 
 MAX_STOP = 4  # stop strings per request: OpenAI's limit

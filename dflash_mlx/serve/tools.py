@@ -10,7 +10,6 @@ import json
 import uuid
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from ..constrain.grammar import JSON_OPTIONS, Grammar
 
 
 class ToolError(ValueError):
@@ -182,48 +181,3 @@ def forced_tool(value: Any, tools: Optional[list]) -> Union[None, bool, str]:
     if name is not True and all(t["function"]["name"] != name for t in tools):
         raise ToolError(f"'tool_choice' names the function '{name}', which is not in 'tools'.", "tool_choice")
     return name
-
-
-def call_grammar(tokenizer, special, tools: list, name: Union[None, bool, str], parallel: bool) -> Grammar:
-    """A grammar whose text is a call (or with `parallel`, calls on lines of their own) of the
-    tools (the one named `name`, unless it is True) in the model's tool-call format, each call's
-    arguments kept to its function's parameters' schema (non-strict functions': leniently).
-    With `name` None (`tool_choice` "auto" with strict tools) the text is free, and each call in
-    it, from its start marker on, is kept so. `special(id)`: whether a token is special (its
-    marker is then that token, not text)."""
-    if not _reads_json_calls(getattr(tokenizer, "tool_parser", None)):
-        raise ToolError("Constraining tool calls (tool_choice \"required\" or a named function, or strict tools) "
-                        "needs a model whose calls are JSON between markers (as mlx-lm's json_tools parser reads "
-                        "them); this model's are not. Use tool_choice \"auto\" with tools that are not strict.",
-                        "tool_choice")
-    chosen = [t["function"] for t in tools if name in (None, True) or t["function"]["name"] == name]
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                               "arguments": f.get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
-    schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls},
-                  **{"x-guidance": dict(JSON_OPTIONS, lenient=not all(f.get("strict") for f in chosen))})
-    start, end = (_marker(tokenizer, special, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
-    body = f'"\\n"? %json {json.dumps(schema)} "\\n"? {end}'
-    if name is not None:
-        more = ' ("\\n" call)*' if parallel else ""
-        return Grammar.lark(f"start: call{more}\ncall: {start} {body}\n")
-    # Free text, and a call from each start marker on: a special marker is a token free text
-    # never holds; a textual one is found in the text by a lazy lexeme (the text up to it).
-    head = (f"call: TEXT {start} {body}\n" if start.startswith("<[") else
-            f"call_start[lazy]: TEXT {start}\ncall: call_start {body}\n")
-    return Grammar.lark(f"start: (call){'*' if parallel else '?'} TEXT\nTEXT: /(.|\\n)*/\n{head}")
-
-
-def _reads_json_calls(parser) -> bool:
-    """Whether the model's tool parser reads a call written as JSON {"name", "arguments"} as that call."""
-    probe = {"name": "f", "arguments": {"a": [1, "b"]}}
-    try:
-        return parser is not None and parser(json.dumps(probe), None) == probe
-    except Exception:  # any other format's parser
-        return False
-
-
-def _marker(tokenizer, special, text: str) -> str:
-    """A tool-call marker in a Lark rule: its special token, or its text."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return f"<[{ids[0]}]>" if len(ids) == 1 and special(ids[0]) else json.dumps(text)
