@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from .policy.costs import CONTEXTS, CostCurve, curve_key, load_or_measure, tree_shapes
 from .policy.sizer import BlockSizer
 from .policy.store import Learned
-from .target.adapter import TargetAdapter, load_target, materialize, model_dims
+from .target.adapter import TargetAdapter, hf_tokenizer, load_target, materialize, model_dims
 from .constrain.compiler import Grammars
 from .config import CONVERSION, DrafterConfig, check_pair
 from .draft.drafter import DFlashDrafter
@@ -56,7 +56,7 @@ class DFlashPair:
         """Grammars compiled for this pair's tokenizer (`constrain`), built on first use."""
         if self.tokenizer is None:
             raise DFlashError("Structured output needs the model's tokenizer; this pair was loaded without one.")
-        return Grammars(self.tokenizer, self.target.vocab_size, sorted(self.tokenizer.eos_token_ids))
+        return Grammars(hf_tokenizer(self.tokenizer), self.target.vocab_size, sorted(self.tokenizer.eos_token_ids))
 
     @property
     def draft_context(self) -> Optional[int]:

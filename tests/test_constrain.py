@@ -22,6 +22,7 @@ from dflash_mlx.decode.running import Asks
 from dflash_mlx.decode.streams import Joining, Streams
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.target.adapter import hf_tokenizer
 
 SUITE = [json.loads(line) for line in
          (Path(dflash_mlx.__file__).parent / "suites" / "json.jsonl").read_text().splitlines()]
@@ -58,7 +59,7 @@ def run(pair, prompt, grammar, max_tokens=256, **kw):
 
 
 def test_compiled_grammars_are_cached_by_hash_and_bounded(demo):
-    grammars = Grammars(demo.tokenizer, demo.target.vocab_size, [0])
+    grammars = Grammars(hf_tokenizer(demo.tokenizer), demo.target.vocab_size, [0])
     first = grammars.compile(Grammar.json_schema(SCHEMAS["person"]))
     assert grammars.compile(Grammar.json_schema(json.dumps(SCHEMAS["person"]))) is first  # same schema, same key
     assert len(grammars) == 1

@@ -354,3 +354,17 @@ def test_the_xml_call_grammar_takes_exactly_the_calls_the_parser_reads_as_valid(
     assert call_format(tok.tool_parser) is xml_body
     from mlx_lm.tool_parsers import json_tools, pythonic
     assert call_format(json_tools.parse_tool_call) is json_body and call_format(pythonic.parse_tool_call) is None
+
+
+def test_each_function_is_kept_as_strictly_as_it_asks(client):
+    """Beside a non-strict tool, a strict one's keyword the engine cannot enforce is still refused;
+    the non-strict one's is left unchecked."""
+    params = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}}
+    strict = {"type": "function", "function": {"name": "tag", "strict": True, "parameters": params}}
+    loose = {"type": "function", "function": {"name": "label", "parameters": params}}
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, tools=[strict, loose], tool_choice="required")
+    assert "parameters cannot be enforced" in e.value.body["message"]
+    r = ask_long(client, tools=[loose, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    assert r.choices[0].finish_reason in ("tool_calls", "length")

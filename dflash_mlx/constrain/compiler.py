@@ -33,11 +33,10 @@ LIMITS = dict(max_grammar_size=100_000, initial_lexer_fuel=1_000_000, step_lexer
 
 
 class Grammars:
-    """Grammars compiled for one tokenizer, whose masks cover `vocab_size` tokens (the logits') or
-    the tokenizer's, whichever is more."""
+    """Grammars compiled for one Hugging Face tokenizer, whose masks cover `vocab_size` tokens (the
+    logits') or the tokenizer's, whichever is more."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos: List[int]):
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the Hugging Face tokenizer
+    def __init__(self, hf, vocab_size: int, eos: List[int]):
         try:
             self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=max(vocab_size, len(hf)),
                                                           eos_token=list(eos) or None)

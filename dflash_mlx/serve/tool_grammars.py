@@ -31,7 +31,8 @@ XML_JSON_TYPES = {"integer", "number", "object", "array"}
 def call_grammar(tokenizer, special, tools: list, name: Union[None, bool, str], parallel: bool) -> Grammar:
     """A grammar whose text is a call (or with `parallel`, calls on lines of their own) of the
     tools (the one named `name`, unless it is True) in the model's tool-call format, each call's
-    arguments kept to its function's parameters' schema (non-strict functions': leniently).
+    arguments kept to its function's parameters' schema (a non-strict function's leniently: keywords
+    the engine cannot enforce are left unchecked, where a strict one's are refused).
     With `name` None (`tool_choice` "auto" with strict tools) the text is free, and each call in
     it, from its start marker on, is kept so. `special(id)`: whether a token is special (its
     marker is then that token, not text)."""
@@ -42,7 +43,7 @@ def call_grammar(tokenizer, special, tools: list, name: Union[None, bool, str], 
                         "parameters (its qwen3_coder parser); this model's are neither. Use tool_choice \"auto\" "
                         "with tools that are not strict.", "tool_choice")
     chosen = [t["function"] for t in tools if name in (None, True) or t["function"]["name"] == name]
-    rules = body(chosen, not all(f.get("strict") for f in chosen))
+    rules = body(chosen)
     start, end = (_marker(tokenizer, special, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
     rules += f"tail: {end}\n"
     if name is not None:
@@ -55,7 +56,7 @@ def call_grammar(tokenizer, special, tools: list, name: Union[None, bool, str], 
     return Grammar.lark(f"start: (call){'*' if parallel else '?'} TEXT\nTEXT: /(.|\\n)*/\n{head}{rules}")
 
 
-def call_format(parser) -> Optional[Callable[[List[dict], bool], str]]:
+def call_format(parser) -> Optional[Callable[[List[dict]], str]]:
     """The Lark rules of a call's `body` (between the markers) in the format `parser` reads."""
     if _reads(parser, json.dumps({"name": "f", "arguments": {"a": [1, "b"]}}), {"name": "f", "arguments": {"a": [1, "b"]}}):
         return json_body
@@ -76,17 +77,18 @@ def _reads(parser, text: str, call: dict, tools: Optional[list] = None) -> bool:
         return False
 
 
-def json_body(functions: List[dict], lenient: bool) -> str:
+def json_body(functions: List[dict]) -> str:
     """JSON {"name", "arguments"}, the arguments kept to the function's parameters' schema."""
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                "arguments": f.get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls},
-                  **{"x-guidance": dict(JSON_OPTIONS, lenient=lenient)})
-    return f'body: "\\n"? %json {json.dumps(schema)} "\\n"?\n'
+              "required": ["name", "arguments"], "additionalProperties": False,
+              "x-guidance": dict(JSON_OPTIONS, lenient=not f.get("strict"))} for f in functions]
+    # One JSON grammar per function (each strict or not): the engine merges their lexers, so the
+    # alternatives read as one `anyOf`.
+    return f'body: "\\n"? ({" | ".join(f"%json {json.dumps(c)}" for c in calls)}) "\\n"?\n'
 
 
-def xml_body(functions: List[dict], lenient: bool) -> str:
+def xml_body(functions: List[dict]) -> str:
     """`<function=NAME>` and a `<parameter=P>` block per parameter (qwen3_coder's format)."""
     rules = [f"body: \"\\n\" ({' | '.join(f'f{i}' for i in range(len(functions)))})"]
     for i, f in enumerate(functions):
@@ -99,14 +101,13 @@ def xml_body(functions: List[dict], lenient: bool) -> str:
             if not p or any(c.isspace() or c in "<>" for c in p):
                 raise ToolError(f"The parameter name {p!r} of '{f['name']}' cannot be written in this model's "
                                 "tool-call format (no spaces or angle brackets).", "tools")
-            rules += _xml_value(f"f{i}v{j}", f["name"], p, schema if isinstance(schema, dict) else {}, defs,
-                                strict, lenient)
+            rules += _xml_value(f"f{i}v{j}", f["name"], p, schema if isinstance(schema, dict) else {}, defs, strict)
             parts.append(f'("<parameter={p}>\\n" f{i}v{j})' + ("" if strict or p in required else "?"))
         rules.append(f'f{i}: {json.dumps("<function=" + f["name"] + ">")} "\\n" {" ".join(parts)} "</function>\\n"')
     return "\n".join(rules) + "\n"
 
 
-def _xml_value(rule: str, fn: str, param: str, schema: dict, defs: dict, strict: bool, lenient: bool) -> List[str]:
+def _xml_value(rule: str, fn: str, param: str, schema: dict, defs: dict, strict: bool) -> List[str]:
     """The Lark rules of one parameter's value, through its closing `</parameter>` line."""
     close = '"\\n</parameter>\\n"'
     kind = schema.get("type") if isinstance(schema.get("type"), str) else None  # a list of types: none of them
@@ -122,7 +123,7 @@ def _xml_value(rule: str, fn: str, param: str, schema: dict, defs: dict, strict:
     if kind == "boolean":  # the parser reads any case; chat templates write Python's True and False
         return [f'{rule}: ("true" | "false" | "True" | "False") {close}']
     if kind in XML_JSON_TYPES:
-        value = dict(schema, **defs, **{"x-guidance": dict(JSON_OPTIONS, lenient=lenient)})
+        value = dict(schema, **defs, **{"x-guidance": dict(JSON_OPTIONS, lenient=not strict)})
         return [f"{rule}: %json {json.dumps(value)} {close}"]
     if strict:
         raise ToolError(f"The parameter '{param}' of '{fn}' needs one \"type\" (string, integer, number, boolean, "

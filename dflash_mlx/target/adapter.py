@@ -60,6 +60,12 @@ def cache_classes() -> Dict[str, type]:
     return {n: c for n, c in vars(cache_lib).items() if isinstance(c, type) and issubclass(c, cache_lib._BaseCache)}
 
 
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper` (its private `_tokenizer`), or
+    `tokenizer` itself where it is not wrapped: the grammar engine builds its vocabulary from it."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
 def nearest_prefix(trie: cache_lib.PromptTrie, model, tokens: List[int], trimmable) -> tuple:
     """(tokens reused, tokens of the entry that serves them; 0, None for none) for `tokens`
     in mlx-lm's `PromptTrie`, by the choice `LRUPromptCache.fetch_nearest_cache` makes
