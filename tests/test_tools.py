@@ -37,15 +37,15 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                            "properties": {"city": {"type": "string"}}}}}]
 
 
-def build_tool_pair(root, template: str, call: str):
+def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</tool_call>"), extra=()):
     """A bigram-chain target (see the module's docstring) whose assistant turn is the tool call
-    `call` (one added token) between the markers, under chat template `template`."""
+    `call` (one added token) between the `markers`, under chat template `template`."""
     from mlx_lm.utils import _get_classes
     from tokenizers import Tokenizer
 
     tiny.train_tokenizer(root / "tok")
     tok = Tokenizer.from_file(str(root / "tok" / "tokenizer.json"))
-    tok.add_tokens(["<tool_call>", "</tool_call>", call, "<|tool|>"])
+    tok.add_tokens([*markers, *extra, call, "<|tool|>"])
     target = root / "target"
     target.mkdir()
     tok.save(str(target / "tokenizer.json"))
@@ -53,7 +53,7 @@ def build_tool_pair(root, template: str, call: str):
     (target / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=template)))
     V = tok.get_vocab_size()
     ids = tok.get_vocab()
-    chain = [ids[t] for t in ["<|assistant|>", "<tool_call>", call, "</tool_call>", "<|end|>"]]
+    chain = [ids[t] for t in ["<|assistant|>", markers[0], call, markers[1], "<|end|>"]]
 
     config = dict(tiny.target_config("qwen3", V), tie_word_embeddings=False)
     model_cls, args_cls = _get_classes(config)
@@ -285,17 +285,20 @@ def xml_client(xml_pair):
     server.engine.close()
 
 
-def test_forced_and_strict_calls_in_the_xml_parameter_format(xml_client, xml_pair):
-    """mlx-lm reads this model's calls with its qwen3_coder parser; a forced call and a strict
-    tool's call are written in that format, and come back as OpenAI tool calls."""
-    assert xml_pair.tokenizer.tool_parser.__module__.endswith("qwen3_coder")
-    (call,) = ask_long(xml_client, tools=TOOLS).choices[0].message.tool_calls  # the model's own call
+@pytest.mark.parametrize("fmt, parser", [("xml", "qwen3_coder"), ("gemma", "gemma4")])
+def test_forced_and_strict_calls_in_the_models_own_format(request, fmt, parser):
+    """mlx-lm reads this model's calls with its qwen3_coder (XML parameters) or gemma4 parser; a
+    forced call and a strict tool's call are written in that format, and come back as OpenAI
+    tool calls."""
+    client, pair = request.getfixturevalue(f"{fmt}_client"), request.getfixturevalue(f"{fmt}_pair")
+    assert pair.tokenizer.tool_parser.__module__.endswith(parser)
+    (call,) = ask_long(client, tools=TOOLS).choices[0].message.tool_calls  # the model's own call
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    r = ask_long(xml_client, tools=TOOLS + [CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    r = ask_long(client, tools=TOOLS + [CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
     for choice in ("auto", "required"):
-        (call,) = ask_long(xml_client, tools=[ROME], tool_choice=choice).choices[0].message.tool_calls
+        (call,) = ask_long(client, tools=[ROME], tool_choice=choice).choices[0].message.tool_calls
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
 
 
@@ -320,6 +323,7 @@ def test_the_xml_call_grammar_takes_exactly_the_calls_the_parser_reads_as_valid(
     a required parameter cannot be left out and an optional one can; what the grammar takes, the
     model's parser reads as the arguments."""
     from dflash_mlx.serve.tool_grammars import call_format, call_grammar, json_body, xml_body
+    from dflash_mlx.serve.tools import ToolError
 
     tok = xml_pair.tokenizer
     params = {"type": "object", "properties": {
@@ -355,6 +359,12 @@ def test_the_xml_call_grammar_takes_exactly_the_calls_the_parser_reads_as_valid(
     from mlx_lm.tool_parsers import json_tools, pythonic
     assert call_format(json_tools.parse_tool_call) is json_body and call_format(pythonic.parse_tool_call) is None
 
+    class Pythonic:  # a model whose calls are Python calls: no grammar for them, a clear refusal
+        tool_parser, tool_call_start, tool_call_end = pythonic.parse_tool_call, "<|tool_call_start|>", "<|tool_call_end|>"
+
+    with pytest.raises(ToolError, match="none of them. Use tool_choice \"auto\""):
+        call_grammar(Pythonic(), xml_pair.grammars.tokenizer.is_special_token, tools, True, False)
+
 
 def test_each_function_is_kept_as_strictly_as_it_asks(client):
     """Beside a non-strict tool, a strict one's keyword the engine cannot enforce is still refused;
@@ -368,3 +378,83 @@ def test_each_function_is_kept_as_strictly_as_it_asks(client):
     assert "parameters cannot be enforced" in e.value.body["message"]
     r = ask_long(client, tools=[loose, CLOCK], tool_choice="required", parallel_tool_calls=False)
     assert r.choices[0].finish_reason in ("tool_calls", "length")
+
+
+# -- a model whose calls are Gemma 4's call:NAME{key:value} ---------------------------------------
+
+QUOTE = '<|"|>'
+CALL_GEMMA = f"call:get_weather{{city:{QUOTE}Paris{QUOTE}}}"
+TEMPLATE_GEMMA = TEMPLATE.replace("<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
+                                  "{{ tool_call.arguments | tojson }}}</tool_call>",
+                                  "<|tool_call>call:{{ tool_call.name }}{{ tool_call.arguments | tojson }}<tool_call|>")
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(tmp_path_factory):
+    assert "<|tool_call>" in TEMPLATE_GEMMA
+    return build_tool_pair(tmp_path_factory.mktemp("gemma-tools"), TEMPLATE_GEMMA, CALL_GEMMA,
+                           ("<|tool_call>", "<tool_call|>"), [QUOTE])
+
+
+@pytest.fixture(scope="module")
+def gemma_client(gemma_pair):
+    server = make_server(gemma_pair, MODEL, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x", max_retries=0,
+                        timeout=120)
+    server.shutdown()
+    server.engine.close()
+
+
+def test_the_gemma_call_grammar_takes_exactly_the_calls_the_parser_reads_as_valid(gemma_pair):
+    """Gemma 4's notation: bare keys in the schema's order (required ones always), strings between
+    the quote marker (bounds kept, never the marker itself), enums, `$ref`s and `anyOf`, numbers,
+    booleans and null as JSON kept to their schemas, no spaces; what the grammar takes, the
+    model's parser reads as the arguments."""
+    from dflash_mlx.serve.tool_grammars import call_format, call_grammar, gemma_body
+
+    tok, q = gemma_pair.tokenizer, QUOTE
+    params = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f", 3]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9}, "hourly": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        "where": {"$ref": "#/$defs/point"}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+        "required": ["city", "days"],
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                            "required": ["x", "y"]}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    grammar = call_grammar(tok, gemma_pair.grammars.tokenizer.is_special_token, tools, True, False)
+
+    def takes(args):
+        text = f"<|tool_call>call:get_weather{{{args}}}<tool_call|>"
+        c = gemma_pair.grammars.constraint(grammar)
+        ids = tok.encode(text, add_special_tokens=False)
+        if c.allows(ids) < len(ids):
+            return False
+        c.commit(ids)
+        return c.accepting
+
+    good = f"city:{q}Paris, {{France}}{q},unit:3,days:3,hourly:true,tags:[{q}a{q},{q}b{q}],where:{{x:1.5,y:-2}},note:null"
+    assert takes(good)
+    assert tok.tool_parser(f"call:get_weather{{{good}}}") == {"name": "get_weather", "arguments": {
+        "city": "Paris, {France}", "unit": 3, "days": 3, "hourly": True, "tags": ["a", "b"],
+        "where": {"x": 1.5, "y": -2}, "note": None}}
+    assert takes(f"city:{q}{q},days:9") and takes(f"city:{q}P{q},unit:{q}c{q},days:1,note:{q}hi{q}")
+    for bad in ("days:3", f"city:{q}P{q},days:10", f"days:3,city:{q}P{q}", f"city:{q}P{q},days:3,unit:{q}k{q}",
+                f"city:{q}P{q},days:3,tags:[{q}a{q},{q}b{q},{q}c{q},{q}d{q}]", 'city:"P",days:3',
+                f"city:{q}P{q}, days:3", f"city:{q}{'x' * 21}{q},days:3", f"city:{q}P{q},days:3,where:{{x:1}}"):
+        assert not takes(bad), bad
+    assert call_format(tok.tool_parser) is gemma_body
+
+
+@pytest.mark.parametrize("param, words", [
+    ({"type": "string", "pattern": "^[A-Z]"}, "cannot enforce"),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "needs a \"type\""),
+    ({"type": "object", "properties": {"file-path": {"type": "string"}}}, "cannot be written"),
+])
+def test_gemma_arguments_the_format_cannot_enforce_are_400s_when_strict(gemma_client, param, words):
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": param}, "required": ["a"], "additionalProperties": False}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(gemma_client, tools=[tool], tool_choice="required")
+    assert words in e.value.body["message"]

@@ -1,8 +1,8 @@
 """Tool calls as grammars, in the model's own tool-call format: for `tool_choice` "required" or a
 named function, and for strict tools under "auto".
 
-Two formats, found by asking the model's tool parser (mlx-lm's, picked for its family) to read a
-call written each way:
+Three formats, found by asking the model's tool parser (mlx-lm's, picked for its family) to read
+a call written each way:
 
 - JSON `{"name": ..., "arguments": {...}}` between the markers (mlx-lm's `json_tools`: Qwen3,
   Hermes and the like): the arguments are the function's parameters' JSON schema.
@@ -12,9 +12,15 @@ call written each way:
   `enum`, `const` and length bounds; a number, boolean, object or array is JSON kept to its
   schema. The parameters come in the schema's order, the required ones always (under `strict`,
   all of them, as OpenAI's strict mode has it).
+- Gemma 4's `call:NAME{key:value,...}` (`gemma4`): JSON with bare keys, strings between `<|"|>`
+  markers and no spaces, written from the parameters' schema by `GemmaArguments`.
+
+A keyword a format cannot enforce is refused (400) for a strict function and left unchecked for
+the others.
 """
 
 import json
+import re
 from typing import Callable, List, Optional, Union
 
 from ..constrain.grammar import JSON_OPTIONS, Grammar
@@ -39,12 +45,13 @@ def call_grammar(tokenizer, special, tools: list, name: Union[None, bool, str], 
     body = call_format(getattr(tokenizer, "tool_parser", None))
     if body is None:
         raise ToolError("Constraining tool calls (tool_choice \"required\" or a named function, or strict tools) "
-                        "needs a model whose calls are JSON between markers (mlx-lm's json_tools parser) or XML "
-                        "parameters (its qwen3_coder parser); this model's are neither. Use tool_choice \"auto\" "
-                        "with tools that are not strict.", "tool_choice")
+                        "needs a model whose calls are JSON between markers, XML parameters or Gemma 4's "
+                        "call:NAME{...} (mlx-lm's json_tools, qwen3_coder and gemma4 parsers); this model's are "
+                        "none of them. Use tool_choice \"auto\" with tools that are not strict.", "tool_choice")
     chosen = [t["function"] for t in tools if name in (None, True) or t["function"]["name"] == name]
-    rules = body(chosen)
-    start, end = (_marker(tokenizer, special, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
+    marker = lambda text: _marker(tokenizer, special, text)  # noqa: E731
+    rules = body(chosen, marker)
+    start, end = marker(tokenizer.tool_call_start), marker(tokenizer.tool_call_end)
     rules += f"tail: {end}\n"
     if name is not None:
         more = ' ("\\n" call)*' if parallel else ""
@@ -56,13 +63,17 @@ def call_grammar(tokenizer, special, tools: list, name: Union[None, bool, str], 
     return Grammar.lark(f"start: (call){'*' if parallel else '?'} TEXT\nTEXT: /(.|\\n)*/\n{head}{rules}")
 
 
-def call_format(parser) -> Optional[Callable[[List[dict]], str]]:
-    """The Lark rules of a call's `body` (between the markers) in the format `parser` reads."""
+def call_format(parser) -> Optional[Callable[[List[dict], Callable[[str], str]], str]]:
+    """What writes the Lark rules of a call's `body` (between the markers) in the format `parser`
+    reads, given the functions and how a marker's text is written in a rule (`_marker`)."""
     if _reads(parser, json.dumps({"name": "f", "arguments": {"a": [1, "b"]}}), {"name": "f", "arguments": {"a": [1, "b"]}}):
         return json_body
     xml = "\n<function=f>\n<parameter=a>\n12\n</parameter>\n<parameter=b>\nx <y>\n</parameter>\n</function>\n"
     if _reads(parser, xml, {"name": "f", "arguments": {"a": 12, "b": "x <y>"}}, _PROBE_TOOLS):
         return xml_body
+    gemma = 'call:f{a:12,b:<|"|>x, {y}<|"|>,c:[true,null]}'
+    if _reads(parser, gemma, {"name": "f", "arguments": {"a": 12, "b": "x, {y}", "c": [True, None]}}):
+        return gemma_body
     return None
 
 
@@ -77,7 +88,7 @@ def _reads(parser, text: str, call: dict, tools: Optional[list] = None) -> bool:
         return False
 
 
-def json_body(functions: List[dict]) -> str:
+def json_body(functions: List[dict], marker=None) -> str:
     """JSON {"name", "arguments"}, the arguments kept to the function's parameters' schema."""
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                "arguments": f.get("parameters") or {"type": "object"}},
@@ -88,7 +99,7 @@ def json_body(functions: List[dict]) -> str:
     return f'body: "\\n"? ({" | ".join(f"%json {json.dumps(c)}" for c in calls)}) "\\n"?\n'
 
 
-def xml_body(functions: List[dict]) -> str:
+def xml_body(functions: List[dict], marker=None) -> str:
     """`<function=NAME>` and a `<parameter=P>` block per parameter (qwen3_coder's format)."""
     rules = [f"body: \"\\n\" ({' | '.join(f'f{i}' for i in range(len(functions)))})"]
     for i, f in enumerate(functions):
@@ -140,6 +151,134 @@ def _text(rule: str, schema: dict, close: str) -> List[str]:
     text = (f"{rule.upper()}: /(?s:.){length}/ & ~/(?s:.*)<\\/parameter>(?s:.*)/ & ~/[nN][uU][lL][lL]/\n"
             f"{rule}[lazy]: {rule.upper()} {close}")
     return [text]
+
+
+def gemma_body(functions: List[dict], marker) -> str:
+    """Gemma 4's `call:NAME{key:value,...}`: JSON with bare keys, strings between `<|"|>` markers
+    and no spaces (`GemmaArguments`)."""
+    notation = GemmaArguments(marker('<|"|>'))
+    calls = []
+    for f in functions:
+        if not _WORD.fullmatch(f["name"].replace("-", "_")):
+            raise ToolError(f"The function name '{f['name']}' cannot be written in this model's tool-call format "
+                            "(letters, digits, '_' and '-' only).", "tools")
+        args = notation.value(f.get("parameters") or {"type": "object"}, f["name"], bool(f.get("strict")),
+                              root=f.get("parameters") or {})
+        calls.append(f'{json.dumps("call:" + f["name"])} {args}')
+    return f"body: {' | '.join(calls)}\n" + "\n".join(notation.rules) + "\n"
+
+
+_WORD = re.compile(r"\w+")
+# JSON Schema keywords Gemma's notation enforces, per kind of value (numbers, booleans and null are
+# written as JSON, and kept by the engine's JSON schemas with every keyword it has).
+GEMMA_KEYWORDS = {
+    "object": {"type", "properties", "required", "additionalProperties"},
+    "array": {"type", "items", "minItems", "maxItems"},
+    "string": {"type", "enum", "const", "minLength", "maxLength"},
+    "any": {"enum", "const", "anyOf", "$ref", "$defs", "definitions"},
+}
+ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
+MAX_REF_DEPTH = 8  # `$ref`s followed within one value: a recursive schema deeper than this is refused
+
+
+class GemmaArguments:
+    """A JSON schema as Lark rules of Gemma 4's argument notation (mlx-lm's `gemma4` parser turns it
+    back into JSON): objects `{key:value,...}` with the properties in the schema's order (the
+    required ones always, every one for a strict function), arrays `[a,b]`, strings between the
+    quote marker (their text never holding it), and numbers, booleans and null as JSON."""
+
+    def __init__(self, quote: str):
+        self.quote, self.rules = quote, []
+
+    def _rule(self, body: str) -> str:
+        name = f"g{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def value(self, schema: dict, fn: str, strict: bool, root: dict, depth: int = 0) -> str:
+        """The rule of a value kept to `schema` (`root`: the parameters' schema its `$ref`s point in)."""
+        if not isinstance(schema, dict) or not schema:
+            return self._any_json(fn, strict)
+        kind = schema.get("type") if isinstance(schema.get("type"), str) else None  # a list of types: none of them
+        known = GEMMA_KEYWORDS.get(kind or "any", set()) | ANNOTATIONS
+        if strict and kind in GEMMA_KEYWORDS and set(schema) - known - {"$defs", "definitions"}:
+            raise ToolError(f"A parameter of '{fn}' uses {sorted(set(schema) - known)}, which this model's tool-call "
+                            "format cannot enforce; drop \"strict\" to leave them unchecked.", "tools")
+        if "$ref" in schema:
+            if depth >= MAX_REF_DEPTH:
+                raise ToolError(f"The parameters of '{fn}' refer to themselves more than {MAX_REF_DEPTH} deep.", "tools")
+            return self.value(_resolve(schema["$ref"], root, fn), fn, strict, root, depth + 1)
+        if "anyOf" in schema:
+            return self._rule(" | ".join(self.value(s, fn, strict, root, depth) for s in schema["anyOf"]))
+        if "enum" in schema or "const" in schema:
+            options = schema["enum"] if "enum" in schema else [schema["const"]]
+            return self._rule(" | ".join(self._literal(v) for v in options))
+        if kind == "object":
+            return self._object(schema, fn, strict, root, depth)
+        if kind == "array":
+            item = self.value(schema.get("items", {}), fn, strict, root, depth)
+            low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
+            more = f'("," {item}){{{max(low - 1, 0)},{"" if high is None else max(int(high) - 1, 0)}}}'
+            inner = f"{item} {more}" if high != 0 else '""'
+            return self._rule(f'"[" {inner} "]"' if low else f'"[" ({inner})? "]"')
+        if kind == "string":
+            low, high = schema.get("minLength", 0), schema.get("maxLength")
+            text = f"G{len(self.rules)}"
+            self.rules.append(f"{text}: /(?s:.){{{int(low)},{'' if high is None else int(high)}}}/ "
+                              f"& ~/(?s:.*)<\\|\"\\|>(?s:.*)/")
+            if self.quote.startswith("<["):  # a special token: the text's lexeme ends where it comes
+                return self._rule(f"{self.quote} {text} {self.quote}")
+            # A textual quote: the text and its closing quote are one lazy lexeme, ending at the first quote.
+            closed = self._rule(f"{text} {self.quote}")
+            self.rules[-1] = self.rules[-1].replace(":", "[lazy]:", 1)
+            return self._rule(f"{self.quote} {closed}")
+        if kind in ("integer", "number", "boolean", "null"):
+            return self._rule(f"%json {json.dumps(dict(schema, **{'x-guidance': dict(JSON_OPTIONS, lenient=not strict)}))}")
+        if strict:
+            raise ToolError(f"A parameter of '{fn}' needs a \"type\" this model's tool-call format can enforce "
+                            "(object, array, string, integer, number, boolean, null), an enum or anyOf; drop "
+                            "\"strict\" to take any value.", "tools")
+        return self._any_json(fn, strict)
+
+    def _object(self, schema: dict, fn: str, strict: bool, root: dict, depth: int) -> str:
+        props = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
+        items = []
+        for key, sub in props.items():
+            if not _WORD.fullmatch(key):
+                raise ToolError(f"The property name {key!r} of '{fn}' cannot be written in this model's tool-call "
+                                "format (letters, digits and '_' only).", "tools")
+            items.append((f'"{key}:" {self.value(sub, fn, strict, root, depth)}', strict or key in required))
+        # Properties in order, comma-separated: from item i on, after nothing yet (head) or after one (tail).
+        head, tail = '""', '""'
+        for text, needed in reversed(items):
+            new_tail = self._rule(f'"," {text} {tail}' + ("" if needed else f" | {tail}"))
+            head = self._rule(f"{text} {tail}" + ("" if needed else f" | {head}"))
+            tail = new_tail
+        return self._rule(f'"{{" {head} "}}"')
+
+    def _literal(self, v) -> str:
+        if isinstance(v, str):
+            return f"{self.quote} {json.dumps(v)} {self.quote}" if v else f"{self.quote} {self.quote}"
+        if isinstance(v, (dict, list)):
+            raise ToolError("An enum or const of objects or arrays cannot be written in this model's tool-call "
+                            "format.", "tools")
+        return json.dumps(json.dumps(v))  # a number, boolean or null as its JSON text
+
+    def _any_json(self, fn: str, strict: bool) -> str:
+        if strict:
+            raise ToolError(f"A parameter of '{fn}' has no schema this model's tool-call format can enforce; drop "
+                            "\"strict\" to take any value.", "tools")
+        return self.value({"anyOf": [{"type": t} for t in ("string", "number", "boolean", "null")]}, fn, False, {})
+
+
+def _resolve(ref: str, root: dict, fn: str) -> dict:
+    """A local `$ref` (`#/$defs/X`, `#/definitions/X`) in the parameters' schema."""
+    parts = ref.split("/")
+    if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions") \
+            or parts[2] not in root.get(parts[1], {}):
+        raise ToolError(f"The parameters of '{fn}' refer to {ref!r}, which is not one of their own $defs.", "tools")
+    return root[parts[1]][parts[2]]
 
 
 def _marker(tokenizer, special, text: str) -> str:
