@@ -136,7 +136,6 @@ def generate(
     import dflash_mlx
     from dflash_mlx import distributed
     from dflash_mlx.cli.grammar_options import grammar_option
-    from dflash_mlx.decode.request import check_grammar
     from dflash_mlx.prompt import build_prompt
     from dflash_mlx.sampling import SamplingParams
 
@@ -144,7 +143,6 @@ def generate(
     try:
         params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         constraint = grammar_option(json_schema, regex, grammar)
-        check_grammar(constraint, tree)
     except DFlashError as e:
         fail(str(e))
     prompt = _prompt_text(prompt)

@@ -381,7 +381,6 @@ def test_structured_output_flags(tmp_path):
     (("--json-schema", '{"type": "object", "properties": {"a": {"type": "strin"}}}'), "Invalid type"),
     (("--json-schema", "{oops"), "not valid JSON"),
     (("--regex", "a(b"), "regex"),
-    (("--regex", "a", "--tree", "2"), "Tree verification"),
 ])
 def test_bad_structured_output_flags_are_one_clear_line(args, words):
     r = run_cli("--prompt", "hi", "--no-chat-template", "-m", "4", *args)

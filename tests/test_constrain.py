@@ -100,9 +100,58 @@ def test_an_exploding_schema_is_refused_quickly(demo):
         demo.grammars.compile(Grammar.json_schema(deep))
 
 
-def test_a_tree_under_a_grammar_is_refused(demo):
-    with pytest.raises(DFlashError, match="Tree verification"):
-        run(demo, PROMPT, WEATHER, tree=2)
+def test_tree_masks_are_each_nodes_grammar_after_its_own_path(demo):
+    """A tree's node masks: the best path's as a block's rows, each branch node's the grammar's
+    after the best path above its fork and the branch's tokens to it (itself included); a free
+    sequence's rows allow everything, and the matchers are left where they were."""
+    from types import SimpleNamespace
+
+    from dflash_mlx.decode.constrained import TreeMasks
+
+    prompt = demo.tokenizer.encode(PROMPT)
+    ref = constrained_ref(demo.target.model, demo, WEATHER, prompt, 12)
+    W, L = 5, 3
+    constrained = SimpleNamespace(constraint=demo.grammars.constraint(WEATHER))
+    free = SimpleNamespace(constraint=None)
+    # Branch 0 forks at depth 2 and branch 1 at depth 1, each with the tokens the text has there.
+    tokens = [0] + ref[: W - 1] + ref[1:4] + ref[0:3]
+    bits = np.array(TreeMasks([constrained, free], [tokens, tokens], [[2, 1], [2, 1]], W, L).fill()).view(np.int32)
+    along = demo.grammars.constraint(WEATHER).masks(ref[:6]).bits  # row i: after the text's first i tokens
+    assert (bits[0, :W] == along[:W]).all()
+    assert (bits[0, W : W + L] == along[2:5]).all() and (bits[0, W + L :] == along[1:4]).all()
+    assert (bits[1] == -1).all()
+    assert constrained.constraint.masks().bits.tolist() == along[:1].tolist()  # rolled back
+
+
+@pytest.mark.parametrize("name", ["refs", "anyOf", "json_object", "regex"])
+def test_greedy_trees_under_a_grammar_equal_mlx_lm(demo, name):
+    """Trees verify under a grammar, each node's row masked by the grammar after its own path:
+    greedy ids equal mlx-lm's with the grammar's processor, where a branch's token is committed
+    too (the `refs` and `anyOf` texts take a branch)."""
+    prompt = demo.tokenizer.encode(PROMPT)
+    grammar = GRAMMARS[name]
+    out, events = run(demo, prompt, grammar, max_tokens=80, block_size=8, tree=2)
+    assert out == constrained_ref(demo.target.model, demo, grammar, prompt, 80)
+    assert events[-1].stats.tree_cycles > 0
+    assert events[-1].stats.branch_cycles > 0 or name not in ("refs", "anyOf")
+
+
+def test_a_batch_of_trees_with_constrained_and_free_sequences_equals_each_alone(demo):
+    from dflash_mlx.policy.batch import FixedBatchWidth
+
+    prompts = [demo.tokenizer.encode(p) for p in (PROMPT, "Write a config file", "def parse_args(argv):")]
+    grammars = [WEATHER, Grammar.json_schema(SCHEMAS["server_config"]), None]
+    alone = [run(demo, p, g, max_tokens=40, block_size=4, tree=2)[0] for p, g in zip(prompts, grammars)]
+    streams = Streams(demo, 4, FixedBatchWidth(4), block_size=4)
+    firsts = streams.add_many([Joining(p, 40, asks=Asks(tree=2, grammar=g)) for p, g in zip(prompts, grammars)])
+    got = {uid: list(ev.tokens) for uid, ev in firsts}
+    stats = {}
+    while len(streams):
+        for uid, ev in streams.step():
+            got[uid] += ev.tokens
+            stats[uid] = ev.stats
+    assert [got[uid] for uid, _ in firsts] == alone
+    assert all(s.tree_cycles > 0 for s in stats.values())
 
 
 def test_masks_cover_each_block_row_and_leave_the_matcher_where_it_was(demo):

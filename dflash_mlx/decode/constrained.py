@@ -1,7 +1,7 @@
 """Sequences that keep to a grammar (`constrain/`), in the decoder's cycles: every row a token is
-picked from is masked by the grammar at that row's position, a drafted block is cut at its first
-draft the grammar forbids before the target verifies it, and the tokens the grammar forces next
-are drafted as copies no model need make."""
+picked from is masked by the grammar at that row's position (a tree's nodes each after its own
+path), a drafted block is cut at its first draft the grammar forbids before the target verifies
+it, and the tokens the grammar forces next are drafted as copies no model need make."""
 
 import dataclasses
 from typing import List, Optional, Sequence
@@ -78,6 +78,38 @@ class BlockMasks:
         for b, (s, d, v) in enumerate(zip(self.seqs, self.drafts, self.valid)):
             if s.constraint is not None:
                 bits[b] = s.constraint.masks(d, min(v, len(d))).bits
+        return upload(bits)
+
+
+def tree_masks(seqs: Sequence, tree) -> Optional["TreeMasks"]:
+    """A drafted `draft.tree.Tree`'s masks where a sequence keeps to a grammar (None where none
+    does): its nodes and forks read on the host (one host synchronisation, as `checked`'s)."""
+    if not constrained(seqs):
+        return None
+    return TreeMasks(seqs, tree.tokens.tolist(), tree.forks.tolist(), tree.width, tree.length)
+
+
+class TreeMasks:
+    """Each tree node's mask [B, N, words], the grammar's after the tokens on the node's path from
+    the root (its own included), filled on the host once the verify pass is launched. A node below
+    a draft the grammar forbids is never reached (no masked pick equals that draft): its row is
+    left open."""
+
+    def __init__(self, seqs: Sequence, tokens: List[List[int]], forks: List[List[int]], width: int, length: int):
+        self.seqs, self.tokens, self.forks, self.width, self.length = seqs, tokens, forks, width, length
+
+    def fill(self) -> mx.array:
+        W, L = self.width, self.length
+        words = next(s.constraint.words for s in self.seqs if s.constraint is not None)
+        bits = np.full((len(self.seqs), len(self.tokens[0]), words), -1, dtype=np.int32)
+        for b, (s, tokens, forks) in enumerate(zip(self.seqs, self.tokens, self.forks)):
+            if s.constraint is None:
+                continue
+            best = tokens[1:W]
+            bits[b, :W] = s.constraint.masks(best).bits
+            for k, depth in enumerate(forks):  # branch k leaves the best path at `depth` (1-based)
+                branch = tokens[W + k * L : W + (k + 1) * L]
+                bits[b, W + k * L : W + (k + 1) * L] = s.constraint.masks(best[: depth - 1] + branch).bits[depth:]
         return upload(bits)
 
 

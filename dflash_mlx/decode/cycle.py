@@ -224,9 +224,10 @@ class TreeCycle:
     for all) in one verify pass, greedy; per sequence, the walk keeps the longest path the
     target agrees with, and `cut` keeps that path's rows."""
 
-    def __init__(self, rows: Rows, tree: trees.Tree):
+    def __init__(self, rows: Rows, tree: trees.Tree, masks=None):
+        """`masks`: the grammars' masks of the tree's nodes (`constrained.TreeMasks`), if any."""
         self.rows = rows
-        self.verified = verify_tree(rows.target, rows.cache, tree, [s.top for s in rows.seqs], rows.rider)
+        self.verified = verify_tree(rows.target, rows.cache, tree, [s.top for s in rows.seqs], rows.rider, masks)
         mx.async_eval(self.verified)
         self.paths: List[List[int]] = []
 

@@ -33,7 +33,7 @@ from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
 from ..target.ragged import add_to, batch_of
 from .caches import Caches
-from .constrained import checked, forced
+from .constrained import checked, forced, tree_masks
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
 from .filling import Filling, Fillings
@@ -292,7 +292,7 @@ class Decoder:
     def _tree(self, plan: Plan) -> "Launched":
         """A tree cycle of the plan's width and branches for every sequence, launched."""
         tree = self.drafting.tree(self.seqs, plan.width, plan.branches)
-        return Launched(TreeCycle(self._rows(), tree), [plan] * len(self.seqs))
+        return Launched(TreeCycle(self._rows(), tree, tree_masks(self.seqs, tree)), [plan] * len(self.seqs))
 
     def _rows(self) -> Rows:
         """The batch's sequences and caches, as its cycles decode them; the chunk of a prompt

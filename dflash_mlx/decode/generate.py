@@ -18,7 +18,7 @@ from ..draft.source import DraftSource
 from ..sampling import SamplingParams
 from .events import GenerationEvent
 from .passes import PREFILL_STEP
-from .request import block_policy, check_grammar, check_options
+from .request import block_policy, check_options
 from .running import Asks
 from .streams import Joining, Streams
 
@@ -88,7 +88,6 @@ def stream_generate(
     width = block_size if isinstance(block_size, int) else source.block_size
     streams = Streams(pair, max(1, min(width, source.block_size)), prompt_cache=prompt_cache,
                            block_size=block_size or source.block_size)
-    check_grammar(grammar, tree)
     asks = Asks(params, logits_processors, logprobs, tree=tree, lookup=lookup, proposal_scale=proposal_scale,
                 grammar=grammar)
     uid, event = streams.add(Joining(list(prompt), max_tokens, stop, asks, source), prefill_step)

@@ -7,6 +7,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from ..constrain.mask import allowed
 from ..draft import tree as trees
 from ..kernels import verify_accept
 from ..draft.lookup import point_masses
@@ -320,11 +321,15 @@ def draft_tree(source, dstate, last, hidden, width: int, branches: int) -> trees
     return trees.build(last, source.propose(dstate, last, hidden, width)[None], branches)
 
 
-def verify_tree(target, tcache, tree: trees.Tree, tops: Sequence[Optional[int]], rider: Optional[Rider] = None
-                ) -> TreeVerified:
+def verify_tree(target, tcache, tree: trees.Tree, tops: Sequence[Optional[int]], rider: Optional[Rider] = None,
+                masks=None) -> TreeVerified:
     """One target pass over every node of each sequence's tree (carrying `rider`): each node's
-    greedy pick, and the taps; with sequence b's `tops[b]`, its picks' log probabilities."""
+    greedy pick, and the taps; with sequence b's `tops[b]`, its picks' log probabilities. `masks`:
+    the grammars' per node (`constrained.TreeMasks`), filled while the pass runs."""
     logits, taps = target(tree.tokens, tcache, tree=(tree.mask, tree.runs()), rider=rider)
+    if masks is not None:
+        mx.async_eval(logits)
+        logits = allowed(logits, masks.fill())
     picks = mx.argmax(greedy_log_probs(logits), axis=-1)
     return TreeVerified(tree, picks, taps, [None if top is None else token_logprobs(logits[b], picks[b], top)
                                             for b, top in enumerate(tops)])

@@ -93,11 +93,6 @@ def check_options(max_tokens: int, params: SamplingParams, tree: Optional[int], 
         raise DFlashError(f"--max-tokens must be >= 1 (got {max_tokens}).")
 
 
-def check_grammar(grammar, tree: Optional[int]) -> None:
-    if grammar is not None and tree:
-        raise DFlashError("Tree verification does not run under a grammar; drop --tree or the grammar.")
-
-
 def check_prompt(prompt: Sequence[int], target) -> None:
     if len(prompt) == 0:
         raise DFlashError("The prompt is empty; give some text with --prompt or on stdin.")

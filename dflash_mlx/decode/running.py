@@ -197,7 +197,7 @@ def new_sequence(pair, uid: int, prompt: Sequence[int], max_tokens: int, source,
     block_size = block_size if asks.block_size is None else asks.block_size
     auto = block_size == "auto"
     policy = block_policy(pair, source, block_size, asks.tree or 0, params)
-    can_tree = params.greedy and not asks.processors and asks.grammar is None and target.can_verify_tree(tcache)
+    can_tree = params.greedy and not asks.processors and target.can_verify_tree(tcache)
     # Unset, as many branches as the policy's cost curve timed (its trees passed `trees.works` then).
     branches = (policy.default_branches if asks.tree is None else asks.tree) if can_tree else 0
     if asks.tree and branches and not trees.works(target):
