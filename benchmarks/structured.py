@@ -98,17 +98,23 @@ def summary(runs: dict, pair, rows: list) -> dict:
     }
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", choices=["demo", "widened"], default="demo")
-    ap.add_argument("--repeats", type=int, default=3)
+def suite_setup(doc: str, argv, pair: str, repeats: int):
+    """The command line (`--pair`, `--repeats`, `--max-tokens`, `--out`), the pair, and the `json`
+    suite's rows and prompt ids."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--pair", choices=["demo", "widened"], default=pair)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     pair = load_pair(a.pair)
-    model = plain_target(pair)
     rows = load_prompts("json")["json"]
-    prompts = [context_prompt(pair.tokenizer, r["prompt"], 0) for r in rows]
+    return a, pair, rows, [context_prompt(pair.tokenizer, r["prompt"], 0) for r in rows]
+
+
+def main(argv=None):
+    a, pair, rows, prompts = suite_setup(__doc__, argv, "demo", 3)
+    model = plain_target(pair)
     for s in SETTINGS:  # warm-up: kernels compiled, the cost curve measured, grammars compiled
         run(pair, model, s, prompts[0], rows[0]["schema"], 8)
     runs = {s: [[] for _ in rows] for s in SETTINGS}

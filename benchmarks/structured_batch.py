@@ -15,7 +15,6 @@ compare like for like, and the whole run's. Settings, in a rotated order per rep
 Both json settings must give the same ids (checked).
 """
 
-import argparse
 import collections
 import json
 import statistics
@@ -23,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_mlx.bench import context_prompt, load_prompts, machine_info
+from dflash_mlx.bench import machine_info
 from dflash_mlx.constrain import Grammar
 from dflash_mlx.decode.running import Asks
 from dflash_mlx.decode.streams import Joining, Streams
@@ -31,7 +30,7 @@ from dflash_mlx.policy.batch import FixedBatchWidth
 from dflash_mlx.target.baseline import plain_target
 
 sys.path.insert(0, str(Path(__file__).parent))
-from seed_cost import load_pair  # noqa: E402
+from structured import suite_setup  # noqa: E402
 
 SETTINGS = ["json", "json, plain", "free", "free, plain"]
 
@@ -84,15 +83,7 @@ def summary(runs: dict, batch: int) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", choices=["demo", "widened"], default="widened")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out")
-    a = ap.parse_args(argv)
-    pair = load_pair(a.pair)
-    rows = load_prompts("json")["json"]
-    prompts = [context_prompt(pair.tokenizer, r["prompt"], 0) for r in rows]
+    a, pair, rows, prompts = suite_setup(__doc__, argv, "widened", 2)
     for s in SETTINGS:  # warm-up: kernels compiled, the cost curve measured, grammars compiled
         run(pair, s, prompts, rows, 8)
     runs = {s: [] for s in SETTINGS}

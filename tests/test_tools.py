@@ -80,14 +80,19 @@ def tool_pair(tmp_path_factory):
     return build_tool_pair(tmp_path_factory.mktemp("tools"), TEMPLATE, CALL)
 
 
-@pytest.fixture(scope="module")
-def client(tool_pair):
-    server = make_server(tool_pair, MODEL, "127.0.0.1", 0)
+def serving(pair):
+    """An openai client of a server on `pair`, for a module fixture to yield from."""
+    server = make_server(pair, MODEL, "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x", max_retries=0,
                         timeout=120)
     server.shutdown()
     server.engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(tool_pair):
+    yield from serving(tool_pair)
 
 
 def ask(client, **kw):
@@ -277,12 +282,7 @@ def xml_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def xml_client(xml_pair):
-    server = make_server(xml_pair, MODEL, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x", max_retries=0,
-                        timeout=120)
-    server.shutdown()
-    server.engine.close()
+    yield from serving(xml_pair)
 
 
 @pytest.mark.parametrize("fmt, parser", [("xml", "qwen3_coder"), ("gemma", "gemma4")])
@@ -317,6 +317,16 @@ def test_xml_parameters_the_format_cannot_enforce_are_400s_when_strict(xml_clien
     assert ask(xml_client, tools=[loose], tool_choice="required").choices[0].finish_reason in ("tool_calls", "length")
 
 
+def grammar_takes(pair, grammar, text: str) -> bool:
+    """Whether `text` (as the pair's tokenizer writes it) is a whole output of `grammar`."""
+    c = pair.grammars.constraint(grammar)
+    ids = pair.tokenizer.encode(text, add_special_tokens=False)
+    if c.allows(ids) < len(ids):
+        return False
+    c.commit(ids)
+    return c.accepting
+
+
 def test_the_xml_call_grammar_takes_exactly_the_calls_the_parser_reads_as_valid(xml_pair):
     """Each parameter's value in the XML format: raw text for a string (its bounds kept, never
     `</parameter>` nor `null`), an enum's values, either case of a boolean, JSON for the rest;
@@ -334,12 +344,7 @@ def test_the_xml_call_grammar_takes_exactly_the_calls_the_parser_reads_as_valid(
     grammar = call_grammar(tok, xml_pair.grammars.tokenizer.is_special_token, tools, True, False)
 
     def takes(text):
-        c = xml_pair.grammars.constraint(grammar)
-        ids = tok.encode(text, add_special_tokens=False)
-        if c.allows(ids) < len(ids):
-            return False
-        c.commit(ids)
-        return c.accepting
+        return grammar_takes(xml_pair, grammar, text)
 
     def call(**values):
         return "<tool_call>\n<function=get_weather>\n" + "".join(
@@ -398,12 +403,7 @@ def gemma_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gemma_client(gemma_pair):
-    server = make_server(gemma_pair, MODEL, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x", max_retries=0,
-                        timeout=120)
-    server.shutdown()
-    server.engine.close()
+    yield from serving(gemma_pair)
 
 
 def test_the_gemma_call_grammar_takes_exactly_the_calls_the_parser_reads_as_valid(gemma_pair):
@@ -426,13 +426,7 @@ def test_the_gemma_call_grammar_takes_exactly_the_calls_the_parser_reads_as_vali
     grammar = call_grammar(tok, gemma_pair.grammars.tokenizer.is_special_token, tools, True, False)
 
     def takes(args):
-        text = f"<|tool_call>call:get_weather{{{args}}}<tool_call|>"
-        c = gemma_pair.grammars.constraint(grammar)
-        ids = tok.encode(text, add_special_tokens=False)
-        if c.allows(ids) < len(ids):
-            return False
-        c.commit(ids)
-        return c.accepting
+        return grammar_takes(gemma_pair, grammar, f"<|tool_call>call:get_weather{{{args}}}<tool_call|>")
 
     good = f"city:{q}Paris, {{France}}{q},unit:3,days:3,hourly:true,tags:[{q}a{q},{q}b{q}],where:{{x:1.5,y:-2}},note:null"
     assert takes(good)
