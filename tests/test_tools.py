@@ -339,7 +339,8 @@ def test_the_xml_call_grammar_takes_exactly_the_calls_the_parser_reads_as_valid(
     params = {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]},
         "days": {"type": "integer", "minimum": 1, "maximum": 9}, "hourly": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["city", "days"]}
+        "tags": {"$ref": "#/$defs/tags"}}, "required": ["city", "days"],
+        "$defs": {"tags": {"type": "array", "items": {"type": "string"}}}}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
     grammar = call_grammar(tok, xml_pair.grammars.tokenizer.is_special_token, tools, True, False)
 
@@ -452,3 +453,19 @@ def test_gemma_arguments_the_format_cannot_enforce_are_400s_when_strict(gemma_cl
     with pytest.raises(openai.BadRequestError) as e:
         ask(gemma_client, tools=[tool], tool_choice="required")
     assert words in e.value.body["message"]
+
+
+def test_a_recursive_schema_is_a_recursive_rule_in_gemmas_notation(gemma_pair):
+    from dflash_mlx.serve.tool_grammars import call_grammar
+
+    node = {"type": "object", "properties": {"v": {"type": "integer"},
+                                             "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            "required": ["v"]}
+    params = {"type": "object", "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"],
+              "$defs": {"node": node}}
+    tools = [{"type": "function", "function": {"name": "plant", "parameters": params}}]
+    grammar = call_grammar(gemma_pair.tokenizer, gemma_pair.grammars.tokenizer.is_special_token, tools, True, False)
+    deep = "{v:1,kids:[{v:2},{v:3,kids:[{v:4,kids:[{v:5,kids:[{v:6,kids:[{v:7,kids:[{v:8}]}]}]}]}]}]}"
+    assert grammar_takes(gemma_pair, grammar, f"<|tool_call>call:plant{{root:{deep}}}<tool_call|>")
+    assert gemma_pair.tokenizer.tool_parser(f"call:plant{{root:{deep}}}")["arguments"]["root"]["kids"][1]["v"] == 3
+    assert not grammar_takes(gemma_pair, grammar, "<|tool_call>call:plant{root:{kids:[]}}<tool_call|>")

@@ -21,7 +21,7 @@ the others.
 
 import json
 import re
-from typing import Callable, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 from ..constrain.grammar import JSON_OPTIONS, Grammar
 from .tools import ToolError
@@ -112,7 +112,10 @@ def xml_body(functions: List[dict], marker=None) -> str:
             if not p or any(c.isspace() or c in "<>" for c in p):
                 raise ToolError(f"The parameter name {p!r} of '{f['name']}' cannot be written in this model's "
                                 "tool-call format (no spaces or angle brackets).", "tools")
-            rules += _xml_value(f"f{i}v{j}", f["name"], p, schema if isinstance(schema, dict) else {}, defs, strict)
+            schema = schema if isinstance(schema, dict) else {}
+            if "$ref" in schema:  # a parameter that is one of the schema's $defs
+                schema = _resolve(schema["$ref"], params, f["name"])
+            rules += _xml_value(f"f{i}v{j}", f["name"], p, schema, defs, strict)
             parts.append(f'("<parameter={p}>\\n" f{i}v{j})' + ("" if strict or p in required else "?"))
         rules.append(f'f{i}: {json.dumps("<function=" + f["name"] + ">")} "\\n" {" ".join(parts)} "</function>\\n"')
     return "\n".join(rules) + "\n"
@@ -178,7 +181,6 @@ GEMMA_KEYWORDS = {
     "any": {"enum", "const", "anyOf", "$ref", "$defs", "definitions"},
 }
 ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
-MAX_REF_DEPTH = 8  # `$ref`s followed within one value: a recursive schema deeper than this is refused
 
 
 class GemmaArguments:
@@ -189,13 +191,14 @@ class GemmaArguments:
 
     def __init__(self, quote: str):
         self.quote, self.rules = quote, []
+        self.refs: Dict[tuple, str] = {}  # (function, `$ref`) -> its rule: a recursive schema is a recursive rule
 
     def _rule(self, body: str) -> str:
         name = f"g{len(self.rules)}"
         self.rules.append(f"{name}: {body}")
         return name
 
-    def value(self, schema: dict, fn: str, strict: bool, root: dict, depth: int = 0) -> str:
+    def value(self, schema: dict, fn: str, strict: bool, root: dict) -> str:
         """The rule of a value kept to `schema` (`root`: the parameters' schema its `$ref`s point in)."""
         if not isinstance(schema, dict) or not schema:
             return self._any_json(fn, strict)
@@ -205,18 +208,20 @@ class GemmaArguments:
             raise ToolError(f"A parameter of '{fn}' uses {sorted(set(schema) - known)}, which this model's tool-call "
                             "format cannot enforce; drop \"strict\" to leave them unchecked.", "tools")
         if "$ref" in schema:
-            if depth >= MAX_REF_DEPTH:
-                raise ToolError(f"The parameters of '{fn}' refer to themselves more than {MAX_REF_DEPTH} deep.", "tools")
-            return self.value(_resolve(schema["$ref"], root, fn), fn, strict, root, depth + 1)
+            key = (fn, schema["$ref"])
+            if key not in self.refs:
+                self.refs[key] = name = f"r{len(self.refs)}"
+                self.rules.append(f"{name}: {self.value(_resolve(schema['$ref'], root, fn), fn, strict, root)}")
+            return self.refs[key]
         if "anyOf" in schema:
-            return self._rule(" | ".join(self.value(s, fn, strict, root, depth) for s in schema["anyOf"]))
+            return self._rule(" | ".join(self.value(s, fn, strict, root) for s in schema["anyOf"]))
         if "enum" in schema or "const" in schema:
             options = schema["enum"] if "enum" in schema else [schema["const"]]
             return self._rule(" | ".join(self._literal(v) for v in options))
         if kind == "object":
-            return self._object(schema, fn, strict, root, depth)
+            return self._object(schema, fn, strict, root)
         if kind == "array":
-            item = self.value(schema.get("items", {}), fn, strict, root, depth)
+            item = self.value(schema.get("items", {}), fn, strict, root)
             low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
             more = f'("," {item}){{{max(low - 1, 0)},{"" if high is None else max(int(high) - 1, 0)}}}'
             inner = f"{item} {more}" if high != 0 else '""'
@@ -240,7 +245,7 @@ class GemmaArguments:
                             "\"strict\" to take any value.", "tools")
         return self._any_json(fn, strict)
 
-    def _object(self, schema: dict, fn: str, strict: bool, root: dict, depth: int) -> str:
+    def _object(self, schema: dict, fn: str, strict: bool, root: dict) -> str:
         props = schema.get("properties") or {}
         required = set(schema.get("required") or ())
         items = []
@@ -248,7 +253,7 @@ class GemmaArguments:
             if not _WORD.fullmatch(key):
                 raise ToolError(f"The property name {key!r} of '{fn}' cannot be written in this model's tool-call "
                                 "format (letters, digits and '_' only).", "tools")
-            items.append((f'"{key}:" {self.value(sub, fn, strict, root, depth)}', strict or key in required))
+            items.append((f'"{key}:" {self.value(sub, fn, strict, root)}', strict or key in required))
         # Properties in order, comma-separated: from item i on, after nothing yet (head) or after one (tail).
         head, tail = '""', '""'
         for text, needed in reversed(items):
