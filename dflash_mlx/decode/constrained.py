@@ -28,12 +28,18 @@ def masked(seqs: Sequence, logits: mx.array) -> mx.array:
     if not constrained(seqs):
         return logits
     mx.async_eval(logits)
+    return allowed(logits, filled(seqs, 1, lambda b, c: c.masks().bits)[:, 0])
+
+
+def filled(seqs: Sequence, rows: int, masks) -> mx.array:
+    """Masks [B, rows, words] on the device: `masks(b, constraint)` [rows, words] for each sequence
+    b that keeps to a grammar, every token allowed in a free sequence's rows."""
     words = next(s.constraint.words for s in seqs if s.constraint is not None)
-    bits = np.full((len(seqs), words), -1, dtype=np.int32)
+    bits = np.full((len(seqs), rows, words), -1, dtype=np.int32)
     for b, s in enumerate(seqs):
         if s.constraint is not None:
-            bits[b] = s.constraint.masks().bits[0]
-    return allowed(logits, upload(bits))
+            bits[b] = masks(b, s.constraint)
+    return upload(bits)
 
 
 def forced(seq, room: int) -> List[int]:
@@ -72,13 +78,8 @@ class BlockMasks:
         self.seqs, self.drafts, self.valid = seqs, drafts, valid
 
     def fill(self) -> mx.array:
-        width = len(self.drafts[0]) + 1
-        words = next(s.constraint.words for s in self.seqs if s.constraint is not None)
-        bits = np.full((len(self.seqs), width, words), -1, dtype=np.int32)
-        for b, (s, d, v) in enumerate(zip(self.seqs, self.drafts, self.valid)):
-            if s.constraint is not None:
-                bits[b] = s.constraint.masks(d, min(v, len(d))).bits
-        return upload(bits)
+        d, v = self.drafts, self.valid
+        return filled(self.seqs, len(d[0]) + 1, lambda b, c: c.masks(d[b], min(v[b], len(d[b]))).bits)
 
 
 def tree_masks(seqs: Sequence, tree) -> Optional["TreeMasks"]:
@@ -86,6 +87,7 @@ def tree_masks(seqs: Sequence, tree) -> Optional["TreeMasks"]:
     does): its nodes and forks read on the host (one host synchronisation, as `checked`'s)."""
     if not constrained(seqs):
         return None
+    mx.eval(tree.tokens, tree.forks)
     return TreeMasks(seqs, tree.tokens.tolist(), tree.forks.tolist(), tree.width, tree.length)
 
 
@@ -99,18 +101,17 @@ class TreeMasks:
         self.seqs, self.tokens, self.forks, self.width, self.length = seqs, tokens, forks, width, length
 
     def fill(self) -> mx.array:
-        W, L = self.width, self.length
-        words = next(s.constraint.words for s in self.seqs if s.constraint is not None)
-        bits = np.full((len(self.seqs), len(self.tokens[0]), words), -1, dtype=np.int32)
-        for b, (s, tokens, forks) in enumerate(zip(self.seqs, self.tokens, self.forks)):
-            if s.constraint is None:
-                continue
-            best = tokens[1:W]
-            bits[b, :W] = s.constraint.masks(best).bits
-            for k, depth in enumerate(forks):  # branch k leaves the best path at `depth` (1-based)
-                branch = tokens[W + k * L : W + (k + 1) * L]
-                bits[b, W + k * L : W + (k + 1) * L] = s.constraint.masks(best[: depth - 1] + branch).bits[depth:]
-        return upload(bits)
+        return filled(self.seqs, len(self.tokens[0]), self._rows)
+
+    def _rows(self, b: int, constraint) -> np.ndarray:
+        """Sequence b's node masks: the best path's as a block's, then each branch's."""
+        W, L, tokens = self.width, self.length, self.tokens[b]
+        best = tokens[1:W]
+        rows = [constraint.masks(best).bits]
+        for k, depth in enumerate(self.forks[b]):  # branch k leaves the best path at `depth` (1-based)
+            branch = tokens[W + k * L : W + (k + 1) * L]
+            rows.append(constraint.masks(best[: depth - 1] + branch).bits[depth:])
+        return np.concatenate(rows)
 
 
 def _cut(rows: Optional[mx.array], n: int) -> Optional[mx.array]:

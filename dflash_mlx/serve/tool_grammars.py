@@ -149,11 +149,15 @@ def _xml_value(rule: str, fn: str, param: str, schema: dict, defs: dict, strict:
 def _text(rule: str, schema: dict, close: str) -> List[str]:
     """A string's raw text up to its closing line: never `</parameter>` (the parser would end the
     value there) and never `null` in any case (the parser would read None)."""
+    text = text_terminal(rule.upper(), schema, "<\\/parameter>") + " & ~/[nN][uU][lL][lL]/"
+    return [f"{text}\n{rule}[lazy]: {rule.upper()} {close}"]
+
+
+def text_terminal(name: str, schema: dict, end: str) -> str:
+    """A Lark terminal of raw text within the string schema's length bounds that never holds `end`
+    (a regex), which would end it early."""
     low, high = schema.get("minLength", 0), schema.get("maxLength")
-    length = f"{{{int(low)},{'' if high is None else int(high)}}}"
-    text = (f"{rule.upper()}: /(?s:.){length}/ & ~/(?s:.*)<\\/parameter>(?s:.*)/ & ~/[nN][uU][lL][lL]/\n"
-            f"{rule}[lazy]: {rule.upper()} {close}")
-    return [text]
+    return f"{name}: /(?s:.){{{int(low)},{'' if high is None else int(high)}}}/ & ~/(?s:.*){end}(?s:.*)/"
 
 
 def gemma_body(functions: List[dict], marker) -> str:
@@ -227,10 +231,8 @@ class GemmaArguments:
             inner = f"{item} {more}" if high != 0 else '""'
             return self._rule(f'"[" {inner} "]"' if low else f'"[" ({inner})? "]"')
         if kind == "string":
-            low, high = schema.get("minLength", 0), schema.get("maxLength")
             text = f"G{len(self.rules)}"
-            self.rules.append(f"{text}: /(?s:.){{{int(low)},{'' if high is None else int(high)}}}/ "
-                              f"& ~/(?s:.*)<\\|\"\\|>(?s:.*)/")
+            self.rules.append(text_terminal(text, schema, '<\\|"\\|>'))
             if self.quote.startswith("<["):  # a special token: the text's lexeme ends where it comes
                 return self._rule(f"{self.quote} {text} {self.quote}")
             # A textual quote: the text and its closing quote are one lazy lexeme, ending at the first quote.
