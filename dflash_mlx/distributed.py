@@ -199,7 +199,7 @@ def load_sharded(model: str, draft: Optional[str] = None, g: Optional[mx.distrib
     """A DFlashPair whose target is sharded over the process group (`sharding`:
     "tensor", "pipeline" or "auto", tensor where the family has it) and whose
     drafter is whole on every rank. In one process it is `load.load`."""
-    from .load import load
+    from .pair import load
 
     g = g or group()
     if g.size() == 1:

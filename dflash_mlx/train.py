@@ -288,7 +288,7 @@ def acceptance_estimate(drafter, target, examples: List[Example], dcfg: DrafterC
 
 def initial_weights(path: str, dcfg: DrafterConfig) -> Dict[str, mx.array]:
     """The weights of the drafter at `path`, which must have the shape this run trains."""
-    from .load import load_drafter
+    from .pair import load_drafter
 
     start = load_drafter(Path(path))
     have = start.args

@@ -252,7 +252,7 @@ def build_small_pair(drafter_cls, source_cls, drafter_config, init=None):
 
     from dflash_mlx.target.adapter import TargetAdapter
     from dflash_mlx.config import DrafterConfig
-    from dflash_mlx.load import DFlashPair
+    from dflash_mlx.pair import DFlashPair
 
     mx.random.seed(11)
     args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=3, intermediate_size=64,

@@ -272,7 +272,7 @@ def test_the_catch_up_is_the_longest_measured_contexts_and_grows_as_a_plain_step
 def test_the_cost_curve_times_the_contexts_that_fit_the_window(pairs, monkeypatch):
     import importlib
 
-    load_module = importlib.import_module("dflash_mlx.load")  # the module, not the function the package exports
+    load_module = importlib.import_module("dflash_mlx.pair")
     pair = pairs["qwen3"]
     asked = []
     monkeypatch.setattr(load_module, "load_or_measure", lambda *a, contexts, **kw: asked.append(contexts))

@@ -53,7 +53,7 @@ def test_sampling_flags_are_accepted(targets, drafters):
 @pytest.mark.parametrize(
     "args, words, code",
     [
-        (["--temp", "-1"], "error: --temp must be 0 or more (got -1).", 1),
+        (["--temp", "-1"], "error: --temp must be from 0 to 2 (got -1).", 1),
         (["--max-tokens", "0"], "error: --max-tokens must be 1 or more (got 0).", 1),
         (["--top-k", "-3"], "error: --top-k must be 0 or more (got -3).", 1),
         (["--bogus"], "No such option", 2),
@@ -199,7 +199,7 @@ def test_first_auto_run_shows_progress_off_a_terminal_and_says_what_it_chose(tar
 @pytest.mark.parametrize("steep", [True, False])
 def test_auto_says_why_it_decodes_plainly(targets, drafters, monkeypatch, steep):
     from dflash_mlx.policy.costs import CostCurve
-    from dflash_mlx.load import DFlashPair
+    from dflash_mlx.pair import DFlashPair
 
     rows = [[float(w) if steep else 1.0 + 0.01 * w for w in range(1, 7)]]
     monkeypatch.setattr(DFlashPair, "cost_curve", lambda self, **k: CostCurve([64], rows, rows, rows))
@@ -295,7 +295,7 @@ def test_lookup_drafts_can_be_turned_off(monkeypatch):
     """On a curve where only a bare verify pays, `auto` drafts from the lookup on the
     demo pair's repetitive text; --no-lookup decodes plainly; the text is the same."""
     from dflash_mlx.policy.costs import CostCurve
-    from dflash_mlx.load import DFlashPair
+    from dflash_mlx.pair import DFlashPair
 
     W = 16
     steep = [float(w) for w in range(1, W + 1)]

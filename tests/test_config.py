@@ -276,7 +276,7 @@ def test_two_models_in_one_process_do_not_interfere(targets, drafters, baselines
 def test_cached_conversions_are_redone_when_the_converter_changes(tmp_path, monkeypatch):
     import importlib
 
-    load = importlib.import_module("dflash_mlx.load")  # the package exports a function of that name
+    load = importlib.import_module("dflash_mlx.pair")
     (tmp_path / "config.json").write_text("{}")
     before = load.converted_path(tmp_path)
     assert load.converted_path(tmp_path) == before

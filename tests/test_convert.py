@@ -19,7 +19,7 @@ from dflash_mlx.cli.main import app
 from dflash_mlx.convert import convert_drafter, is_converted
 from dflash_mlx.convert.readers import read_torch
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.load import load_drafter
+from dflash_mlx.pair import load_drafter
 
 torch = pytest.importorskip("torch")
 reference = pytest.importorskip("dflash.model")

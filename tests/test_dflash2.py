@@ -12,7 +12,7 @@ import tiny
 
 from dflash_mlx.config import DrafterConfig
 from dflash_mlx.draft.drafter2 import DFlash2Drafter, DFlash2DraftSource, grouped_causal_conv
-from dflash_mlx.load import load_drafter
+from dflash_mlx.pair import load_drafter
 from dflash_mlx.sampling import SamplingParams
 from test_reference_loop import HELDOUT, MAX_NEW, torch_weights
 

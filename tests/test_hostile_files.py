@@ -318,7 +318,7 @@ def test_a_damaged_converted_drafter_is_refused_and_a_cache_entry_converted_agai
                                                                                    caplog):
     import mlx.core as mx
 
-    from dflash_mlx.load import converted_path, load_drafter
+    from dflash_mlx.pair import converted_path, load_drafter
 
     want = load_drafter(drafter)  # converted into the cache
     cached = converted_path(drafter)
@@ -485,7 +485,7 @@ def test_a_fifo_named_like_an_entry_does_not_stop_the_cache(pairs, tmp_path):
 
 
 def test_a_converted_drafter_whose_bytes_changed_fails_its_checksum(tmp_path, drafter, caplog):
-    from dflash_mlx.load import converted_path, load_drafter
+    from dflash_mlx.pair import converted_path, load_drafter
 
     load_drafter(drafter)
     cached = converted_path(drafter)

@@ -35,7 +35,7 @@ def test_user_folders_named_cli_or_convert_do_not_shadow(tmp_path):
     (tmp_path / "convert.py").write_text("raise SystemExit('user convert.py was imported')\n")
     (tmp_path / "cli").mkdir()
     (tmp_path / "cli" / "__init__.py").write_text("raise SystemExit('user cli/ was imported')\n")
-    code = "import dflash_mlx.load, dflash_mlx.cli.main, dflash_mlx.convert; print('ok')"
+    code = "import dflash_mlx.pair, dflash_mlx.cli.main, dflash_mlx.convert; print('ok')"
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
@@ -89,18 +89,18 @@ def test_no_import_circles():
     loop = {"dflash_mlx.decode", "dflash_mlx.decode.generate"}
     users = sorted(n for n, deps in graph.items() if deps & loop and n not in loop)
     assert users == ["dflash_mlx", "dflash_mlx.bench", "dflash_mlx.distributed", "dflash_mlx.serve.worker"], users
-    assert "dflash_mlx.load" not in graph["dflash_mlx.convert.convert"]
+    assert "dflash_mlx.pair" not in graph["dflash_mlx.convert.convert"]
 
 
 # Folder -> the folders its modules never import: the arrows run one way, from the
-# front ends (serve/, the root's load, bench, train, distributed) down to the basics.
+# front ends (serve/, the root's pair, bench, train, distributed) down to the basics.
 NEVER = {
-    "policy": ("decode", "serve", "cache", "target", "load"),
+    "policy": ("decode", "serve", "cache", "target", "pair"),
     "decode": ("serve",),
     "cache": ("decode", "serve", "policy"),
     "draft": ("decode", "serve", "cache"),
-    "target": ("decode", "serve", "cache", "draft", "policy", "load"),
-    "kernels": ("decode", "serve", "cache", "draft", "target", "policy", "load"),
+    "target": ("decode", "serve", "cache", "draft", "policy", "pair"),
+    "kernels": ("decode", "serve", "cache", "draft", "target", "policy", "pair"),
 }
 
 
