@@ -98,7 +98,7 @@ def main(
     sharded, main_rank = g.size() > 1, distributed.is_main(g)
     watchdog = distributed.Watchdog(timeout if sharded else 0, f"dflash-mlx (rank {g.rank()} of {g.size()})")
     out = sys.stdout if main_rank else open(os.devnull, "w")
-    stats = None
+    stats, tokens = None, []
     try:
         if sharded and temp > 0:  # one seed for all ranks, so they draw the same numbers
             params = replace(params, seed=distributed.shared_seed(seed, g))
@@ -124,6 +124,7 @@ def main(
             out.write(event.text)
             out.flush()
             stats = event.stats
+            tokens += event.tokens
     except DFlashError as e:
         fail(f"rank {g.rank()} of {g.size()}: {e}" if sharded else str(e))
     except KeyboardInterrupt:
@@ -137,6 +138,29 @@ def main(
     out.flush()
     if main_rank:
         _print_summary(stats, verbose, block == "auto", predicted is not None, g.size())
+        if constraint is not None:
+            _check_complete(pair, constraint, tokens, stats, max_tokens)
+
+
+def _check_complete(pair, constraint, tokens, stats, max_tokens: int) -> None:
+    """An answer that does not keep to its grammar is an error line (exit 1), never silent: one
+    the grammar engine gave up on, or one cut by --max-tokens before the grammar's end."""
+    from dflash_mlx.constrain.grammar import describe
+
+    what = describe(constraint.kind)
+    if stats.finish_reason == "error":
+        fail(f"the answer stopped after {_count(stats.generation_tokens, 'token')}: {stats.error}; simplify the "
+             f"{what}.")
+    if stats.finish_reason == "length":
+        walked = pair.grammars.constraint(constraint)
+        walked.commit(tokens)
+        if not walked.accepting:
+            fail(f"the answer reached --max-tokens ({max_tokens}) before its {what} was complete: it is cut short "
+                 f"and does not {'validate' if constraint.kind.startswith('json') else 'match'}; raise --max-tokens.")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _print_settings(pair, prompt_tokens: int, block, params) -> None:
@@ -167,11 +191,11 @@ def _decision(stats, predicted: bool) -> str:
             ", as the cost curve predicted" if predicted else ": no draft was expected to pay on this text")
     if lookup == drafted:
         plain = stats.cycles - drafted
-        return (f"the default drafted from the n-gram lookup only ({drafted} cycles, where the text repeated)"
-                + (f" and decoded plainly elsewhere ({plain} cycles)" if plain else "")
+        return (f"the default drafted from the n-gram lookup only ({_count(drafted, 'cycle')}, where the text repeated)"
+                + (f" and decoded plainly elsewhere ({_count(plain, 'cycle')})" if plain else "")
                 + ("; the drafter was not expected to pay" if predicted else ""))
     from_lookup = f", {lookup} of them from the lookup" if lookup else ""
-    return (f"the default drafted with the drafter ({drafted} cycles{from_lookup}): "
+    return (f"the default drafted with the drafter ({_count(drafted, 'cycle')}{from_lookup}): "
             + ("it tried whether this text's acceptance pays, against the cost curve's prediction" if predicted
                else "the acceptance it expected paid for the wider verify passes"))
 

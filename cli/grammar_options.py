@@ -1,10 +1,11 @@
 """`generate`'s structured-output options as one `constrain.Grammar`: `--json-schema` (a file or
 the schema's JSON), `--regex` and `--grammar` (a Lark or GBNF file), at most one of them."""
 
+import json
 from pathlib import Path
 from typing import Optional
 
-from dflash_mlx.constrain.grammar import Grammar
+from dflash_mlx.constrain.grammar import Grammar, check_size
 from dflash_mlx.errors import DFlashError
 
 
@@ -14,19 +15,43 @@ def grammar_option(json_schema: Optional[str], regex: Optional[str], grammar: Op
     if len(given) > 1:
         raise DFlashError(f"{' and '.join(given)} both constrain the output; give one of them.")
     if json_schema is not None:
-        text = json_schema if json_schema.lstrip().startswith("{") else _read(json_schema, "--json-schema")
-        return Grammar.json_schema(text)
+        return _schema(json_schema)
     if regex is not None:
         return Grammar.regex(regex)
     if grammar is not None:
-        return Grammar.lark(_read(grammar, "--grammar"))
+        return Grammar.lark(_read(grammar, "--grammar", "a Lark or GBNF grammar file"))
     return None
 
 
-def _read(path: str, option: str) -> str:
+def _schema(value: str) -> Grammar:
+    """`--json-schema`: a file where one is, else the schema's JSON itself."""
+    text = value.strip()
+    if not text:
+        raise DFlashError("--json-schema is empty; give a schema file, or the schema's JSON itself.")
+    if not text.startswith("{") and not Path(value).expanduser().exists() and not _is_json(text):
+        raise DFlashError(f"--json-schema {value}: no such file (give a schema file, or the schema's JSON itself).")
+    if not text.startswith("{") and Path(value).expanduser().exists():
+        return Grammar.json_schema(_read(value, "--json-schema", "a JSON schema file"),
+                                   what=f"The JSON schema in {value}")
+    return Grammar.json_schema(value)
+
+
+def _is_json(text: str) -> bool:
+    """Whether `text` is a JSON value other than an object (true, false, [...], a number, a string)."""
+    try:
+        json.loads(text)
+        return True
+    except (ValueError, RecursionError):
+        return text.startswith("[")  # JSON meant as an array, badly written: reported as JSON
+
+
+def _read(path: str, option: str, what: str) -> str:
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise DFlashError(f"{option} {path} is a folder; give {what}.")
     if not p.is_file():
-        raise DFlashError(f"{option} {path}: no such file (give a file, or for --json-schema the schema's JSON).")
+        raise DFlashError(f"{option} {path}: no such file; give {what}.")
+    check_size(p.stat().st_size, f"{option} {path}")  # in the file's own bytes, before reading it
     try:
         return p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

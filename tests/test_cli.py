@@ -280,6 +280,72 @@ def test_quick_work_prints_no_progress_off_a_terminal():
     assert out.getvalue() == ""
 
 
+def test_progress_with_a_total_says_the_time_left():
+    import io
+
+    from rich.console import Console
+
+    from dflash_mlx.cli.progress import Rate, about, progress
+
+    rate = Rate()
+    assert rate.left(10) is None
+    rate.record(0, now=100.0)
+    rate.record(2, now=110.0)
+    assert rate.left(10) == pytest.approx(40.0) and rate.left(None) is None
+    rate.record(10, now=150.0)
+    assert rate.left(10) is None  # all done
+    resumed = Rate()  # work done before the first update (a resumed run) does not count
+    resumed.record(100, now=0.0)
+    resumed.record(110, now=10.0)
+    assert resumed.left(200) == pytest.approx(90.0)
+    assert [about(s) for s in (0.2, 40, 95, 660, 3600, 7500)] == [
+        "about 1 s", "about 40 s", "about 2 min", "about 11 min", "about 1 h", "about 2 h 5 min"]
+
+    out = io.StringIO()
+    with progress(Console(file=out, force_terminal=False), "benchmark", total=96, every=0) as update:
+        update(0)
+        update(12)
+    lines = out.getvalue().splitlines()
+    assert lines[1] == "benchmark 0/96 (0 s)"  # nothing done yet: no rate to go by
+    assert re.fullmatch(r"benchmark 12/96 \(\d+ s, about \d+ s left\)", lines[2]), lines
+    assert "left" not in lines[-1] and lines[-1].endswith(": done")
+    term = io.StringIO()
+    with progress(Console(file=term, force_terminal=True, width=100), "benchmark", total=96) as update:
+        update(0)
+        update(12)
+    assert re.search(r"about \d+ s left", term.getvalue()), term.getvalue()
+
+
+def test_doctor_shows_progress_on_stderr_and_its_report_on_stdout(monkeypatch):
+    from contextlib import contextmanager
+
+    from dflash_mlx.cli import progress as P
+    from dflash_mlx.kernels import REGISTRY
+
+    real, seen = P.progress, []
+
+    @contextmanager
+    def spy(console, description, **kwargs):
+        with real(console, description, **kwargs) as update:
+            def recording(done, total=None, description=None):
+                seen.append((done, total, description))
+                update(done, total, description)
+
+            yield recording
+
+    monkeypatch.setattr(P, "progress", spy)
+    r = runner.invoke(app, ["doctor"])
+    assert r.exit_code == 0, r.output
+    n = len(REGISTRY)
+    assert [d for _, _, d in seen[:n + 1]] == [f"checking kernel {k}" for k in REGISTRY] + [
+        "checking the target families"]
+    assert [done for done, _, _ in seen] == list(range(n + 2)) and {t for _, t, _ in seen} == {n + 1}
+    lines = r.stderr.splitlines()
+    assert lines[0] == "loading MLX and the kernels ..." and lines[-1].endswith(": done"), r.stderr
+    assert "BLAS" in r.stdout and "Target families" in r.stdout and "kernel" in r.stdout
+    assert "BLAS" not in r.stderr and "checking" not in r.stdout
+
+
 def test_unsupported_drafter_is_refused_before_the_target_downloads(tmp_path, monkeypatch):
     import json
 
@@ -378,7 +444,7 @@ def test_structured_output_flags(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (("--regex", "a", "--json-schema", "{}"), "give one of them"),
     (("--json-schema", "missing.json"), "no such file"),
-    (("--json-schema", '{"type": "object", "properties": {"a": {"type": "strin"}}}'), "Invalid type"),
+    (("--json-schema", '{"type": "object", "properties": {"a": {"type": "strin"}}}'), "unknown type 'strin' for property 'a'"),
     (("--json-schema", "{oops"), "not valid JSON"),
     (("--regex", "a(b"), "regex"),
 ])

@@ -287,7 +287,7 @@ def raw_post(url, path, body, headers=None):
           "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "needs"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"type": "strin"}}}}, 400,
-         "Invalid type"),
+         "unknown type 'strin'"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "strict": True,
                                                    "schema": {"type": "array", "uniqueItems": True}}}}, 400,

@@ -231,12 +231,44 @@ def test_a_forced_tool_call_is_made_in_the_models_format(client):
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "both constrain"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}}]},
-     "parameters cannot be enforced"),
+     "The schema of tool 'f' has an unknown type 'strin' for property 'a'"),
 ])
 def test_bad_forced_tool_calls_are_400s(client, extra, words):
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, **{"tools": TOOLS, **extra})
     assert words in e.value.body["message"]
+
+
+def tool(name, parameters, strict=False):
+    return {"type": "function", "function": {"name": name, "strict": strict, "parameters": parameters}}
+
+
+BIG = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(1400)}}
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+@pytest.mark.parametrize("tools, words", [
+    ([tool("loop", {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]})],
+     ["The schema of tool 'loop'", "required property 'x'", "never end"]),
+    ([tool("rooms", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 3}}})],
+     ["The schema of tool 'rooms'", "minimum 5 above maximum 3 for property 'n'"]),
+    ([tool("odd", {"type": "object", "properties": {"a": {"type": "objekt"}}})],
+     ["The schema of tool 'odd'", "unknown type 'objekt'"]),
+    ([tool("mail", {"type": "object", "properties": {"to": {"type": "string", "format": "emial"}}}, strict=True)],
+     ["The schema of tool 'mail' cannot be used: Unknown format: emial"]),
+    ([tool("huge", BIG)], [f"The schema of tool 'huge' is {len(json.dumps(BIG, separators=(',', ':'))):,} bytes"]),
+    ([tool("a", BIG["properties"] and {"type": "object", "properties": dict(list(BIG["properties"].items())[:700])}),
+      tool("b", {"type": "object", "properties": dict(list(BIG["properties"].items())[700:])})],
+     ["The tools' schemas come to", "bytes of grammar together", "fewer or smaller tools"]),
+])
+def test_a_tool_schema_that_cannot_be_kept_to_is_a_400_naming_the_tool(client, choice, tools, words):
+    if choice == "auto":  # strict tools under "auto" are kept to as well
+        tools = [dict(t, function=dict(t["function"], strict=True)) for t in tools]
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, tools=tools, tool_choice=choice)
+    message = e.value.body["message"]
+    assert all(w in message for w in words), message
+    assert "%json" not in message and "start:" not in message and "'arguments'" not in message, message
 
 
 def test_strict_tools_keep_calls_the_model_makes_of_its_own_accord(client):
@@ -381,7 +413,7 @@ def test_each_function_is_kept_as_strictly_as_it_asks(client):
     loose = {"type": "function", "function": {"name": "label", "parameters": params}}
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, tools=[strict, loose], tool_choice="required")
-    assert "parameters cannot be enforced" in e.value.body["message"]
+    assert "The schema of tool 'tag' cannot be used" in e.value.body["message"] and "uniqueItems" in e.value.body["message"]
     r = ask_long(client, tools=[loose, CLOCK], tool_choice="required", parallel_tool_calls=False)
     assert r.choices[0].finish_reason in ("tool_calls", "length")
 

@@ -10,12 +10,14 @@ what it cannot enforce instead of ignoring it, and answers what speculation asks
 tokens; `rollback`).
 """
 
+import re
 import threading
 from collections import OrderedDict
 from typing import List, Optional
 
 import llguidance
 import llguidance.hf
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from ..errors import DFlashError, printable
 from .grammar import JSON_OPTIONS, Grammar
@@ -56,7 +58,14 @@ class Grammars:
                 return self._compiled[key]
         matcher = llguidance.LLMatcher(self.tokenizer, engine_grammar(grammar), limits=self.limits, log_level=0)
         if matcher.is_error():
-            raise DFlashError(f"The {describe(grammar)} cannot be used: {first_line(matcher.get_error())}.")
+            raise DFlashError(engine_message(grammar, matcher.get_error()))
+        # The engine builds the grammar lazily: one that allows no text at all (a rule that never
+        # ends in text) is found at its first mask, here rather than at a request's first token.
+        probe = matcher.deep_copy()
+        fill_next_token_bitmask(probe, allocate_token_bitmask(1, self.tokenizer.vocab_size), 0)
+        if probe.is_error():
+            raise DFlashError(f"{grammar.name} allows no text at all: none of its rules ever ends in text. "
+                              "Fix its rules.")
         with self._lock:
             self._compiled[key] = matcher
             while len(self._compiled) > GRAMMAR_CACHE:
@@ -83,15 +92,27 @@ def engine_grammar(grammar: Grammar) -> str:
             return llguidance.LLMatcher.grammar_from_regex(grammar.text)
         return llguidance.grammar_from("grammar", grammar.text)
     except ValueError as e:
-        raise DFlashError(f"The {describe(grammar)} cannot be used: {first_line(str(e))}.") from None
+        raise DFlashError(engine_message(grammar, str(e))) from None
 
 
-def describe(grammar: Grammar) -> str:
-    return {"json_schema": "JSON schema", "json_object": "JSON object format", "regex": "regex",
-            "lark": "grammar"}[grammar.kind]
+def engine_message(grammar: Grammar, message: str) -> str:
+    """The engine's refusal in the user's terms: a regex's own parse error, a grammar's line and
+    column, a schema's reason (the engine's own position in the grammar it made is left out)."""
+    regex = re.search(r"regex parse error:\n\s*(.*?)\n.*?^error: (.*?)$", message, re.S | re.M)
+    if regex:
+        pattern, reason = printable(regex.group(1)), printable(regex.group(2)).strip()
+        if grammar.kind == "regex":
+            return f"The regex {pattern!r} does not parse: {reason}."
+        return f"{grammar.name} has a pattern {pattern!r} that does not parse: {reason}."
+    at = re.match(r"at (\d+)\((\d+)\): (.*)", message, re.S)
+    if at and grammar.kind == "lark":
+        return (f"The grammar has an error at line {at.group(1)} column {at.group(2)}: "
+                f"{first_line(at.group(3).splitlines()[0])}.")
+    reason = first_line(at.group(3).splitlines()[0] if at else message)
+    return f"{grammar.name} cannot be used: {reason.removeprefix('failed to compile JSON schema: ')}."
 
 
 def first_line(message: Optional[str]) -> str:
     """The engine's message on one line (its first two lines: a regex error's detail is on the second)."""
-    lines = [line.strip() for line in (message or "").splitlines() if line.strip()][:2]
+    lines = [line.strip() for line in (message or "").replace("<non-verbose/>", "").splitlines() if line.strip()][:2]
     return printable(" ".join(lines).rstrip(".") or "unknown error")[:300]

@@ -21,8 +21,9 @@ class GenerationStats:
     branch_cycles: int = 0  # tree cycles that accepted a branch's token
     acceptance_lengths: List[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[str] = None  # "stop", "length", or "error" (see `error`)
     stop_sequence: Optional[str] = None  # the stop string that ended the text, if one did
+    error: Optional[str] = None  # with finish reason "error": why the request could not go on
 
     @property
     def mean_acceptance(self) -> float:
@@ -30,19 +31,22 @@ class GenerationStats:
         return sum(a) / len(a) if a else 0.0
 
     def line(self) -> str:
+        def count(n: int, noun: str) -> str:
+            return f"{n} {noun}{'' if n == 1 else 's'}"
+
         drafting = (
             f"acceptance {self.mean_acceptance:.2f} tok/cycle"
             if self.draft_cycles or not self.cycles else "plain decoding (no cycle drafted)"
         )
         if self.lookup_cycles:
-            drafting += f" ({self.lookup_cycles} of {self.draft_cycles} draft cycles from lookup)"
+            drafting += f" ({self.lookup_cycles} of {count(self.draft_cycles, 'draft cycle')} from lookup)"
         if self.forced_tokens:
-            drafting += f" ({self.forced_tokens} tokens forced by the grammar)"
+            drafting += f" ({count(self.forced_tokens, 'token')} forced by the grammar)"
         if self.tree_cycles:
-            drafting += f" ({self.branch_cycles} of {self.tree_cycles} tree cycles through a branch)"
+            drafting += f" ({self.branch_cycles} of {count(self.tree_cycles, 'tree cycle')} through a branch)"
         return (
-            f"{self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s, {drafting}, "
-            f"prompt {self.prompt_tokens} tokens at {self.prompt_tps:.1f} tok/s, "
+            f"{count(self.generation_tokens, 'token')}, {self.generation_tps:.1f} tok/s, {drafting}, "
+            f"prompt {count(self.prompt_tokens, 'token')} at {self.prompt_tps:.1f} tok/s, "
             f"peak memory {self.peak_memory_gb:.2f} GB"
         )
 

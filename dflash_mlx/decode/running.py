@@ -77,7 +77,7 @@ class Running(SequenceState):
 
     def finish(self, c: "Committed", eos) -> Optional[str]:
         """Cut `c`'s tokens (and log probabilities) at its budget and at EOS (`eos`: the ids), and
-        count them; the finish reason, if this ends it."""
+        count them; the finish reason, if this ends it ("error" where its grammar's engine gave up)."""
         c.tokens = c.tokens[: self.max_tokens - self.generated]
         self.generated += len(c.tokens)
         finish = "length" if self.generated >= self.max_tokens else None
@@ -85,6 +85,8 @@ class Running(SequenceState):
             if t in eos:
                 c.tokens, finish = c.tokens[:i], "stop"
                 break
+        if self.constraint is not None and self.constraint.error is not None:  # its grammar ended it
+            finish, c.error = "error", self.constraint.error
         if c.logprobs is not None:
             c.logprobs = c.logprobs[: len(c.tokens)]
         if finish is not None and self.scaler is not None:
@@ -165,7 +167,8 @@ class Committed:
 
     uid: int
     tokens: List[int]
-    finish: Optional[str] = None  # "stop" (EOS) or "length"
+    finish: Optional[str] = None  # "stop" (EOS), "length", or "error" (its grammar's engine gave up)
+    error: Optional[str] = None  # with finish "error": why
     accepted: int = 0  # draft tokens the target accepted
     logprobs: Optional[list] = None  # per token (log probability, [(token, log probability)] best first)
     first: bool = False  # the sequence's first token (its prompt is prefilled)

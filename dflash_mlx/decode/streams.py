@@ -158,6 +158,7 @@ class Streams:
         stats.generation_tps = stats.generation_tokens / elapsed if elapsed > 0 and not first else 0.0
         stats.peak_memory_gb = peak_memory_gb()
         stats.finish_reason = finish
+        stats.error = c.error if finish == "error" else None
         if finish is not None:
             stats.proposal_scales = c.proposal_scales
             self.streams.pop(c.uid)

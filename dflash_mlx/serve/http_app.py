@@ -85,11 +85,24 @@ def _anthropic(conn: HTTPConnection) -> bool:
 
 def _error(e: APIError, anthropic: bool) -> Response:
     """An error in the shape of its API: OpenAI's, or Anthropic's `{"type": "error", ...}`."""
-    body = e.body()
-    if anthropic:
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
-        body = {"type": "error", "error": {"type": "api_error" if e.status >= 500 else kind, "message": e.message}}
-    return _JSON(body, e.status, headers={"Connection": "close"} if e.status in CLOSING else None)
+    return _JSON(_error_body(e, anthropic), e.status, headers={"Connection": "close"} if e.status in CLOSING else None)
+
+
+def _error_body(e: APIError, anthropic: bool) -> dict:
+    if not anthropic:
+        return e.body()
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+    return {"type": "error", "error": {"type": "api_error" if e.status >= 500 else kind, "message": e.message}}
+
+
+def _refused(conn: HTTPConnection, e: APIError) -> Response:
+    """A request refused before it reached the engine: counted (`/metrics`), then answered."""
+    engine = conn.app.state.settings.engine
+    if e.status >= 500:
+        engine.stats["failed"] += 1
+    else:
+        engine.refused(e.status)
+    return _error(e, _anthropic(conn))
 
 
 def _refusal(e: Exception) -> APIError:
@@ -110,14 +123,14 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
         e = APIError(405, f"{request.method} is not allowed on {request.url.path}.")
     else:
         e = APIError(exc.status_code, exc.detail)
-    response = _error(e, _anthropic(request))
+    response = _refused(request, e)
     response.headers.update(exc.headers or {})
     return response
 
 
 def _crashed(request: Request, exc: Exception) -> Response:
     """A bug: still an answer in the API's shape (uvicorn logs the traceback)."""
-    return _error(APIError(500, f"The request could not be handled: {exc}", "server_error"), _anthropic(request))
+    return _refused(request, APIError(500, f"The request could not be handled: {exc}", "server_error"))
 
 
 class _APIKey(AuthenticationBackend):
@@ -136,7 +149,7 @@ class _APIKey(AuthenticationBackend):
 
 
 def _unauthorised(conn: HTTPConnection, exc: AuthenticationError) -> Response:
-    return _error(APIError(401, str(exc), "authentication_error", code="invalid_api_key"), _anthropic(conn))
+    return _refused(conn, APIError(401, str(exc), "authentication_error", code="invalid_api_key"))
 
 
 async def health(request: Request) -> Response:
@@ -170,6 +183,8 @@ async def _read_json(request: Request) -> Any:
         return json.loads(await _read(request, length) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}.")
+    except RecursionError:
+        raise APIError(400, "The request body nests objects and arrays too deep to read; flatten it.")
 
 
 async def _read(request: Request, length: Optional[str]) -> bytes:
@@ -197,7 +212,7 @@ async def messages_count_tokens(request: Request) -> Response:
     except ClientDisconnect:
         return Response()  # no one to answer
     except Exception as e:
-        return _error(_refusal(e), True)
+        return _refused(request, _refusal(e))
     return _JSON({"input_tokens": n})
 
 
@@ -211,7 +226,7 @@ async def generate(request: Request, api: str) -> Response:
     except ClientDisconnect:
         return Response()  # no one to answer
     except Exception as e:
-        return _error(_refusal(e), anthropic)
+        return _refused(request, _refusal(e))
     engine.submit(job)
     events = JobEvents(job)
     if stream:
@@ -313,7 +328,8 @@ async def _chunk_events(engine: Engine, job: Job, events: JobEvents, chat: bool)
         yield _data(obj)
     async with aclosing(events.stream()) as stream:
         async for event in stream:
-            if isinstance(event, APIError):
+            if isinstance(event, APIError):  # the answer cannot go on: its finish reason says so, then why
+                yield _data(chunks.failed())
                 yield _data(event.body())
                 break
             for obj in await _off_loop(job, chunks.feed, event):
@@ -356,6 +372,6 @@ async def _message_events(engine: Engine, job: Job, events: JobEvents) -> AsyncI
     async with aclosing(events.stream()) as stream:
         async for event in stream:
             if isinstance(event, APIError):
-                yield _named([("error", {"type": "error", "error": {"type": "api_error", "message": event.message}})])
+                yield _named([("error", _error_body(event, True))])
                 return
             yield await _off_loop(job, step, event)

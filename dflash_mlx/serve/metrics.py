@@ -49,9 +49,14 @@ class EngineCollector:
     def _requests(self) -> Iterator[Metric]:
         s, t = self.engine.stats, self.engine.totals
         outcomes = _counter("requests", "Requests by outcome.", labels=["outcome"])
-        for outcome in ("completed", "cancelled", "failed"):
+        for outcome in ("completed", "cancelled", "failed", "refused"):
             outcomes.add_metric([outcome], s[outcome])
         yield outcomes
+        refusals = _counter("refusals", "Requests refused (4xx) before they reached the engine, by HTTP status.",
+                            labels=["status"])
+        for status, n in sorted(self.engine.refusals.items()):
+            refusals.add_metric([str(status)], n)
+        yield refusals
         yield _counter("prompt_tokens", "Prompt tokens of finished requests.", t["prompt_tokens"])
         yield _counter("prompt_cached_tokens", "Prompt tokens taken from the prompt cache.", t["cached_tokens"])
         yield _counter("generated_tokens", "Tokens generated.", s["generated_tokens"])

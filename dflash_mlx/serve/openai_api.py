@@ -114,6 +114,10 @@ class Chunks:
                         "choices": [], "usage": usage(event.stats)})
         return out
 
+    def failed(self) -> dict:
+        """The last chunk of an answer that could not go on: finish reason "error" (the error follows)."""
+        return self._chunk("", "error")
+
     def _object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 

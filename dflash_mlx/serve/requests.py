@@ -218,10 +218,24 @@ def _grammar(engine: Engine, body, chat: bool, tools: Optional[list]) -> Optiona
     except ToolError as e:
         raise APIError(400, str(e), param=e.param)
     except DFlashError as e:
-        if calls:  # the call's grammar holds the tools' parameter schemas
-            raise APIError(400, f"The tools' parameters cannot be enforced: {e}", param="tools")
+        if calls:  # the call's grammar holds the tools' schemas: the error names the tool at fault
+            raise APIError(400, _tool_at_fault(engine, tools, forced) or str(e), param="tools")
         raise APIError(400, str(e), param="response_format")
     return grammar
+
+
+def _tool_at_fault(engine: Engine, tools: list, name) -> Optional[str]:
+    """The engine's refusal of the first tool whose schema it refuses alone (compiled only after
+    the tools' call grammar was refused), named by the tool."""
+    for f in (t["function"] for t in tools):
+        if name in (None, True) or f["name"] == name:
+            try:
+                engine.pair.grammars.compile(Grammar.json_schema(
+                    f.get("parameters") or {"type": "object"}, lenient=not f.get("strict"),
+                    what=f"The schema of tool '{f['name']}'"))
+            except DFlashError as e:
+                return str(e)
+    return None
 
 
 def _response_format(value) -> Optional[Grammar]:

@@ -23,7 +23,7 @@ import json
 import re
 from typing import Callable, Dict, List, Optional, Union
 
-from ..constrain.grammar import JSON_OPTIONS, Grammar
+from ..constrain.grammar import JSON_OPTIONS, MAX_GRAMMAR_BYTES, Grammar
 from .tools import ToolError
 
 # The string keywords the XML format's raw-text values can be kept to; a strict function whose
@@ -49,18 +49,29 @@ def call_grammar(tokenizer, special, tools: list, name: Union[None, bool, str], 
                         "call:NAME{...} (mlx-lm's json_tools, qwen3_coder and gemma4 parsers); this model's are "
                         "none of them. Use tool_choice \"auto\" with tools that are not strict.", "tool_choice")
     chosen = [t["function"] for t in tools if name in (None, True) or t["function"]["name"] == name]
+    for f in chosen:  # each schema checked alone, so that an error names its tool
+        Grammar.json_schema(f.get("parameters") or {"type": "object"}, lenient=not f.get("strict"),
+                            what=f"The schema of tool '{f['name']}'")
     marker = lambda text: _marker(tokenizer, special, text)  # noqa: E731
     rules = body(chosen, marker)
     start, end = marker(tokenizer.tool_call_start), marker(tokenizer.tool_call_end)
     rules += f"tail: {end}\n"
     if name is not None:
         more = ' ("\\n" call)*' if parallel else ""
-        return Grammar.lark(f"start: call{more}\ncall: {start} body tail\n{rules}")
+        return _calls(f"start: call{more}\ncall: {start} body tail\n{rules}")
     # Free text, and a call from each start marker on: a special marker is a token free text
     # never holds; a textual one is found in the text by a lazy lexeme (the text up to it).
     head = (f"call: TEXT {start} body tail\n" if start.startswith("<[") else
             f"call_start[lazy]: TEXT {start}\ncall: call_start body tail\n")
-    return Grammar.lark(f"start: (call){'*' if parallel else '?'} TEXT\nTEXT: /(.|\\n)*/\n{head}{rules}")
+    return _calls(f"start: (call){'*' if parallel else '?'} TEXT\nTEXT: /(.|\\n)*/\n{head}{rules}")
+
+
+def _calls(text: str) -> Grammar:
+    """The calls' grammar, named in errors by what the client sent: its tools."""
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        raise ToolError(f"The tools' schemas come to {len(text.encode()):,} bytes of grammar together; at most "
+                        f"{MAX_GRAMMAR_BYTES:,} are taken. Send fewer or smaller tools.", "tools")
+    return Grammar("lark", text, label="The tools' call grammar")
 
 
 def call_format(parser) -> Optional[Callable[[List[dict], Callable[[str], str]], str]]:

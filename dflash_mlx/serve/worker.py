@@ -21,7 +21,7 @@ import dataclasses
 import os
 import queue
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -144,12 +144,18 @@ class Engine:
         self.batch_policy = FixedBatchWidth(block_size) if isinstance(block_size, int) else None
         if self.batch_width is not None and self.batch_policy is None:
             self.batch_policy = BatchWidths(self.batch_width)
-        self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "active": 0, "generated_tokens": 0}
+        self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0, "active": 0, "generated_tokens": 0}
+        self.refusals: Counter = Counter()  # refused requests (answered 4xx before any work) by HTTP status
         # Totals over finished requests, for /metrics.
         self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "cycles": 0, "draft_cycles": 0, "committed": 0,
                        "batch_cycles": 0, "batch_rows": 0, "batch_committed": 0}
         self.thread = threading.Thread(target=self._run, daemon=True, name="dflash-engine")
         self.thread.start()
+
+    def refused(self, status: int) -> None:
+        """Count a request answered with a refusal (4xx) before it reached the engine."""
+        self.stats["refused"] += 1
+        self.refusals[status] += 1
 
     def submit(self, job: Job) -> Job:
         self.jobs.put(job)
@@ -200,6 +206,12 @@ class Engine:
         """Decode the batchable jobs at the head of `waiting` together, letting in those that
         queue up while it runs, until the batch is empty; a job that cannot join waits for it
         (arrival order is kept)."""
+        try:
+            self._batch(waiting)
+        finally:
+            self.stats["active"] = 0  # nothing runs between batches, whatever ended this one
+
+    def _batch(self, waiting) -> None:
         batch = Streams(self.pair, self.batch_width, self.batch_policy, self.prompt_cache,
                              lookup=self.block_size == "auto",
                              block_size=self.block_size or self.pair.draft_source.block_size)
@@ -268,14 +280,26 @@ class Engine:
 
     def _deliver(self, jobs: dict, uid: int, event) -> None:
         job = jobs[uid]
+        if self._put(job, event):
+            self._ended(jobs.pop(uid), failed=event.finish_reason == "error")
+
+    def _put(self, job: Job, event) -> bool:
+        """Hand an event to its job, counted; whether it is the job's last. A request its grammar's
+        engine gave up on ends with its text so far, then the error."""
         self.stats["generated_tokens"] += len(event.tokens)
-        job.events.put(event)
+        if event.finish_reason == "error":
+            job.events.put(dataclasses.replace(event, finish_reason=None))
+            job.events.put(APIError(400, f"The answer stopped after {event.stats.generation_tokens} tokens: "
+                                         f"{event.stats.error}. Simplify the schema or grammar.",
+                                    code="grammar_failed"))
+        else:
+            job.events.put(event)
         if event.finish_reason is not None:
             self._count(event.stats)
-            self._ended(jobs.pop(uid))
+        return event.finish_reason is not None
 
-    def _ended(self, job: Job, cancelled: bool = False) -> None:
-        self.stats["cancelled" if cancelled else "completed"] += 1
+    def _ended(self, job: Job, cancelled: bool = False, failed: bool = False) -> None:
+        self.stats["cancelled" if cancelled else "failed" if failed else "completed"] += 1
         self.stats["active"] = max(self.stats["active"] - 1, 0)
         job.events.put(None)
 
@@ -295,18 +319,17 @@ class Engine:
                                      sampling=job.params, block_size=self.block_size, stop=job.stop,
                                      prompt_cache=self.prompt_cache, logprobs=job.logprobs,
                                      logits_processors=make_processors(job.processor_args), grammar=job.grammar)
+            failed = False
             for event in events:
-                self.stats["generated_tokens"] += len(event.tokens)
-                if event.finish_reason is not None:
-                    self._count(event.stats)
-                job.events.put(event)
+                failed = event.finish_reason == "error"
+                self._put(job, event)
                 stop = job.cancelled.is_set()
                 if self.channel is not None:
                     stop = not self.channel.keep_going(stop)
                 if stop:
                     events.close()
                     break
-            self.stats["cancelled" if job.cancelled.is_set() else "completed"] += 1
+            self.stats["failed" if failed else "cancelled" if job.cancelled.is_set() else "completed"] += 1
         except DFlashError as e:
             self.stats["failed"] += 1
             job.events.put(APIError(400, str(e)))
