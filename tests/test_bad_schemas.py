@@ -49,7 +49,17 @@ BAD = {
     "a $ref to nothing": ({"$ref": "#/$defs/missing"}, ["'#/$defs/missing'", "points at nothing"]),
     "nested too deep": (json.loads(nested(400)), [f"more than {MAX_DEPTH} levels deep"]),
     # Keywords and formats the engine refuses: its reason, named as the user's schema.
-    "uniqueItems (strict)": ({"type": "array", "uniqueItems": True}, ["uniqueItems"]),
+    **{f"{key} (strict)": (schema, [f"uses {key}", "cannot enforce", "strict"]) for key, schema in {
+        "uniqueItems": {"type": "array", "uniqueItems": True},
+        "contains": {"type": "array", "contains": {"type": "integer"}},
+        "dependentRequired": {"type": "object", "dependentRequired": {"a": ["b"]}},
+        "dependentSchemas": {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}},
+        "if": {"if": {"type": "string"}, "then": {"minLength": 2}},
+        "not": {"not": {"type": "string"}},
+        "propertyNames": {"type": "object", "propertyNames": {"pattern": "^a"}},
+        "unevaluatedProperties": {"type": "object", "unevaluatedProperties": False},
+        "$dynamicRef": {"$dynamicRef": "#x"},
+    }.items()},
     "unknown format": ({"type": "string", "format": "emial"}, ["emial"]),
     "a pattern that does not parse": ({"type": "string", "pattern": "(abc"}, ["pattern '(abc'", "unclosed group"]),
     "a huge enum": ({"enum": ["v%06d" % i for i in range(40000)]}, [f"{MAX_GRAMMAR_BYTES:,}", "bytes"]),
@@ -87,6 +97,7 @@ def test_each_bad_schema_is_one_line_naming_its_fault(demo, name):
                      "required": ["kids"]}}, "$ref": "#/$defs/n"},  # a tree: an empty list of kids ends it
     json.loads(nested(MAX_DEPTH // 2 - 1)),
     True,
+    {"$defs": {"x": {"$anchor": "num", "type": "integer"}}, "$ref": "#num"},  # an anchor: the engine's to resolve
 ])
 def test_schemas_that_can_end_are_taken(demo, schema):
     demo.grammars.compile(Grammar.json_schema(schema))
@@ -108,6 +119,17 @@ def test_regexes_and_grammars_are_refused_in_their_own_terms(demo, grammar, word
         demo.grammars.compile(grammar)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("pattern", ["(a+)+$", "(a|a)*b", "(x+x+)+y", "(.*){1000}", "(a{100}){100}", "[^a]{5000}"])
+def test_pathological_regexes_compile_within_the_engines_limits_and_keep_to_themselves(demo, pattern):
+    """Patterns that make backtracking engines explode: the engine's automaton takes them, and
+    every token of an answer keeps to the pattern."""
+    grammar = Grammar.regex(pattern)
+    events = list(dflash_mlx.stream_generate(demo, "x", max_tokens=12, grammar=grammar, block_size=4))
+    walked = demo.grammars.constraint(grammar)
+    walked.commit([t for e in events for t in e.tokens])
+    assert walked.error is None and events[-1].finish_reason in ("stop", "length")
 
 
 # -- what only decoding can tell -----------------------------------------------------------------
@@ -170,7 +192,8 @@ def one_error_line(r, *words):
 
 
 @pytest.mark.parametrize("name", ["required self-reference", "$ref loop", "minimum above maximum", "unknown type",
-                                  "nested too deep", "false", "a list"])
+                                  "nested too deep", "false", "a list", "uniqueItems (strict)", "a huge enum",
+                                  "a pattern that does not parse"])
 @pytest.mark.parametrize("how", ["inline", "file"])
 def test_the_cli_refuses_bad_schemas_in_one_line(tmp_path, name, how):
     schema, words = BAD[name]

@@ -109,6 +109,12 @@ def engine_message(grammar: Grammar, message: str) -> str:
         return (f"The grammar has an error at line {at.group(1)} column {at.group(2)}: "
                 f"{first_line(at.group(3).splitlines()[0])}.")
     reason = first_line(at.group(3).splitlines()[0] if at else message)
+    keys = re.search(r"Unimplemented keys: \[(.*?)\]", reason)
+    if keys:
+        names = keys.group(1).replace('"', "")
+        return (f"{grammar.name} uses {names}, which the grammar engine cannot enforce while decoding; drop "
+                f"{'them' if ',' in names else 'it'}, or leave \"strict\" off (where the API has it) to have "
+                f"{'them' if ',' in names else 'it'} ignored.")
     return f"{grammar.name} cannot be used: {reason.removeprefix('failed to compile JSON schema: ')}."
 
 

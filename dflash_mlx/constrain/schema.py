@@ -161,8 +161,8 @@ def _resolve(root: dict, ref: Any, what: str) -> Optional[dict]:
     reference the engine resolves itself (another document)."""
     if not isinstance(ref, str):
         raise DFlashError(f"{what} has a $ref that is not a string ({ref!r}).")
-    if not ref.startswith("#"):
-        return None
+    if ref != "#" and not ref.startswith("#/"):
+        return None  # another document, or an anchor ("#name"): the engine resolves it
     node: Any = root
     for part in (p for p in ref[1:].split("/") if p):
         part = part.replace("~1", "/").replace("~0", "~")
