@@ -74,9 +74,9 @@ def test_errors_in_anthropic_shape(text_server):
     claude = anthropic.Anthropic(base_url=text_server, api_key="secret", max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="tiny-qwen3", max_tokens=4,
-                               messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
+                               messages=[{"role": "user", "content": [{"type": "container_upload", "file_id": "f"}]}])
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
-    assert "Content blocks of type 'image' are not supported" in e.value.body["error"]["message"]
+    assert "Content blocks of type 'container_upload' are not supported" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=text_server, api_key="wrong", max_retries=0).messages.create(
             model="tiny-qwen3", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
@@ -130,7 +130,84 @@ def test_tool_choice_any_and_tool_force_a_call(tool_server):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="tiny-tools", max_tokens=8, tools=[bad], tool_choice={"type": "any"},
                                messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["type"] == "error" and "parameters cannot be enforced" in e.value.body["error"]["message"]
+    assert e.value.body["type"] == "error"
+    assert "The schema of tool 'get_time' has an unknown type 'strin'" in e.value.body["error"]["message"]
+
+
+def test_a_forced_call_cut_by_max_tokens_says_max_tokens_and_leaks_no_markup(tool_server):
+    claude = anthropic.Anthropic(base_url=tool_server, api_key="x", max_retries=0)
+    gpt = openai.OpenAI(base_url=tool_server + "/v1", api_key="x", max_retries=0)
+    clock = {"name": "get_time", "description": "The time now",
+             "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}
+    for budget in (1, 2, 3, 5):
+        ask = dict(model="tiny-tools", max_tokens=budget, temperature=0, tools=[clock],
+                   tool_choice={"type": "tool", "name": "get_time"}, messages=[{"role": "user", "content": "Time?"}])
+        msg = claude.messages.create(**ask)
+        with claude.messages.stream(**ask) as stream:
+            streamed = stream.get_final_message()
+        for m in (msg, streamed):
+            assert m.stop_reason == "max_tokens", (budget, m)
+            assert all(b.type == "tool_use" or ("<" not in b.text and b.text.strip()) for b in m.content), m.content
+        chat = gpt.chat.completions.create(model="tiny-tools", max_tokens=budget, temperature=0, messages=[
+            {"role": "user", "content": "Time?"}], tools=[{"type": "function", "function": {
+                "name": "get_time", "parameters": clock["input_schema"]}}],
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+        assert chat.choices[0].finish_reason == "length" and "<" not in (chat.choices[0].message.content or "")
+
+
+def test_claude_codes_message_shapes_are_taken(tool_server):
+    """What Claude Code sends beyond the basics: system entries inside `messages`, thinking
+    settings and blocks, effort, cache_control, context_management, metadata, a beta query and
+    headers, images (a screenshot's tool result) and `is_error`."""
+    import urllib.request
+
+    body = {"model": "tiny-tools", "max_tokens": 8, "stream": False, "temperature": 0,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; nonce=ab12"},
+                       {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": "u"}, "tools": ANTHROPIC_TOOLS,
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Weather?", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "system", "content": "Reminder: be brief."},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "They want weather.", "signature": "sig"},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True, "content": [
+                        {"type": "text", "text": "no network"},
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}
+    req = urllib.request.Request(tool_server + "/v1/messages?beta=true", json.dumps(body).encode(), {
+        "Content-Type": "application/json", "anthropic-version": "2023-06-01", "x-api-key": "x",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,fine-grained-tool-streaming-2025-05-14"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        answer = json.loads(r.read())
+    assert r.status == 200 and answer["type"] == "message", answer
+
+
+def test_messages_become_the_chat_messages_templates_read():
+    from dflash_mlx.serve.messages_api import IMAGE_NOTE, to_chat
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    chat = to_chat({"max_tokens": 8, "system": "S", "messages": [
+        {"role": "system", "content": "S2"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, image]},
+        {"role": "system", "content": [{"type": "text", "text": "R1"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"},
+                                          {"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "system", "content": "R2"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "is_error": True,
+                                      "content": [{"type": "text", "text": "boom"}, image]}]},
+        {"role": "assistant", "content": "done"},
+        {"role": "system", "content": "R3"}]})["messages"]
+    assert chat[0] == {"role": "system", "content": "S\n\nS2"}
+    assert chat[1] == {"role": "user", "content": f"hi{IMAGE_NOTE}\n\nR1"}
+    assert chat[2]["reasoning_content"] == "hmm" and chat[2]["tool_calls"][0]["function"]["name"] == "f"
+    assert chat[3] == {"role": "tool", "tool_call_id": "t", "content": f"Error: boom{IMAGE_NOTE}"}
+    assert chat[4] == {"role": "assistant", "content": "done"}
+    assert chat[5] == {"role": "user", "content": "R2\n\nR3"} or chat[5]["content"].endswith("R3")
+    assert [m["role"] for m in chat].count("system") == 1
 
 
 def test_output_format_constrains_the_text(text_server):

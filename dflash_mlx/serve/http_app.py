@@ -346,7 +346,8 @@ async def _message(engine: Engine, job: Job, events: JobEvents) -> Response:
 
     def whole():
         split = splitter(engine.tokenizer, job.tools)
-        content, calls = split.feed(answer.text, final=True) if split else (answer.text, [])
+        content, calls = (split.feed(answer.text, final=True, cut=answer.finish == "length") if split
+                          else (answer.text, []))
         stop = answer.stats.stop_sequence if answer.stats else None
         return messages_api.message(engine.model_id, content, calls, answer.finish, stop, answer.stats)
 
@@ -360,7 +361,8 @@ async def _message_events(engine: Engine, job: Job, events: JobEvents) -> AsyncI
 
     def step(event):
         final = event.finish_reason is not None
-        text, calls = split.feed(event.text, final=final) if split else (event.text, [])
+        text, calls = (split.feed(event.text, final=final, cut=event.finish_reason == "length") if split
+                       else (event.text, []))
         named = list(out.text(text))
         for call in calls:
             named += out.call(call)

@@ -17,43 +17,85 @@ class BadRequest(ValueError):
         self.param = param
 
 
+# What an image becomes in the prompt of a model that reads text only: agents send screenshots
+# (a tool's result) as a matter of course, and a refusal would end their loop.
+IMAGE_NOTE = "[an image was here; this model reads text only]"
+MEDIA = ("image", "document")
+
+
 def _text(content, where: str) -> str:
+    """A string, or text (and image) blocks, as text; an image becomes `IMAGE_NOTE`."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
-        return "".join(str(b.get("text", "")) for b in content)
-    raise BadRequest(f"{where} must be a string or a list of text blocks.", "messages")
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") in ("text", *MEDIA) for b in content):
+        return "".join(str(b.get("text", "")) if b["type"] == "text" else IMAGE_NOTE for b in content)
+    raise BadRequest(f"{where} must be a string or a list of text or image blocks.", "messages")
 
 
 def _message(m) -> List[dict]:
-    """One Anthropic message -> chat messages (tool results become `tool` messages)."""
-    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        raise BadRequest("Each message needs 'role' \"user\" or \"assistant\" and 'content'.", "messages")
+    """One Anthropic message -> chat messages (tool results become `tool` messages, thinking the
+    assistant's `reasoning_content`, images a note)."""
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+        raise BadRequest("Each message needs 'role' \"user\", \"assistant\" or \"system\" and 'content'.", "messages")
     content = m.get("content")
+    if m["role"] == "system":
+        return [{"role": "system", "content": _text(content, "A system message's 'content'")}]
     if isinstance(content, str):
         return [{"role": m["role"], "content": content}]
     if not isinstance(content, list):
         raise BadRequest("A message's 'content' must be a string or a list of content blocks.", "messages")
-    text, calls, results = [], [], []
+    text, calls, results, thinking = [], [], [], []
     for b in content:
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
             text.append(str(b.get("text", "")))
+        elif kind in MEDIA and m["role"] == "user":
+            text.append(IMAGE_NOTE)
         elif kind == "tool_use" and m["role"] == "assistant":
             calls.append({"id": b.get("id"), "type": "function",
                           "function": {"name": b.get("name"), "arguments": b.get("input", {})}})
         elif kind == "tool_result" and m["role"] == "user":
-            results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                            "content": _text(b.get("content", ""), "A tool_result's content")})
+            result = _text(b.get("content", ""), "A tool_result's content")
+            if b.get("is_error"):  # templates have no field for it: the text says so
+                result = f"Error: {result}"
+            results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": result})
+        elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+            thinking.append(str(b.get("thinking", "")))  # taken back as it was given, its signature unchecked
         else:
             raise BadRequest(f"Content blocks of type {kind!r} are not supported in a {m['role']} message "
-                             "(text; tool_use from the assistant; tool_result from the user).", "messages")
+                             "(text and images; tool_use and thinking from the assistant; tool_result from the "
+                             "user).", "messages")
     out = results
     if text or calls or not results:
         msg = {"role": m["role"], "content": "".join(text)}
         if calls:
             msg["tool_calls"] = calls
+        if "".join(thinking):
+            msg["reasoning_content"] = "".join(thinking)
         out = out + [msg]
+    return out
+
+
+def _in_place(chat: List[dict]) -> List[dict]:
+    """System entries among the messages (Claude Code sends reminders so) folded into a user turn
+    next to them: chat templates take one system message, at the start."""
+    out: List[dict] = []
+    held: List[str] = []
+    for m in chat:
+        if m["role"] == "system" and out:
+            if len(out) == 1 and out[0]["role"] == "system":  # the system prompt, in two parts
+                out[0] = dict(out[0], content=f"{out[0]['content']}\n\n{m['content']}")
+            elif out[-1]["role"] == "user":
+                out[-1] = dict(out[-1], content=f"{out[-1]['content']}\n\n{m['content']}")
+            else:
+                held.append(m["content"])
+            continue
+        if m["role"] == "user" and held:
+            m = dict(m, content="\n\n".join(held + [m["content"]]))
+            held = []
+        out.append(m)
+    if held:
+        out.append({"role": "user", "content": "\n\n".join(held)})
     return out
 
 
@@ -69,6 +111,7 @@ def to_chat(body: Any) -> Dict[str, Any]:
     chat = [m for msg in messages for m in _message(msg)]
     if body.get("system") is not None:
         chat.insert(0, {"role": "system", "content": _text(body["system"], "'system'")})
+    chat = _in_place(chat)
     out = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream") if k in body}
     out["messages"] = chat
     if body.get("stop_sequences") is not None:
@@ -105,10 +148,10 @@ def to_chat(body: Any) -> Dict[str, Any]:
 
 
 def stop_reason(finish: Optional[str], stop_sequence: Optional[str], calls: bool) -> str:
+    if finish == "length":  # the budget ended it, even after a whole call
+        return "max_tokens"
     if calls:
         return "tool_use"
-    if finish == "length":
-        return "max_tokens"
     return "stop_sequence" if stop_sequence is not None else "end_turn"
 
 
@@ -128,7 +171,7 @@ def usage(stats, output_tokens: Optional[int] = None) -> Dict[str, int]:
 
 
 def message(model: str, text: str, calls: List[dict], finish, stop_seq, stats) -> Dict[str, Any]:
-    content = ([{"type": "text", "text": text}] if text else []) + [tool_use(c) for c in calls]
+    content = ([{"type": "text", "text": text}] if text.strip() else []) + [tool_use(c) for c in calls]
     return {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": stop_reason(finish, stop_seq, bool(calls)),
             "stop_sequence": stop_seq, "usage": usage(stats)}
@@ -142,6 +185,7 @@ class EventStream:
         self.index = -1
         self.open: Optional[str] = None  # the kind of the block being streamed
         self.calls = 0
+        self.blank = ""  # whitespace held back: sent before more text, dropped before a call or the end
 
     def start(self) -> Iterator[Tuple[str, dict]]:
         yield "message_start", {"type": "message_start", "message": {
@@ -154,8 +198,10 @@ class EventStream:
             self.open = None
 
     def text(self, text: str):
-        if not text:
+        if not text.strip():  # no block of its own, and none between calls
+            self.blank += text
             return
+        text, self.blank = self.blank + text, ""
         if self.open != "text":
             yield from self._close()
             self.index, self.open = self.index + 1, "text"
@@ -165,6 +211,7 @@ class EventStream:
                                       "delta": {"type": "text_delta", "text": text}}
 
     def call(self, call: dict):
+        self.blank = ""
         yield from self._close()
         block = tool_use(call)
         self.index, self.calls = self.index + 1, self.calls + 1

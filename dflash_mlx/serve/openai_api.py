@@ -67,13 +67,13 @@ def completion(model: str, job, chat: bool, answer: Answer, tok) -> Dict[str, An
     """The whole answer: a `chat.completion` or a `text_completion`."""
     content, finish = answer.text, answer.finish
     lps = None if job.logprobs is None else logprobs(tok, answer.tokens, answer.logprobs, chat)
-    message = {"role": "assistant", "content": content}
     split = splitter(tok, job.tools)
+    calls = []
     if split is not None:
-        content, calls = split.feed(content, final=True)
-        if calls:
-            message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-            finish = "tool_calls" if finish == "stop" else finish
+        content, calls = split.feed(content, final=True, cut=finish == "length")
+        finish = "tool_calls" if calls and finish == "stop" else finish
+    message = {"role": "assistant", "content": content or None, "tool_calls": calls} if calls else \
+        {"role": "assistant", "content": content}
     choice = ({"index": 0, "message": message, "logprobs": lps, "finish_reason": finish}
               if chat else {"index": 0, "text": content, "finish_reason": finish, "logprobs": lps})
     return {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -98,7 +98,7 @@ class Chunks:
         text, calls, finish = event.text, [], event.finish_reason
         split = self.split
         if split is not None:
-            text, calls = split.feed(text, final=finish is not None)
+            text, calls = split.feed(text, final=finish is not None, cut=finish == "length")
             calls = [dict(c, index=split.calls - len(calls) + i) for i, c in enumerate(calls)]
             if finish == "stop" and split.calls:
                 finish = "tool_calls"

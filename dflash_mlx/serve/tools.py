@@ -91,7 +91,10 @@ class ToolCallSplitter:
 
     Text that may be the start of a call marker is held back until it is
     known; a call is parsed when its end marker arrives (or when the text
-    ends, for a call cut short); one that does not parse stays content.
+    ends, for a call whose end marker the model left out); one that does not
+    parse stays content. Text cut by the token budget (`cut`) drops a call it
+    cut short, and a marker's start held back: no partial markup reaches a
+    client.
     """
 
     def __init__(self, start: str, end: str, parser, tools: Optional[list]):
@@ -100,24 +103,26 @@ class ToolCallSplitter:
         self.inside = False
         self.calls = 0
 
-    def feed(self, text: str, final: bool = False) -> Tuple[str, List[dict]]:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> Tuple[str, List[dict]]:
+        """(content, calls) of the text so far; `final`: the text ends here, `cut`: by the budget."""
         self.buffer += text
         content, calls = [], []
         while True:
             if not self.inside:
                 i = self.buffer.find(self.start)
                 if i < 0:
-                    keep = 0 if final else _partial(self.buffer, self.start)
+                    keep = _partial(self.buffer, self.start) if not final or cut else 0
                     content.append(self.buffer[: len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    self.buffer = "" if final else self.buffer[len(self.buffer) - keep:]
                     break
                 content.append(self.buffer[:i])
                 self.buffer, self.inside = self.buffer[i + len(self.start):], True
             else:
                 j = self.buffer.find(self.end)
                 if j < 0:
-                    if final:
+                    if final and not cut:
                         calls += self._parse(self.buffer, content)
+                    if final:
                         self.buffer = ""
                     break
                 calls += self._parse(self.buffer[:j], content)
