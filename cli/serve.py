@@ -26,8 +26,10 @@ def main(
     max_tokens: int = ranged(
         32768, "--max-tokens", min=1, help="Most tokens one request may generate; asking for more gets a 400."
     ),
-    default_max_tokens: int = ranged(
-        256, "--default-max-tokens", min=1, help="Tokens generated for a request that sets no max_tokens."
+    default_max_tokens: Optional[int] = ranged(
+        None, "--default-max-tokens", min=1,
+        help="Tokens generated for a request that sets no max_tokens (default: up to the model's context, within "
+             "--max-tokens, as OpenAI's API has it).",
     ),
     prompt_cache_bytes: str = typer.Option(
         "4GB", "--prompt-cache-bytes",

@@ -5,6 +5,15 @@ class DFlashError(Exception):
     """A user-facing error: its message is one line that says what to do."""
 
 
+class PromptTooLong(DFlashError):
+    """A prompt over what the model reads (or the server accepts): its tokens and the limit, so that
+    each front end words it as its clients expect."""
+
+    def __init__(self, tokens: int, limit: int, reader: str = "the model reads"):
+        super().__init__(f"The prompt has {tokens} tokens but {reader} at most {limit}; shorten it.")
+        self.tokens, self.limit = tokens, limit
+
+
 class DFlashWarning(UserWarning):
     """A user-facing warning: its message is one line that says what was done."""
 

@@ -1,6 +1,7 @@
 """`dflash-mlx serve` over real HTTP on loopback, with the official openai client."""
 
 import copy
+import re
 import http.client
 import json
 import socket
@@ -254,7 +255,7 @@ def raw_post(url, path, body, headers=None):
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n' is not supported"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"abc": 3}}, 400,
          "'logit_bias' key 'abc' is not a token id of this model"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}, 400, "at most 200"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}, 400, "maximum context length is 200 tokens"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20001}, 400,
          "'max_tokens' is too large: 20001. This server generates at most 20000"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 9}, 400,
@@ -310,8 +311,12 @@ def test_bad_requests_get_openai_style_errors(served, body, status, words):
 
 def test_completion_prompt_over_the_limit(served):
     got, err = raw_post(served[1], "/v1/completions", {"model": MODEL, "prompt": "word " * 400})
-    assert got == 400 and "at most 200" in err["error"]["message"]
+    assert got == 400 and "maximum context length is 200 tokens" in err["error"]["message"]
     assert err["error"]["code"] == "context_length_exceeded" and err["error"]["param"] == "prompt"
+    got, err = raw_post(served[1], "/v1/messages", {"model": MODEL, "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": "word " * 400}]})
+    assert got == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 200 maximum", err["error"]["message"]), err
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(client):
@@ -574,6 +579,21 @@ def test_serve_command_limits(targets, drafters, tmp_path):
         proc.wait(timeout=30)
 
 
+def test_a_request_without_max_tokens_may_run_to_the_context(served):
+    """OpenAI's meaning of no max_tokens (agents such as Codex send none): up to the model's window
+    or the server's --max-tokens, not a short default."""
+    pair, url = served
+    window = pair.target.args.max_position_embeddings
+    engine = ENGINES["served"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "temperature": 0}
+    from dflash_mlx.serve.requests import parse_request
+
+    job, _ = parse_request(engine, chat, True)
+    assert job.max_tokens == min(engine.max_tokens_limit, window - len(job.prompt))
+    assert engine.default_max_tokens is None
+
+
+
 def test_a_growing_conversation_starts_from_the_prompt_cache(targets, drafters):
     """Each turn reuses the previous request's caches (usage says how many
     prompt tokens) and answers exactly as a server without the cache."""
@@ -707,7 +727,7 @@ def test_stream_usage_chunk_and_prompts_over_the_window(served, client, monkeypa
     got, err = raw_post(url, "/v1/completions", {"model": MODEL, "prompt": "a " * (window + 1), "max_tokens": 4,
                                                  "stream": True})
     assert got == 400 and err["error"]["code"] == "context_length_exceeded", err
-    assert f"reads at most {window}" in err["error"]["message"]
+    assert f"maximum context length is {window} tokens" in err["error"]["message"]
 
     store = engine.prompt_cache.store
 

@@ -39,6 +39,7 @@ from .drafting import Drafting
 from .filling import Filling, Fillings
 from .kept import Kept
 from .passes import PREFILL_HOLD_BYTES, PREFILL_STEP, drained, prefill_steps
+from .request import check_prompt
 from .running import Asks, Committed, Proposal, Running, new_sequence
 
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
@@ -117,7 +118,7 @@ class Decoder:
         tokens are picked and its cycles chosen (default: greedy, the decoder's block size).
         `chunked`, while others decode: a prompt longer than a join chunk (`policy.join`: sized by
         time) is prefilled a chunk per cycle (`fill`), and its `Committed` says `filling`."""
-        check_room(prompt, self.window, self.target, busy=len(self) > 0)
+        check_room(prompt, self.target, busy=len(self) > 0)
         self._settle_ahead()
         source = source or self.source
         tcache, dstate, reused = fetch(self.prompt_cache, self.target, prompt, source)
@@ -169,7 +170,7 @@ class Decoder:
         Long prompts go one at a time, in chunks (with `chunked`, between the cycles of the
         sequences decoding)."""
         for i, p in enumerate(prompts):
-            check_room(p, self.window, self.target, busy=len(self) + i > 0)
+            check_room(p, self.target, busy=len(self) + i > 0)
         self._settle_ahead()
         sources = [s or self.source for s in (sources or [None] * len(prompts))]
         asks = [a or Asks() for a in (asks or [None] * len(prompts))]
@@ -449,13 +450,10 @@ def fetch(prompt_cache, target, prompt: Sequence[int], source):
     return prompt_cache.fetch(target, source, prompt)
 
 
-def check_room(prompt: Sequence[int], window: Optional[int], target, busy: bool) -> None:
-    """A prompt the decoder can take: not empty, within the model's window, and (where the target's
-    caches cannot be batched) while no other sequence decodes."""
-    if not prompt:
-        raise DFlashError("The prompt is empty.")
-    if window and len(prompt) > window:
-        raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {window}.")
+def check_room(prompt: Sequence[int], target, busy: bool) -> None:
+    """A prompt the decoder can take: one `check_prompt` takes, and (where the target's caches
+    cannot be batched) while no other sequence decodes."""
+    check_prompt(prompt, target)
     if busy and not can_batch(target):
         raise DFlashError(f"'{target.model_type}' has caches batched decoding cannot hold together: "
                           "its sequences are decoded one at a time.")

@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence
 
 from ..policy.sizer import BlockSizer
 from ..policy.plan import FixedWidth, Policy
-from ..errors import DFlashError
+from ..errors import DFlashError, PromptTooLong
 from ..policy.proposal import FixedScale, ProposalScales
 from ..sampling import SamplingParams
 
@@ -93,13 +93,16 @@ def check_options(max_tokens: int, params: SamplingParams, tree: Optional[int], 
         raise DFlashError(f"--max-tokens must be >= 1 (got {max_tokens}).")
 
 
-def check_prompt(prompt: Sequence[int], target) -> None:
+def check_prompt(prompt: Sequence[int], target, limit: Optional[int] = None) -> None:
+    """The one check of a prompt's length: not empty, within the model's window (its
+    `max_position_embeddings`) and within `limit` (a server's own bound), else `PromptTooLong`."""
     if len(prompt) == 0:
-        raise DFlashError("The prompt is empty; give some text with --prompt or on stdin.")
+        raise DFlashError("The prompt is empty.")
     window = getattr(target.args, "max_position_embeddings", None)
     if window and len(prompt) > window:
-        raise DFlashError(f"The prompt has {len(prompt)} tokens but the model reads at most {window} "
-                          "(max_position_embeddings); shorten the prompt.")
+        raise PromptTooLong(len(prompt), window)
+    if limit and len(prompt) > limit:
+        raise PromptTooLong(len(prompt), limit, "this server accepts")
 
 
 def proposal_scaler(pair, source, params: SamplingParams, proposal_scale):

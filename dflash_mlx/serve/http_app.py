@@ -35,7 +35,8 @@ from starlette.routing import Route
 from . import messages_api, openai_api
 from ..errors import DFlashError
 from .requests import count_tokens, parse_messages, parse_request
-from .worker import APIError, Engine, Job
+from .api_errors import APIError
+from .worker import Engine, Job
 from .tools import ToolError, splitter
 
 MAX_BODY = 4 * 1024 * 1024
@@ -89,10 +90,7 @@ def _error(e: APIError, anthropic: bool) -> Response:
 
 
 def _error_body(e: APIError, anthropic: bool) -> dict:
-    if not anthropic:
-        return e.body()
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
-    return {"type": "error", "error": {"type": "api_error" if e.status >= 500 else kind, "message": e.message}}
+    return e.anthropic_body() if anthropic else e.body()
 
 
 def _refused(conn: HTTPConnection, e: APIError) -> Response:

@@ -17,7 +17,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .http_app import READ_TIMEOUT_S, Settings, create_app
 from .metrics import registry
-from .worker import APIError, Engine
+from .api_errors import APIError
+from .worker import Engine
 
 BACKLOG = 128  # connections waiting to be accepted: bursts of clients
 SHUTDOWN_GRACE_S = 5  # how long `shutdown` lets answers in flight finish before it cancels them
@@ -87,10 +88,11 @@ class HTTPServer:
 def make_server(pair, model_id: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
                 block_size: Optional[int] = None, enable_thinking: Optional[bool] = None,
                 max_prompt_tokens: int = 32768, default_temp: float = 0.0, max_tokens_limit: int = 32768,
-                default_max_tokens: int = 256, prompt_cache_bytes: int = 4 << 30, prompt_cache_disk_bytes: int = 0,
+                default_max_tokens: Optional[int] = None, prompt_cache_bytes: int = 4 << 30, prompt_cache_disk_bytes: int = 0,
                 prompt_cache_dir: Optional[str] = None, channel=None) -> HTTPServer:
     """`max_prompt_tokens` and `max_tokens_limit` bound every request (over them: a 400);
-    `default_max_tokens` is what a request that names no limit gets; the prompt
+    `default_max_tokens` is what a request that names no limit gets (None: up to the model's
+    context); the prompt
     cache holds at most `prompt_cache_bytes` (0: none) in memory and
     `prompt_cache_disk_bytes` (0: none) on disk under `prompt_cache_dir`. With a
     `channel` (distributed.JobChannel), the other ranks mirror every request.

@@ -14,10 +14,12 @@ from ..prompt import build_chat_prompt
 from ..sampling import SamplingParams
 from . import messages_api
 from ..constrain.grammar import Grammar
-from ..errors import DFlashError
+from ..decode.request import check_prompt
+from ..errors import DFlashError, PromptTooLong
 from .tool_grammars import call_grammar
 from .tools import ToolError, check_tools, forced_tool, strict_tools, template_messages, tool_choice
-from .worker import APIError, Engine, Job
+from .api_errors import APIError, too_long
+from .worker import Engine, Job
 
 MAX_STOP = 4  # stop strings per request: OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and completions' logprobs)
@@ -133,8 +135,6 @@ def parse_request(engine: Engine, body: Any, chat: bool):
     if max_tokens is not None and max_tokens > limit:
         raise APIError(400, f"'{name}' is too large: {max_tokens}. This server generates at most {limit} "
                             f"tokens per request.", param=name, code="invalid_value")
-    if max_tokens is None:
-        max_tokens = engine.default_max_tokens
     temp = _get(body, "temperature", (int, float), engine.default_temp, lambda v: 0 <= v <= 2,
                 "a number in [0, 2]")
     top_p = _get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
@@ -178,17 +178,15 @@ def parse_request(engine: Engine, body: Any, chat: bool):
             tools = None  # not shown to the model, and its text is not parsed for calls
     grammar = _grammar(engine, body, chat, tools)
     prompt = _tokenize(engine, body, chat, tools)
-    if not prompt:
-        raise APIError(400, "The prompt is empty.", param="messages" if chat else "prompt")
-    if len(prompt) > engine.max_prompt_tokens:
-        raise APIError(400, f"The prompt has {len(prompt)} tokens; this server accepts at most "
-                            f"{engine.max_prompt_tokens}.", param="messages" if chat else "prompt",
-                       code="context_length_exceeded")
-    window = getattr(engine.pair.target.args, "max_position_embeddings", None)
-    if window and len(prompt) > window:  # refused before any byte of a response, streamed or not
-        raise APIError(400, f"The prompt has {len(prompt)} tokens but the model reads at most {window}; "
-                            "shorten the prompt.", param="messages" if chat else "prompt",
-                       code="context_length_exceeded")
+    try:  # refused before any byte of a response, streamed or not
+        check_prompt(prompt, engine.pair.target, engine.max_prompt_tokens)
+    except PromptTooLong as e:
+        raise too_long(e, "messages" if chat else "prompt")
+    except DFlashError as e:
+        raise APIError(400, str(e), param="messages" if chat else "prompt")
+    if max_tokens is None:  # OpenAI's meaning: up to the context (agents such as Codex send none)
+        window = getattr(engine.pair.target.args, "max_position_embeddings", None) or limit + len(prompt)
+        max_tokens = engine.default_max_tokens or max(1, min(limit, window - len(prompt)))
     job = Job(prompt, max_tokens, params, stop, logprobs, processors, tools, grammar)
     options = _get(body, "stream_options", dict, None, None, "an object") if stream else None
     if options is not None:

@@ -35,19 +35,11 @@ from ..decode.streams import Joining, Streams
 from ..errors import DFlashError
 from ..policy.batch import BatchWidths, FixedBatchWidth
 from ..sampling import SamplingParams, make_processors
+from .api_errors import APIError
 
 # Requests decoded together at most: mlx-lm's BatchGenerator's default completion batch is 32;
 # beyond a few dozen rows per target pass a CPU's or GPU's pass costs in proportion.
 MAX_BATCH = 32
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self):
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 _PLAIN = (str, bytes, int, float, bool, type(None), list, tuple, dict, set, frozenset)
@@ -108,7 +100,7 @@ class Engine:
 
     def __init__(self, pair, model_id: str, block_size: Optional[int] = None,
                  enable_thinking: Optional[bool] = None, max_prompt_tokens: int = 32768,
-                 default_temp: float = 0.0, max_tokens_limit: int = 32768, default_max_tokens: int = 256,
+                 default_temp: float = 0.0, max_tokens_limit: int = 32768, default_max_tokens: Optional[int] = None,
                  prompt_cache_bytes: int = 4 << 30, prompt_cache_disk_bytes: int = 0,
                  prompt_cache_dir: Optional[str] = None, channel=None):
         self.model_id, self.block_size = model_id, block_size
@@ -123,7 +115,8 @@ class Engine:
         self.enable_thinking = enable_thinking
         self.max_prompt_tokens = max_prompt_tokens
         self.max_tokens_limit = max_tokens_limit
-        self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
+        # None: a request that sets no max_tokens may run to the model's context (and `max_tokens_limit`)
+        self.default_max_tokens = None if default_max_tokens is None else min(default_max_tokens, max_tokens_limit)
         # One lock for every use of the tokenizer, on any thread (see the module docstring).
         self.tokenizer_lock = threading.RLock()
         self.tokenizer = pair.tokenizer
