@@ -37,9 +37,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                            "properties": {"city": {"type": "string"}}}}}]
 
 
-def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</tool_call>"), extra=()):
+def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</tool_call>"), extra=(), window=4096):
     """A bigram-chain target (see the module's docstring) whose assistant turn is the tool call
-    `call` (one added token) between the `markers`, under chat template `template`."""
+    `call` (one added token) between the `markers`, under chat template `template`; it reads
+    `window` tokens."""
     from mlx_lm.utils import _get_classes
     from tokenizers import Tokenizer
 
@@ -55,7 +56,7 @@ def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</t
     ids = tok.get_vocab()
     chain = [ids[t] for t in ["<|assistant|>", markers[0], call, markers[1], "<|end|>"]]
 
-    config = dict(tiny.target_config("qwen3", V), tie_word_embeddings=False)
+    config = dict(tiny.target_config("qwen3", V), tie_word_embeddings=False, max_position_embeddings=window)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(3)
     model = model_cls(args_cls.from_dict(config))

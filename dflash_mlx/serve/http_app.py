@@ -32,9 +32,9 @@ from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import messages_api, openai_api
+from . import messages_api, openai_api, responses_api
 from ..errors import DFlashError
-from .requests import count_tokens, parse_messages, parse_request
+from .requests import count_tokens, parse_messages, parse_request, parse_responses
 from .api_errors import APIError
 from .worker import Engine, Job
 from .tools import ToolError, splitter
@@ -67,6 +67,7 @@ def create_app(settings: Settings) -> Starlette:
         Route("/v1/completions", functools.partial(generate, api="completions"), methods=["POST"]),
         Route("/v1/messages", functools.partial(generate, api="messages"), methods=["POST"]),
         Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
+        Route("/v1/responses", functools.partial(generate, api="responses"), methods=["POST"]),
     ]
     auth = Middleware(AuthenticationMiddleware, backend=_APIKey(settings), on_error=_unauthorised)
     app = Starlette(routes=routes, middleware=[auth],
@@ -215,12 +216,13 @@ async def messages_count_tokens(request: Request) -> Response:
 
 
 async def generate(request: Request, api: str) -> Response:
-    """`api`: "chat", "completions" or "messages" (Anthropic's)."""
+    """`api`: "chat", "completions", "messages" (Anthropic's) or "responses"."""
     engine = request.app.state.settings.engine
-    anthropic = api == "messages"
-    parse = parse_messages if anthropic else functools.partial(parse_request, chat=api == "chat")
+    parse = {"messages": parse_messages, "responses": parse_responses}.get(
+        api, functools.partial(parse_request, chat=api == "chat"))
     try:
-        job, stream = await run_in_threadpool(parse, engine, await _read_json(request))
+        body = await _read_json(request)
+        job, stream = await run_in_threadpool(parse, engine, body)
     except ClientDisconnect:
         return Response()  # no one to answer
     except Exception as e:
@@ -228,10 +230,13 @@ async def generate(request: Request, api: str) -> Response:
     engine.submit(job)
     events = JobEvents(job)
     if stream:
-        frames = (_message_events(engine, job, events) if anthropic
+        frames = (_message_events(engine, job, events) if api == "messages"
+                  else _response_events(engine, job, events, body) if api == "responses"
                   else _chunk_events(engine, job, events, api == "chat"))
         return StreamingResponse(frames, headers=SSE_HEADERS, background=BackgroundTask(events.close))
-    answer = _message(engine, job, events) if anthropic else _completion(engine, job, events, api == "chat")
+    answer = (_message(engine, job, events) if api == "messages"
+              else _response(engine, job, events, body) if api == "responses"
+              else _completion(engine, job, events, api == "chat"))
     return await _unless_client_leaves(request, answer)
 
 
@@ -357,21 +362,65 @@ async def _message_events(engine: Engine, job: Job, events: JobEvents) -> AsyncI
     out = messages_api.EventStream(engine.model_id)
     split = await _off_loop(job, splitter, engine.tokenizer, job.tools)
 
-    def step(event):
+    def step(event, first: bool):
         final = event.finish_reason is not None
         text, calls = (split.feed(event.text, final=final, cut=event.finish_reason == "length") if split
                        else (event.text, []))
-        named = list(out.text(text))
+        named = list(out.start(event.stats)) if first else []
+        named += out.text(text)
         for call in calls:
             named += out.call(call)
         if final:
             named += out.end(event.finish_reason, event.stats.stop_sequence, event.stats)
         return _named(named)
 
-    yield _named(out.start())
+    first = True  # message_start waits for the prompt to be read: its usage counts the prompt
     async with aclosing(events.stream()) as stream:
         async for event in stream:
             if isinstance(event, APIError):
                 yield _named([("error", _error_body(event, True))])
+                return
+            yield await _off_loop(job, step, event, first)
+            first = False
+
+
+async def _response(engine: Engine, job: Job, events: JobEvents, body: dict) -> Response:
+    answer = openai_api.Answer()
+    async for event in events.stream():
+        if isinstance(event, APIError):
+            return _JSON(event.body(), event.status)
+        answer.add(event)
+
+    def whole():
+        split = splitter(engine.tokenizer, job.tools)
+        text, calls = (split.feed(answer.text, final=True, cut=answer.finish == "length") if split
+                       else (answer.text, []))
+        return responses_api.ResponseEvents(engine.model_id, body).whole(text, calls, answer.finish, answer.stats)
+
+    return _JSON(await _off_loop(job, whole))
+
+
+async def _response_events(engine: Engine, job: Job, events: JobEvents, body: dict) -> AsyncIterator[bytes]:
+    """The Responses API's stream: `event: <type>` and `data: <object>`, from response.created to
+    response.completed (or .incomplete, or .failed): never a stream without its end."""
+    out = responses_api.ResponseEvents(engine.model_id, body)
+    split = await _off_loop(job, splitter, engine.tokenizer, job.tools)
+
+    def step(event):
+        final = event.finish_reason is not None
+        text, calls = (split.feed(event.text, final=final, cut=event.finish_reason == "length") if split
+                       else (event.text, []))
+        named = list(out.add_text(text))
+        for call in calls:
+            named += out.add_call(call)
+        if final:
+            named += out.end(event.finish_reason, event.stats)
+        return _named(named)
+
+    yield _named(out.start())
+    async with aclosing(events.stream()) as stream:
+        async for event in stream:
+            if isinstance(event, APIError):
+                yield _named(out.failed(event))
                 return
             yield await _off_loop(job, step, event)

@@ -187,10 +187,12 @@ class EventStream:
         self.calls = 0
         self.blank = ""  # whitespace held back: sent before more text, dropped before a call or the end
 
-    def start(self) -> Iterator[Tuple[str, dict]]:
+    def start(self, stats) -> Iterator[Tuple[str, dict]]:
+        """The first event, once the prompt is read (`stats` of the first event): its usage counts the
+        prompt's tokens, as clients that track their context read it here."""
         yield "message_start", {"type": "message_start", "message": {
             "id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": self.model,
-            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(None, 0)}}
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(stats, 0)}}
 
     def _close(self):
         if self.open is not None:

@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 
 from ..prompt import build_chat_prompt
 from ..sampling import SamplingParams
-from . import messages_api
+from . import messages_api, responses_api
 from ..constrain.grammar import Grammar
 from ..decode.request import check_prompt
 from ..errors import DFlashError, PromptTooLong
@@ -298,6 +298,11 @@ def parse_messages(engine: Engine, body: Any):
     except messages_api.BadRequest as e:
         raise APIError(400, str(e), param=e.param)
     return parse_request(engine, chat, True)
+
+
+def parse_responses(engine: Engine, body: Any):
+    """A Responses API request as the equivalent chat request's job (`parse_request`)."""
+    return parse_request(engine, responses_api.to_chat(body), True)
 
 
 def count_tokens(engine: Engine, body: Any) -> int:
