@@ -1,16 +1,23 @@
 """`dflash-mlx bench`: DFlash against plain mlx-lm decoding on this machine."""
 
 import os
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 
 from dflash_mlx.cli.common import (DRAFT_CONTEXT_HELP, SHARDING_HELP, TEMP_HELP, err, fail,
                                    note_draft_context, ranged, sharding_choice)
 from dflash_mlx.cli.warning_lines import print_warning
 from dflash_mlx.errors import DFlashError
+
+# A shell's exit status for a process stopped by signal N (130 after Ctrl-C).
+SIGNAL_EXIT_BASE = 128
 
 
 def main(
@@ -51,14 +58,53 @@ def main(
     if not main_rank:  # only rank 0 reports; every rank runs the same benchmark
         err.file = open(os.devnull, "w")
     try:
-        result = _run_bench(model, draft, suite, prompts, max_tokens, sizes, temp, repeats, oracle, contexts,
-                            draft_context, sharding, g)
+        with _terminate_as_interrupt() as signals:
+            result = _run_bench(model, draft, suite, prompts, max_tokens, sizes, temp, repeats, oracle, contexts,
+                                draft_context, sharding, g)
     except DFlashError as e:
         if not main_rank:
             err.file = None  # back to the process's stderr
         fail(f"rank {g.rank()} of {g.size()}: {e}" if sharded else str(e))
+    except KeyboardInterrupt as stop:
+        code = SIGNAL_EXIT_BASE + (signals[0] if signals else signal.SIGINT)
+        if main_rank:
+            _report_interrupted(getattr(stop, "result", None), temp, out, plot)
+        raise typer.Exit(code)
     if not main_rank:
         return
+    _print_bench(result, temp)
+    _write_bench(result, out, plot)
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[List[int]]:
+    """SIGTERM stops the benchmark as Ctrl-C does (a KeyboardInterrupt), so what it measured is
+    still reported; yields a list that gets the number of the signal that stopped it."""
+    signals = []
+
+    def stop(signum, frame):
+        signals.append(signum)
+        raise KeyboardInterrupt
+
+    # Only the main thread may set a handler, and a SIGTERM the caller ignores stays ignored.
+    own = (threading.current_thread() is threading.main_thread()
+           and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    if own:
+        signal.signal(signal.SIGTERM, stop)
+    try:
+        yield signals
+    finally:
+        if own:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _report_interrupted(result: Optional[dict], temp: float, out: Optional[str], plot: Optional[str]) -> None:
+    """The tables and the results file of the prompts finished before the interrupt."""
+    if not result or not result.get("prompts_measured"):
+        err.print("interrupted before a prompt was measured" + (f"; {out} not written" if out else ""))
+        return
+    err.print(f"interrupted: {result['prompts_measured']} of {_count(result['prompts_planned'], 'prompt')} "
+              "measured")
     _print_bench(result, temp)
     _write_bench(result, out, plot)
 
@@ -118,65 +164,115 @@ def _run_bench(model, draft, suite, prompts, max_tokens, sizes, temp, repeats, o
             return B.sweep(pair, pair.draft_source.block_size, progress=progress)
         B.check_context(pair, contexts, max_tokens)
         by_context = {}
-        for c in contexts:
-            def step(done, total, what="measuring", c=c):
-                progress(done, total, f"context {c}: {what}" if c else what)
+        for i, c in enumerate(contexts):
+            def step(done, total, what="measuring", c=c, i=i):  # one count over every context
+                progress(i * total + done, len(contexts) * total, f"context {c}: {what}" if c else what)
 
-            by_context[c] = B.run_bench(pair, texts, max_tokens, sizes, temp, repeats, oracle, step, c)
-    result = by_context[contexts[0]]
-    if contexts != [0]:
-        result = dict(result, contexts={str(c): r for c, r in by_context.items()})
-    return result
+            try:
+                by_context[c] = B.run_bench(pair, texts, max_tokens, sizes, temp, repeats, oracle, step, c)
+            except B.Interrupted as stop:
+                if stop.result["prompts_measured"]:
+                    by_context[c] = stop.result
+                raise B.Interrupted(_by_context(by_context, contexts)) if by_context else stop from None
+    return _by_context(by_context, contexts)
 
 
-def _print_bench(result: dict, temp: float) -> None:
-    """The machine line and the benchmark's tables."""
-    from rich.table import Table
+def _by_context(by_context: dict, contexts: List[int]) -> dict:
+    """The first context's result, with every measured context's under "contexts" where
+    --context was given; partial where a context is partial or was not reached."""
+    result = next(iter(by_context.values()))
+    if contexts == [0]:
+        return result
+    measured = sum(r["prompts_measured"] for r in by_context.values())
+    planned = result["prompts_planned"] * len(contexts)
+    return dict(result, contexts={str(c): r for c, r in by_context.items()}, partial=measured < planned,
+                prompts_measured=measured, prompts_planned=planned)
 
+
+def _plural(n, word: str) -> str:
+    return word if n == 1 else word + "s"
+
+
+def _count(n, word: str) -> str:
+    """'1 prompt', '2 prompts'."""
+    return f"{n} {_plural(n, word)}"
+
+
+def _figure(x, spec: str, suffix: str = "") -> str:
+    """`x` formatted, or n/a where there is none (no prompt of a suite finished, no cycle drafted)."""
+    return "n/a" if x is None else f"{format(x, spec)}{suffix}"
+
+
+def _table(*headers: str, caption: Optional[str] = None):
+    """A results table whose cells fold rather than end in an ellipsis: a header or a figure
+    keeps every character on a terminal too narrow for the table."""
+    from rich.table import Column, Table
+
+    return Table(*[Column(h, overflow="fold") for h in headers], caption=caption)
+
+
+def _show(console: Console, table) -> None:
+    """Off a terminal (a pipe, a file) a table takes its natural width: no cell wraps, nothing
+    is cut, whatever COLUMNS says. On a terminal it fits the width (see `_table`)."""
+    from rich.measure import Measurement
+
+    if not console.is_terminal:
+        console.width = Measurement.get(console, console.options.update_width(1 << 16), table).maximum
+    console.print(table)
+
+
+def _print_bench(result: dict, temp: float, console: Optional[Console] = None) -> None:
+    """The machine line, the benchmark's tables and its summary lines on stdout; warnings on stderr."""
     from dflash_mlx import bench as B
 
+    out = console or Console(highlight=False, soft_wrap=True)
     m = result["machine"]
-    err.print(f"{m['chip']} ({m['cores']} cores, {m['memory_gb']} GB), MLX {m['mlx']} on {m['backend']}, "
-              f"BLAS: {escape(m['blas'])}")
+    out.print(escape(f"{m['chip']} ({_count(m['cores'], 'core')}, {m['memory_gb']} GB), MLX {m['mlx']} on "
+                     f"{m['backend']}, BLAS: {m['blas']}"))
+    if result.get("partial"):
+        out.print(f"partial results: {result['prompts_measured']} of {_count(result['prompts_planned'], 'prompt')} "
+                  "measured (the run was interrupted)")
     if "verify_relative" in result:  # a sweep
-        table = Table("width", *[f"verify/1 @ctx {c}" for c in result["contexts"]], "draft/verify1")
+        table = _table("width", *[f"verify/1 @ctx {c}" for c in result["contexts"]], "draft/verify1")
         for w in range(len(result["verify_relative"][0])):
             table.add_row(str(w + 1), *[f"{row[w]:.2f}" for row in result["verify_relative"]],
                           f"{result['draft_relative'][0][w]:.2f}")
-        err.print(table)
+        _show(out, table)
         return
-    table = Table("suite", "block", "baseline tok/s", "DFlash tok/s", "speedup", "acceptance", "identical",
-                  caption="speedup: ratio of medians (median of per-prompt ratios, ratio of geometric means)")
-    prompt_table = Table("suite", "block", "baseline prompt tok/s", "DFlash prompt tok/s", "ratio",
-                         "baseline TTFT ms", "DFlash TTFT ms",
-                         caption="prompt processing: medians of mlx-lm's and our own figures, same prompts")
+    table = _table("suite", "block", "baseline tok/s", "DFlash tok/s", "speedup", "accept.", "identical",
+                   caption="speedup: ratio of medians (median of per-prompt ratios, ratio of geometric means); "
+                           "accept.: mean tokens committed per cycle")
+    prompt_table = _table("suite", "block", "baseline prompt tok/s", "DFlash prompt tok/s", "ratio",
+                          "baseline TTFT ms", "DFlash TTFT ms",
+                          caption="prompt processing: medians of mlx-lm's and our own figures, same prompts")
     groups = [(name, result["suites"][name]) for name in result["suites"]] + [("overall", result["overall"])]
     for name, per_size in groups:
         for key, s in per_size.items():
-            table.add_row(name, key, f"{s['baseline_tps']:.1f}", f"{s['dflash_tps']:.1f}",
-                          f"{s['speedup']:.2f}x ({s['speedup_median_per_prompt']:.2f}x, "
-                          f"{s['speedup_geomean']:.2f}x)", f"{s['mean_acceptance']:.2f}",
+            speedup = (f"{_figure(s['speedup'], '.2f', 'x')} ({_figure(s['speedup_median_per_prompt'], '.2f', 'x')}, "
+                       f"{_figure(s['speedup_geomean'], '.2f', 'x')})")
+            table.add_row(name, key, _figure(s["baseline_tps"], ".1f"), _figure(s["dflash_tps"], ".1f"), speedup,
+                          _figure(s["mean_acceptance"], ".2f"),
                           f"{s['identical']}/{s['prompts']}" if temp == 0 else "n/a")
-            prompt_table.add_row(name, key, f"{s['baseline_prompt_tps']:.0f}", f"{s['dflash_prompt_tps']:.0f}",
-                                 f"{s['prompt_speedup']:.2f}x", f"{(s['baseline_ttft'] or 0) * 1000:.0f}",
-                                 f"{(s['dflash_ttft'] or 0) * 1000:.0f}")
-    err.print(table)
-    err.print(prompt_table)
+            prompt_table.add_row(name, key, _figure(s["baseline_prompt_tps"], ".0f"),
+                                 _figure(s["dflash_prompt_tps"], ".0f"), _figure(s["prompt_speedup"], ".2f", "x"),
+                                 f"{(s['baseline_ttft'] or 0) * 1000:.0f}", f"{(s['dflash_ttft'] or 0) * 1000:.0f}")
+    _show(out, table)
+    _show(out, prompt_table)
     if "contexts" in result:
-        ctx_table = Table("context", "prompt tokens", "block", "speedup", "acceptance", "DFlash TTFT ms",
-                          "peak memory GB", caption="each suite prompt after a long document (this package's "
-                                                    "source); peak memory is the process's so far")
+        ctx_table = _table("context", "prompt tokens", "block", "speedup", "accept.", "DFlash TTFT ms",
+                           "peak memory GB", caption="each suite prompt after a long document (this package's "
+                                                     "source); peak memory is the process's so far")
         for c, r in result["contexts"].items():
             rows = [row for rows in r["prompts"].values() for row in rows]
             for key, s in r["overall"].items():
-                ctx_table.add_row(c, str(int(B.median([row["prompt_tokens"] for row in rows]))), key,
-                                  f"{s['speedup']:.2f}x", f"{s['mean_acceptance']:.2f}",
+                ctx_table.add_row(c, _figure(B.median([row["prompt_tokens"] for row in rows]), ".0f"), key,
+                                  _figure(s["speedup"], ".2f", "x"), _figure(s["mean_acceptance"], ".2f"),
                                   f"{(s['dflash_ttft'] or 0) * 1000:.0f}", f"{r['peak_memory_gb']:.2f}")
-        err.print(ctx_table)
+        _show(out, ctx_table)
     for key, s in result["overall"].items():
         if "overhead_seconds_per_cycle" in s:
             ms = {k: s[k] * 1000 for k in ("seconds_per_cycle", "verify_seconds_per_cycle", "overhead_seconds_per_cycle")}
-            err.print(f"oracle, block {key}: {ms['seconds_per_cycle']:.2f} ms per cycle; the target's bare verify pass "
+            out.print(f"oracle, block {key}: {ms['seconds_per_cycle']:.2f} ms per cycle; the target's bare verify pass "
                       f"{ms['verify_seconds_per_cycle']:.2f} ms; the loop's own work "
                       f"{ms['overhead_seconds_per_cycle']:.2f} ms per cycle (the same cycles rerun with the "
                       f"target's results in place of its passes)")
@@ -184,19 +280,26 @@ def _print_bench(result: dict, temp: float) -> None:
         d = result["distributed"]
         per_pass = ", ".join(f"width {w}: {s * 1000:.2f} ms" for w, s in d["seconds_per_pass"].items())
         shares = ", ".join(f"{k}: {v:.0%}" for k, v in d["share"].items())
-        err.print(f"{d['ranks']} ranks: {d['collectives_per_pass']} collectives per target pass ({per_pass} alone); "
-                  f"their share of a step or cycle: {shares}")
+        out.print(f"{d['ranks']} ranks: {_count(d['collectives_per_pass'], 'collective')} per target pass "
+                  f"({per_pass} alone); their share of a step or cycle: {shares}")
     for key, s in result["suites"].get("json", {}).items():
-        err.print(f"json, block {key}: {s['stopped']} of {s['prompts']} answers ended within the budget, "
-                  f"{s['stopped'] - len(s['invalid_prompts'])} of them valid against their schemas; "
-                  f"{s['forced_tokens']} tokens forced by the grammars; {s['grammar_seconds'] * 1000:.0f} ms in "
-                  "the grammar engine (both loops constrain with the same engine)")
+        valid, n = s["stopped"] - len(s["invalid_prompts"]), s["prompts"]
+        out.print(f"json, block {key}: {s['stopped']} of {_count(n, 'answer')} ended within the budget, "
+                  f"{valid} of them valid against {'its schema' if n == 1 else 'their schemas'}; "
+                  f"{_count(s['forced_tokens'], 'token')} forced by the {_plural(n, 'grammar')}; "
+                  f"{s['grammar_seconds'] * 1000:.0f} ms in the grammar engine (both loops constrain with the same "
+                  "engine)")
     mismatched = [p for s in result["overall"].values() for p in s.get("mismatched_prompts", [])]
     if mismatched:
-        print_warning(err, f"{len(mismatched)} greedy output(s) differ from plain mlx-lm decoding")
+        n = len(mismatched)
+        print_warning(err, f"{_count(n, 'greedy output')} {'differs' if n == 1 else 'differ'} from plain mlx-lm "
+                           "decoding")
     invalid = [p for s in result["overall"].values() for p in s.get("invalid_prompts", [])]
     if invalid:
-        print_warning(err, f"{len(invalid)} answer(s) that stopped do not validate against their schema")
+        n = len(invalid)
+        print_warning(err, f"{_count(n, 'answer')} that stopped "
+                           + ("does not validate against its schema" if n == 1
+                              else "do not validate against their schemas"))
 
 
 def _write_bench(result: dict, out: Optional[str], plot: Optional[str]) -> None:

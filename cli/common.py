@@ -112,8 +112,8 @@ def _busy() -> Optional[str]:
         return None
     if load < 0.75 * cores:
         return None
-    return (f"note: this machine is busy (load {load:.1f} on {cores} cores); the costs measured now may be "
-            f"off, and later runs refine them.")
+    return (f"note: this machine is busy (load {load:.1f} on {cores} core{'' if cores == 1 else 's'}); the costs "
+            "measured now may be off, and later runs refine them.")
 
 
 def sharding_choice(text: str) -> str:

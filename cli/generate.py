@@ -167,7 +167,7 @@ def _print_settings(pair, prompt_tokens: int, block, params) -> None:
     cfg = pair.drafter.args
     err.print(f"target {pair.target_path} ({pair.target.model_type}, {pair.target.num_layers} layers)\n"
               f"drafter {pair.draft_path} (block {cfg.block_size}, taps {cfg.target_layer_ids})\n"
-              f"prompt {prompt_tokens} tokens, block size {block}, {params}")
+              f"prompt {_count(prompt_tokens, 'token')}, block size {block}, {params}")
 
 
 def _print_summary(stats, verbose: bool, auto: bool, predicted: bool, ranks: int) -> None:

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 
 
+# `list`'s columns; on a terminal too narrow for all of them, LIST_SPARE are left out
 # in this order before an id is cut. The alias and target columns, what a user types, stay.
 LIST_COLUMNS = ("alias", "target (--model ALIAS) and variants (ALIAS:VARIANT)", "drafter", "DFlash",
                 "target family", "ids confirmed by", "cached locally")

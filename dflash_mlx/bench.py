@@ -352,12 +352,36 @@ def check_context(pair, contexts: Sequence[int], max_tokens: int) -> None:
                           "or a long-context model.")
 
 
+class Interrupted(KeyboardInterrupt):
+    """A benchmark stopped by Ctrl-C (or SIGTERM, where the caller turns it into one), with
+    `result`: the prompts it finished, the result marked partial."""
+
+    def __init__(self, result: Dict):
+        super().__init__()
+        self.result = result
+
+
 def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
               block_sizes: Sequence[Union[int, str]] = ("auto",), temp: float = 0.0, repeats: int = 1,
               oracle: bool = False, progress=lambda done, total, what: None, context: int = 0) -> Dict:
     """Plain mlx-lm decoding and DFlash at each block size on each prompt, interleaved;
-    with `context`, each prompt comes after about that many tokens of a long document."""
+    with `context`, each prompt comes after about that many tokens of a long document.
+
+    Interrupted, it raises `Interrupted` with the result of the prompts finished so far."""
     params = SamplingParams(temp=temp, seed=0 if temp > 0 else None)
+    settings = {"max_tokens": max_tokens, "block_sizes": [str(b) for b in block_sizes], "temp": temp,
+                "repeats": repeats, "oracle": oracle, "context": context, "draft_context": pair.draft_context}
+    planned, suites = sum(len(v) for v in prompts.values()), {}
+    try:
+        _measure(pair, prompts, max_tokens, block_sizes, temp, repeats, oracle, progress, context, params, suites)
+    except KeyboardInterrupt:
+        raise Interrupted(assemble(pair, suites, block_sizes, settings, planned)) from None
+    return assemble(pair, suites, block_sizes, settings, planned)
+
+
+def _measure(pair, prompts, max_tokens, block_sizes, temp, repeats, oracle, progress, context, params,
+             suites: Dict[str, List[Dict]]) -> None:
+    """Add each prompt's row to `suites` as soon as all its runs are done."""
     # mlx-lm on the model the adapter wrapped would time our wrappers too.
     tok, model = pair.tokenizer, plain_target(pair)
     total = sum(len(v) for v in prompts.values()) * (1 + len(block_sizes)) * repeats
@@ -369,9 +393,7 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
     baseline_generate(model, tok, first, 8, temp)
     for bs in block_sizes:
         _dflash_run(pair, first, 8, params, bs)
-    suites = {}
     for suite, texts in prompts.items():
-        rows = []
         for prompt in texts:
             text, schema = prompt_text(prompt), None if isinstance(prompt, str) else prompt["schema"]
             ids = context_prompt(tok, text, context)
@@ -419,17 +441,23 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
                                      if x["finish_reason"] == "stop")
                 d["generated_tokens"] = len(d.pop("tokens"))
                 row["dflash"][str(bs)] = d
-            rows.append(row)
-        suites[suite] = rows
+            suites.setdefault(suite, []).append(row)
     progress(done, total, "measured")
+
+
+def assemble(pair, suites: Dict[str, List[Dict]], block_sizes, settings: Dict, planned: int) -> Dict:
+    """The result of the prompts measured (`suites`: the suites with a finished prompt, their
+    rows), marked partial where fewer than the `planned` prompts are."""
+    measured = sum(len(rows) for rows in suites.values())
     result = {
         "schema_version": SCHEMA_VERSION,
+        "partial": measured < planned,
+        "prompts_measured": measured,
+        "prompts_planned": planned,
         "machine": machine_info(),
         "model": str(pair.target_path),
         "draft": str(pair.draft_path),
-        "settings": {"max_tokens": max_tokens, "block_sizes": [str(b) for b in block_sizes], "temp": temp,
-                     "repeats": repeats, "oracle": oracle, "context": context,
-                     "draft_context": pair.draft_context},
+        "settings": settings,
         "peak_memory_gb": peak_memory_gb(),
         "suites": {},
         "overall": {},
@@ -441,7 +469,8 @@ def run_bench(pair, prompts: Dict[str, List[str]], max_tokens: int = 128,
         for suite, rows in suites.items():
             result["suites"].setdefault(suite, {})[key] = summarise(rows, key)
     result["prompts"] = suites
-    if pair.group is not None:
+    # A stopped run's ranks are no longer in step: their collectives would not meet.
+    if pair.group is not None and measured == planned:
         result["distributed"] = communication(pair, result["overall"])
     return result
 
@@ -482,7 +511,8 @@ def sweep(pair, max_width: int = 16, progress=lambda d, t: None) -> Dict:
 
 def validate(result: Dict) -> None:
     """Checks the JSON layout the benchmark promises (used by tests and tools)."""
-    for key in ("schema_version", "machine", "settings", "suites", "overall", "prompts"):
+    for key in ("schema_version", "partial", "prompts_measured", "prompts_planned", "machine", "settings", "suites",
+                "overall", "prompts"):
         if key not in result:
             raise ValueError(f"benchmark result lacks '{key}'")
     for field in ("chip", "mlx", "backend", "blas"):

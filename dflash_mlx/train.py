@@ -126,7 +126,7 @@ def read_prompts(path: Path, tokenizer, chunk_tokens: int = 64) -> List[List[int
         raise DFlashError(f"--data {path} does not exist; give a prompts .jsonl file or a directory of text files.")
     prompts = [p for p in prompts if p]
     if len(prompts) < 2:
-        raise DFlashError(f"--data {path} yields {len(prompts)} prompt(s); at least 2 are needed.")
+        raise DFlashError(f"--data {path} yields {len(prompts)} prompt{'' if len(prompts) == 1 else 's'}; at least 2 are needed.")
     return prompts
 
 

@@ -155,12 +155,12 @@ def test_bench_cli_and_bad_flags(targets, drafters, tmp_path, monkeypatch):
                             "--prompts", str(p), "-m", "8", "--block-size", "2,auto", "--out", str(out)])
     assert r.exit_code == 0, r.output
     bench.validate(json.loads(out.read_text()))
-    assert "BLAS" in r.stderr and "speedup" in r.stderr
-    assert "prompt processing: medians of mlx-lm's and our own figures" in " ".join(r.stderr.split())
+    assert "BLAS" in r.stdout and "speedup" in r.stdout
+    assert "prompt processing: medians of mlx-lm's and our own figures" in " ".join(r.stdout.split())
     r = runner.invoke(app, ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]),
                             "--prompts", str(p), "-m", "8", "--block-size", "4", "--oracle"])
     assert r.exit_code == 0, r.output
-    assert "the loop's own work" in " ".join(r.stderr.split())
+    assert "the loop's own work" in " ".join(r.stdout.split())
     # The sweep's measurement in fewer rounds than its own (a 60 s budget, 8 rounds a context):
     # the command and its table are under test here, the measurement in test_adaptive.
     real = bench.measure_cost_curve
@@ -169,7 +169,7 @@ def test_bench_cli_and_bad_flags(targets, drafters, tmp_path, monkeypatch):
     r = runner.invoke(app, ["bench", "--model", str(targets["qwen3"]), "--draft", str(drafters["old"]),
                             "--block-size", "sweep"])
     assert r.exit_code == 0, r.output
-    assert "verify/1" in r.stderr and "draft/verify1" in r.stderr
+    assert "verify/1" in r.stdout and "draft/verify1" in r.stdout
     for args, words in [(["--block-size", "big"], "--block-size"), (["--suite", "poetry"], "--suite"),
                         (["--prompts", str(tmp_path / "none.jsonl")], "does not exist"),
                         (["--out", str(tmp_path / "no" / "r.json")], "folder does not exist"),
@@ -255,7 +255,7 @@ def test_bench_by_context_length(targets, drafters, tmp_path, monkeypatch):
         (row,) = res["prompts"]["p"]
         assert abs(row["prompt_tokens"] - int(c)) <= 16 and res["settings"]["context"] == int(c)
         assert row["dflash"]["4"]["identical"]
-    assert "each suite prompt after a long document" in " ".join(r.stderr.split())
+    assert "each suite prompt after a long document" in " ".join(r.stdout.split())
     window = json.loads((targets["qwen3"] / "config.json").read_text())["max_position_embeddings"]
     for arg, words in [("8k", f"does not fit the model's window of {window} tokens"),
                        ("lots", "--context takes token counts")]:
