@@ -1,27 +1,29 @@
 """DFlash with the target sharded across processes: tensor and
-pipeline parallelism, two processes started by `mlx.launch` with the ring
-backend on loopback.
+pipeline parallelism, two processes with the ring backend on loopback.
 
 Each launch starts two Python processes that import mlx-lm (about 10 s on
 two CPU cores), so every scenario that ends normally runs in one launch: this
 file, run by each rank, calls the entry point `dflash_mlx.distributed.main`
 for each command line (greedy over prompts and block sizes per family, seeded
 sampling) and then the sharded oracle rollback cases and the pipelined
-taps, and writes what each rank printed and generated; the tests below assert on that shared result. A
-failing and a hanging rank end their run, so each has a launch of its own
-(`python -m dflash_mlx.distributed`).
+taps, and writes what each rank printed and generated; the tests below assert on that shared result. That
+launch starts its ranks as `mlx.launch -n 2 --backend ring` does (`run_ranks`). A failing and a hanging
+rank end their run, so each has a launch of its own, by `mlx.launch` (`python -m dflash_mlx.distributed`).
 """
 
 import contextlib
 import io
 import json
 import os
+import queue
 import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,31 +38,58 @@ PROMPTS = ["def add(a, b):", "Once upon a time there was"]
 BLOCK_SIZES = [1, 4, 8]
 MAX_TOKENS = 16
 TIMEOUT = 300
+# The shared launch counts as hung once no rank has printed a line for this long: each prints one per
+# step (loading a sharded pair and decoding with it), which takes about 10 s on two CPU cores that two
+# other busy processes share. The whole launch may take as long as its steps do.
+STALL = 180
+# Where free_ports looks: below the ephemeral ports (Linux from 32768, macOS from 49152) that the kernel
+# hands to every outgoing connection and port-0 bind, so a probed port is seldom taken before it is bound.
+PORTS = (20000, 32000)
 
 pytestmark = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
 
+_held = []  # the sockets that hold the ports ring_ports handed out, for the life of this process
+
 
 def free_ports(n=2):
-    """A first port of `n` consecutive free ones on loopback (the ring backend listens on port + rank)."""
+    """A first port of `n` consecutive ones free on loopback now (for the ring backend, `ring_ports`)."""
     for _ in range(100):
-        base = random.randint(20000, 60000)
-        socks = []
+        base = random.randint(*PORTS)
         try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
+            with contextlib.ExitStack() as probes:
+                for p in range(base, base + n):
+                    probes.enter_context(socket.socket()).bind(("127.0.0.1", p))
             return base
         except OSError:
             continue
-        finally:
-            for s in socks:
+    raise RuntimeError("no free ports")
+
+
+def ring_ports():
+    """A first port of two for the ring backend's ranks (each listens on port + rank), held until
+    this process ends so that no other socket takes one before the ranks bind them: `free_ports`'
+    probe closes its sockets, and another test or process may bind a port, or be handed it for a
+    connection, while the ranks import MLX. Each is held by a socket bound with SO_REUSEPORT, as
+    the ring backend binds (so a rank can bind it too), that never listens (so connections reach the
+    rank alone); any other socket is refused it, and a port held for another launch fails the probe."""
+    for _ in range(100):
+        base, held = free_ports(), []
+        try:
+            for p in (base, base + 1):
+                held.append(socket.socket())
+                held[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                held[-1].bind(("127.0.0.1", p))
+        except OSError:  # taken since the probe
+            for s in held:
                 s.close()
+            continue
+        _held.extend(held)
+        return base
     raise RuntimeError("no free ports")
 
 
 def launch_cmd(*program, env=()):
-    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()),
+    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(ring_ports()),
             *[f"--env={e}" for e in env], "--", sys.executable, *map(str, program)]
 
 
@@ -85,6 +114,54 @@ def run_launch(cmd, timeout):
         pytest.fail(f"the launch hung for {timeout} s:\n{out}{err}")
 
 
+def run_ranks(hostfile, *program, env=None, base=None, stall=STALL):
+    """(each rank's exit code, what the ranks printed, each line headed by the seconds since the
+    start and its rank) of `python program` on two ranks with the ring backend on loopback (ports
+    `base` and `base` + 1, default `ring_ports`), started as `mlx.launch -n 2 --backend ring` starts
+    them: with MLX_RANK, and the ranks' addresses in the JSON file `hostfile`. Not by mlx.launch
+    itself: its threads that pass the ranks' output on poll their pipes without ever sleeping
+    (select on the ranks' stdin, always writable), and take as much CPU as a rank. A rank that fails
+    ends the other, as under mlx.launch; ranks that print nothing for `stall` seconds are hung: both
+    are killed and the test fails."""
+    base = base or ring_ports()
+    Path(hostfile).write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(2)]))
+    ranks = [subprocess.Popen([sys.executable, *map(str, program)], cwd=ROOT, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=dict(os.environ, TOKENIZERS_PARALLELISM="false", MLX_RANK=str(r),
+                                       MLX_HOSTFILE=str(hostfile), **(env or {})))
+             for r in range(2)]
+    lines = queue.Queue()
+
+    def read(r):
+        for line in ranks[r].stdout:
+            lines.put((r, line))
+        lines.put((r, None))
+
+    for r in range(2):
+        threading.Thread(target=read, args=(r,), daemon=True).start()
+    out, running, start = [], 2, time.monotonic()
+    try:
+        while running:
+            try:
+                r, line = lines.get(timeout=stall)
+            except queue.Empty:
+                pytest.fail(f"the launch hung: no rank printed a line for {stall} s:\n{''.join(out)}")
+            if line is not None:
+                out.append(f"[{time.monotonic() - start:.0f} s, rank {r}] {line}")
+                continue
+            running -= 1
+            if ranks[r].wait() != 0:  # as mlx.launch does: the other would wait for it forever
+                for p in ranks:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return [p.returncode for p in ranks], "".join(out)
+
+
 # gpt_oss: sliding windows of 8 (WindowCache) with attention sinks, a routed MoE; qwen3_moe: routed MoE.
 # qwen3_5: Gated DeltaNet heads split across ranks (the tape's output all-summed), attention every third layer.
 # Pipelined (mlx-lm's model.model.pipeline): rank 1 runs layers 0-2, rank 0 layers 3-5, each its own caches
@@ -95,23 +172,34 @@ PIPELINED = ("qwen3_5", "qwen3_next")
 
 
 def rank_main(cfg_path):
-    """One rank under mlx.launch: each command line through the entry point's `main`
+    """One rank of the shared launch (`run_ranks`): each command line through the entry point's `main`
     (its stdout and stderr captured), then each oracle case's target sharded, drafts
     from the tests' OracleSource (the plain greedy continuation, corrupted at
     the indices each of ROLLBACK_SCHEDULES chooses), so verify accepts every prefix length and the sharded caches
-    are cropped at every block position; every rank writes what it printed and generated."""
+    are cropped at every block position; every rank writes what it printed and generated. It prints a
+    line after each step (`run_ranks` tells a slow launch from a hung one by them), and a command line
+    that fails ends it: the other rank, which may not have failed, would wait for it in a collective."""
     import dflash_mlx
     from dflash_mlx.distributed import WholeTaps, collectives_per_pass, communication_seconds, group, load_sharded, main
     from conftest import OracleSource
 
     cfg = json.loads(Path(cfg_path).read_text())
     g = group()
+
+    def say(what):
+        print(f"rank {g.rank()}: {what}", flush=True)
+
+    say("connected")
     runs = {}
     for name, argv in cfg["commands"].items():
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = main(argv)
         runs[name] = {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}
+        if rc:
+            say(f"{name} failed:\n{err.getvalue()}")
+            os._exit(rc)  # as the entry point does (`python -m dflash_mlx.distributed`)
+        say(f"{name} done")
     oracle = []
     for i, case in enumerate(cfg["cases"]):
         pair = load_sharded(case["model"], case["draft"], g, case["sharding"])
@@ -127,6 +215,7 @@ def rank_main(cfg_path):
                 accepted.append(ev.accepted)
             oracle.append({"case": i, "schedule": name, "tokens": out, "accepted": accepted[1:],
                            "expected": source.expected, "pipelined": pair.target.pipelined})
+        say(f"oracle case {case['family']}-{case['block_size']}-{case['sharding']} done")
     taps = {}
     for family, (model, draft) in cfg["taps"].items():
         # The taps the drafter reads, summed from each rank's share, against one process's.
@@ -143,7 +232,11 @@ def rank_main(cfg_path):
             "tap_ids": pair.target.tap_ids, "local": pair.target.local_taps,
             "collectives": collectives_per_pass(pair.target.model),
             "seconds": communication_seconds(pair, [1, 4], rounds=1)}
-    Path(cfg["out"].format(rank=g.rank())).write_text(json.dumps({"commands": runs, "oracle": oracle, "taps": taps}))
+        say(f"taps {family} done")
+    out = Path(cfg["out"].format(rank=g.rank()))
+    part = out.with_name(out.name + ".part")  # renamed when whole: a rank killed while writing leaves no result
+    part.write_text(json.dumps({"commands": runs, "oracle": oracle, "taps": taps}))
+    part.replace(out)
 
 
 def encode(tokenizer_dir, text):
@@ -216,8 +309,8 @@ def sharded(targets, drafters, baselines, root, tokenizer_dir, vocab, tmp_path_f
     cfg.write_text(json.dumps({"commands": {k: list(map(str, v)) for k, v in commands.items()}, "cases": cases,
                                "taps": {f: (str(indexed[f]), str(draft_all)) for f in PIPELINED},
                                "out": str(tmp / "out-{rank}.json")}))
-    output = "".join(run_launch(launch_cmd(__file__, cfg), TIMEOUT))
-    if not all((tmp / f"out-{r}.json").exists() for r in (0, 1)):
+    codes, output = run_ranks(tmp / "hosts.json", __file__, cfg)
+    if codes != [0, 0] or not all((tmp / f"out-{r}.json").exists() for r in (0, 1)):
         pytest.fail(f"the launch ended before both ranks wrote their results:\n{output}")
     ranks = [json.loads((tmp / f"out-{r}.json").read_text()) for r in (0, 1)]
     return cases, ranks, tmp
@@ -326,6 +419,55 @@ def test_a_hanging_rank_ends_the_run_after_the_timeout(targets, drafters):
     assert "dflash-mlx (rank 0 of 2): no progress for 5 s, another rank is not answering" in output
 
 
+RING_CHECK = ("import mlx.core as mx; g = mx.distributed.init(); "
+              "print('sum', mx.distributed.all_sum(mx.array(g.rank() + 1.0)).item())")
+
+
+def test_the_ports_a_launch_is_given_are_held_for_its_ranks_alone(tmp_path):
+    """Between ring_ports and the ranks' binds (after they import MLX) no other socket can take a
+    port: a plain bind and one with SO_REUSEADDR (as servers bind) are refused; the ranks bind them."""
+    base = ring_ports()
+    for options in ((), (socket.SO_REUSEADDR,)):
+        with socket.socket() as other:
+            for option in options:
+                other.setsockopt(socket.SOL_SOCKET, option, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", base))
+    codes, output = run_ranks(tmp_path / "hosts.json", "-c", RING_CHECK, base=base)
+    assert codes == [0, 0] and output.count("sum 3.0") == 2, output
+
+
+def test_a_rank_that_cannot_bind_its_port_ends_the_launch(tmp_path):
+    """A port another process took (here one ring_ports did not hold): rank 0 fails to bind it
+    and says so, and rank 1, which connected to whatever listens there, is ended rather than left
+    waiting for rank 0 forever."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        codes, output = run_ranks(tmp_path / "hosts.json", "-c", RING_CHECK, base=taken.getsockname()[1])
+    assert codes[0] == 1 and codes[1] != 0, output
+    assert "[ring] Couldn't bind socket" in output and "sum" not in output
+
+
+def test_a_launch_whose_ranks_print_nothing_fails_as_hung(tmp_path):
+    with pytest.raises(pytest.fail.Exception, match="no rank printed a line for 2 s"):
+        run_ranks(tmp_path / "hosts.json", "-c", "import time; time.sleep(600)", stall=2)
+
+
+def test_a_command_line_failing_on_one_rank_ends_the_shared_launch(targets, drafters, tmp_path):
+    """The shared launch's ranks stop at a command line that fails: the other rank may still be
+    running it, and would wait in a collective for a rank gone on to the next one."""
+    argv = ["--model", str(targets["qwen3"]), "--draft", str(drafters["old"]), "--prompt", PROMPTS[0],
+            "--max-tokens", "8", "--json"]
+    cfg = tmp_path / "cases.json"
+    cfg.write_text(json.dumps({"commands": {"first": argv, "second": argv}, "cases": [], "taps": {},
+                               "out": str(tmp_path / "out-{rank}.json")}))
+    codes, output = run_ranks(tmp_path / "hosts.json", __file__, cfg, env={"DFLASH_MLX_TEST_FAIL_RANK": "1"})
+    assert codes[1] == 1 and codes[0] != 0, output
+    assert "rank 1: first failed:" in output and "rank 1 was told to fail" in output
+    assert "first done" not in output and "second" not in output and not list(tmp_path.glob("out-*.json"))
+
+
 class _Group:
     def __init__(self, size=2, rank=0):
         self._size, self._rank = size, rank
@@ -414,7 +556,10 @@ def test_an_unseeded_sampled_request_draws_alike_on_every_rank_and_still_learns(
     pair = dflash_mlx.load(str(targets["qwen3"]), str(drafters["old"]))
     sent = _Sent()
     engine = Engine(pair, "tiny", block_size=4, channel=sent)
-    jobs = [engine.submit(Job(encode(tokenizer_dir, p), 24, params, [])) for p in PROMPTS]
+    # No EOS: a request whose first draw is EOS (one run in about a hundred, whatever the seeds rank 0
+    # draws) would end before its first drafted cycle, with nothing to learn or to share.
+    no_eos = {"logit_bias": {str(t): -1e9 for t in pair.tokenizer.eos_token_ids}}
+    jobs = [engine.submit(Job(encode(tokenizer_dir, p), 24, params, [], processor_args=no_eos)) for p in PROMPTS]
     engine.close()
     finals = []
     for job in jobs:
@@ -425,6 +570,7 @@ def test_an_unseeded_sampled_request_draws_alike_on_every_rank_and_still_learns(
     assert end is None and len(requests) == 2
     assert all(r["params"]["seed"] is None and isinstance(r["seed"], int) for r in requests)
     assert requests[0]["seed"] != requests[1]["seed"]
+    assert [sum(len(e.tokens) for e in events) for events in finals] == [24, 24]
     learnt = pair.proposal_scales(params)
     drafted = [[e for e in iter_events if e.finish_reason][-1].stats.draft_cycles for iter_events in finals]
     assert min(drafted) > 0 and learnt.cycles == sum(drafted) and learnt.weight.sum() > 0

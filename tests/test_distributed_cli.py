@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DRAFTER_LAYOUT
-from test_distributed import free_ports
+from test_distributed import free_ports, ring_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -38,7 +38,7 @@ def test_generate_under_mlx_launch_prints_what_one_process_prints(targets, draft
             "--prompt", "def add(a, b):", "--max-tokens", "24", "--no-chat-template"]
     rc, alone, alone_err = run([CLI, *args, "--block-size", "4"])
     assert rc == 0, alone_err
-    rc, out, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--",
+    rc, out, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(ring_ports()), "--",
                         CLI, *args])  # --block-size auto: the drafter's, on every rank
     assert rc == 0, out + err
     assert out == alone and out.strip()  # the same text, printed once (rank 0 only)
@@ -54,7 +54,7 @@ def test_bench_under_mlx_launch_compares_with_sharded_plain_decoding(targets, dr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
     out = tmp_path / "bench.json"
-    rc, stdout, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--",
+    rc, stdout, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(ring_ports()), "--",
                            CLI, "bench", "--model", str(targets["llama"]),
                            "--draft", str(drafters[DRAFTER_LAYOUT.get("llama", "new")]),
                            "--prompts", str(prompts), "--max-tokens", "12", "--block-size", "4,auto", "--out", str(out)])
@@ -82,7 +82,7 @@ def test_bench_under_pipeline_parallelism(targets, drafters, baselines, root, tm
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
     out = tmp_path / "bench.json"
-    rc, stdout, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--",
+    rc, stdout, err = run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(ring_ports()), "--",
                            CLI, "bench", "--model", str(path), "--draft", str(drafters[DRAFTER_LAYOUT["qwen3_5"]]),
                            "--sharding", "pipeline", "--prompts", str(prompts), "--max-tokens", "10",
                            "--block-size", "4", "--out", str(out)])
@@ -105,7 +105,7 @@ def test_serve_under_mlx_launch_keeps_the_ranks_in_step(targets, drafters):
 
     model, draft = str(targets["qwen3"]), str(drafters[DRAFTER_LAYOUT.get("qwen3", "new")])
     port = free_ports(1)
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--", CLI, "serve",
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(ring_ports()), "--", CLI, "serve",
            "--model", model, "--draft", draft, "--port", str(port), "--block-size", "4"]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), start_new_session=True)
