@@ -116,17 +116,19 @@ class Decoder:
         """Prefill `prompt`, then join the batch; its first token (and whether it already ended).
         `source`: the sequence's own draft source (default: the pair's drafter); `asks`: how its
         tokens are picked and its cycles chosen (default: greedy, the decoder's block size).
-        `chunked`, while others decode: a prompt longer than a join chunk (`policy.join`: sized by
-        time) is prefilled a chunk per cycle (`fill`), and its `Committed` says `filling`."""
+        `chunked`: a prompt longer than a chunk (`policy.join`: sized by time; while nothing else
+        decodes, a slice of about a second) is prefilled a chunk per `step` (`fill`), and its
+        `Committed` says `filling`: a request that comes meanwhile starts within about a chunk, and
+        one that is cancelled stops at the next."""
         check_room(prompt, self.target, busy=len(self) > 0)
         self._settle_ahead()
         source = source or self.source
         tcache, dstate, reused = fetch(self.prompt_cache, self.target, prompt, source)
         seq = self._running(prompt, max_tokens, source, dstate, tcache, asks or Asks())
-        later = chunked and bool(self.seqs) and len(prompt) - reused > self.joins.size()
+        later = chunked and len(prompt) - reused > self._chunk()
         # A prompt prefilled between others' cycles gives its taps to its drafter chunk by chunk: held
         # for its first drafted cycle, they would stall everyone's first cycle beside it.
-        steps = prefill(self.target, seq, prompt, tcache, reused, self.joins.size if later else prefill_step,
+        steps = prefill(self.target, seq, prompt, tcache, reused, self._chunk if later else prefill_step,
                         self.prompt_cache is not None, 0 if later else PREFILL_HOLD_BYTES)
         f = Filling(seq, list(prompt), tcache, steps, reused)
         if later:
@@ -136,6 +138,10 @@ class Decoder:
         out = self._filled(f, *drained(self.target, steps))
         self.joins.chunk(len(prompt) - reused, time.perf_counter() - tic)  # what a prefill row costs here
         return out
+
+    def _chunk(self) -> int:
+        """Tokens of a prefilling prompt's next chunk: beside sequences decoding, a join's; alone, a slice."""
+        return self.joins.size() if self.seqs else self.joins.slice()
 
     def fill(self) -> List[Committed]:
         """One prefill chunk of each sequence still prefilling (`Fillings.step`: riding in the next

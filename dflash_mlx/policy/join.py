@@ -34,6 +34,13 @@ JOIN_TTFT = 1.4
 FIRST_CHUNK = 32
 MIN_CHUNK = 16  # below this a chunk's fixed cost (a pass through every layer) is most of its time
 MAX_CHUNK = 2048  # mlx-lm's prefill_step_size: a chunk holds no more memory than a prefill alone
+# A long prompt prefilled while nothing else decodes is still cut into slices of about this many
+# seconds, so that a request that comes meanwhile starts within about one slice (an agent's 20k-token
+# prompt takes tens of seconds on a laptop) and a cancelled one stops within one.
+PREFILL_SLICE = 1.0
+# The least a slice holds: a pass's fixed cost stays a small share of its time, so slicing costs the
+# prefill next to nothing.
+MIN_SLICE = 512
 # Each new prefill row measurement's weight: a row costs more as the context grows; a half-life
 # of a measurement or two follows it.
 NEWEST = 0.5
@@ -112,3 +119,10 @@ class JoinChunks:
             return FIRST_CHUNK
         budget = (1 + JOIN_CYCLES) * self.cycle_seconds - self._own(self.shape)
         return int(min(MAX_CHUNK, max(MIN_CHUNK, budget / self.row_seconds)))
+
+    def slice(self) -> int:
+        """Tokens of a prefill slice while nothing else decodes: the rows that take about
+        PREFILL_SLICE seconds (MAX_CHUNK before a row has been timed)."""
+        if self.row_seconds is None or self.row_seconds <= 0:
+            return MAX_CHUNK
+        return int(min(MAX_CHUNK, max(MIN_SLICE, PREFILL_SLICE / self.row_seconds)))
