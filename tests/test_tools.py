@@ -37,16 +37,17 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                            "properties": {"city": {"type": "string"}}}}}]
 
 
-def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</tool_call>"), extra=(), window=4096):
+def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</tool_call>"), extra=(), window=4096,
+                    before=(), after=()):
     """A bigram-chain target (see the module's docstring) whose assistant turn is the tool call
-    `call` (one added token) between the `markers`, under chat template `template`; it reads
-    `window` tokens."""
+    `call` (one added token) between the `markers`, with the tokens `before` and `after` it (each
+    added, each once), under chat template `template`; it reads `window` tokens."""
     from mlx_lm.utils import _get_classes
     from tokenizers import Tokenizer
 
     tiny.train_tokenizer(root / "tok")
     tok = Tokenizer.from_file(str(root / "tok" / "tokenizer.json"))
-    tok.add_tokens([*markers, *extra, call, "<|tool|>"])
+    tok.add_tokens([*markers, *extra, *before, *after, call, "<|tool|>"])
     target = root / "target"
     target.mkdir()
     tok.save(str(target / "tokenizer.json"))
@@ -54,7 +55,7 @@ def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</t
     (target / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=template)))
     V = tok.get_vocab_size()
     ids = tok.get_vocab()
-    chain = [ids[t] for t in ["<|assistant|>", markers[0], call, markers[1], "<|end|>"]]
+    chain = [ids[t] for t in ["<|assistant|>", *before, markers[0], call, markers[1], *after, "<|end|>"]]
 
     config = dict(tiny.target_config("qwen3", V), tie_word_embeddings=False, max_position_embeddings=window)
     model_cls, args_cls = _get_classes(config)

@@ -37,7 +37,8 @@ from ..errors import DFlashError
 from .requests import count_tokens, parse_messages, parse_request, parse_responses
 from .api_errors import APIError
 from .worker import Engine, Job
-from .tools import ToolError, splitter
+from .reasoning import AnswerParts
+from .tools import ToolError
 
 MAX_BODY = 4 * 1024 * 1024
 # Seconds a client may stay silent while its body is read (one shorter than its Content-Length):
@@ -348,11 +349,10 @@ async def _message(engine: Engine, job: Job, events: JobEvents) -> Response:
         answer.add(event)
 
     def whole():
-        split = splitter(engine.tokenizer, job.tools)
-        content, calls = (split.feed(answer.text, final=True, cut=answer.finish == "length") if split
-                          else (answer.text, []))
+        thinking, content, calls = AnswerParts(engine.tokenizer, job).feed(answer.text, final=True,
+                                                                           cut=answer.finish == "length")
         stop = answer.stats.stop_sequence if answer.stats else None
-        return messages_api.message(engine.model_id, content, calls, answer.finish, stop, answer.stats)
+        return messages_api.message(engine.model_id, content, calls, answer.finish, stop, answer.stats, thinking)
 
     return _JSON(await _off_loop(job, whole))
 
@@ -360,13 +360,13 @@ async def _message(engine: Engine, job: Job, events: JobEvents) -> Response:
 async def _message_events(engine: Engine, job: Job, events: JobEvents) -> AsyncIterator[bytes]:
     """Anthropic's stream: `event: <name>` and `data: <object>` from message_start to message_stop."""
     out = messages_api.EventStream(engine.model_id)
-    split = await _off_loop(job, splitter, engine.tokenizer, job.tools)
+    parts = await _off_loop(job, AnswerParts, engine.tokenizer, job)
 
     def step(event, first: bool):
         final = event.finish_reason is not None
-        text, calls = (split.feed(event.text, final=final, cut=event.finish_reason == "length") if split
-                       else (event.text, []))
+        thinking, text, calls = parts.feed(event.text, final=final, cut=event.finish_reason == "length")
         named = list(out.start(event.stats)) if first else []
+        named += out.thinking(thinking)
         named += out.text(text)
         for call in calls:
             named += out.call(call)
@@ -392,10 +392,10 @@ async def _response(engine: Engine, job: Job, events: JobEvents, body: dict) -> 
         answer.add(event)
 
     def whole():
-        split = splitter(engine.tokenizer, job.tools)
-        text, calls = (split.feed(answer.text, final=True, cut=answer.finish == "length") if split
-                       else (answer.text, []))
-        return responses_api.ResponseEvents(engine.model_id, body).whole(text, calls, answer.finish, answer.stats)
+        reasoning, text, calls = AnswerParts(engine.tokenizer, job).feed(answer.text, final=True,
+                                                                         cut=answer.finish == "length")
+        return responses_api.ResponseEvents(engine.model_id, body).whole(text, calls, answer.finish, answer.stats,
+                                                                         reasoning)
 
     return _JSON(await _off_loop(job, whole))
 
@@ -404,13 +404,13 @@ async def _response_events(engine: Engine, job: Job, events: JobEvents, body: di
     """The Responses API's stream: `event: <type>` and `data: <object>`, from response.created to
     response.completed (or .incomplete, or .failed): never a stream without its end."""
     out = responses_api.ResponseEvents(engine.model_id, body)
-    split = await _off_loop(job, splitter, engine.tokenizer, job.tools)
+    parts = await _off_loop(job, AnswerParts, engine.tokenizer, job)
 
     def step(event):
         final = event.finish_reason is not None
-        text, calls = (split.feed(event.text, final=final, cut=event.finish_reason == "length") if split
-                       else (event.text, []))
-        named = list(out.add_text(text))
+        reasoning, text, calls = parts.feed(event.text, final=final, cut=event.finish_reason == "length")
+        named = list(out.add_reasoning(reasoning))
+        named += out.add_text(text)
         for call in calls:
             named += out.add_call(call)
         if final:

@@ -6,6 +6,7 @@ tool calls become content blocks, as one message or as Anthropic's stream of
 events.
 """
 
+import hashlib
 import json
 import uuid
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -170,8 +171,15 @@ def usage(stats, output_tokens: Optional[int] = None) -> Dict[str, int]:
             (stats.generation_tokens if stats is not None else 0)}
 
 
-def message(model: str, text: str, calls: List[dict], finish, stop_seq, stats) -> Dict[str, Any]:
-    content = ([{"type": "text", "text": text}] if text.strip() else []) + [tool_use(c) for c in calls]
+def signature(thinking: str) -> str:
+    """A thinking block's `signature`: clients echo it back with the block, and this server takes
+    it back unchecked, so it only names the text (its hash)."""
+    return "dflash-" + hashlib.sha256(thinking.encode()).hexdigest()
+
+
+def message(model: str, text: str, calls: List[dict], finish, stop_seq, stats, thinking: str = "") -> Dict[str, Any]:
+    content = ([{"type": "thinking", "thinking": thinking, "signature": signature(thinking)}] if thinking else [])
+    content += ([{"type": "text", "text": text}] if text.strip() else []) + [tool_use(c) for c in calls]
     return {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": stop_reason(finish, stop_seq, bool(calls)),
             "stop_sequence": stop_seq, "usage": usage(stats)}
@@ -186,6 +194,7 @@ class EventStream:
         self.open: Optional[str] = None  # the kind of the block being streamed
         self.calls = 0
         self.blank = ""  # whitespace held back: sent before more text, dropped before a call or the end
+        self.thought = ""  # the thinking block being streamed
 
     def start(self, stats) -> Iterator[Tuple[str, dict]]:
         """The first event, once the prompt is read (`stats` of the first event): its usage counts the
@@ -195,9 +204,25 @@ class EventStream:
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(stats, 0)}}
 
     def _close(self):
+        if self.open == "thinking":
+            yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                          "delta": {"type": "signature_delta", "signature": signature(self.thought)}}
         if self.open is not None:
             yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
             self.open = None
+
+    def thinking(self, text: str):
+        """Reasoning, in a thinking block of its own (its signature sent as it closes)."""
+        if not text:
+            return
+        if self.open != "thinking":
+            yield from self._close()
+            self.index, self.open, self.thought = self.index + 1, "thinking", ""
+            yield "content_block_start", {"type": "content_block_start", "index": self.index,
+                                          "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
+        self.thought += text
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "thinking_delta", "thinking": text}}
 
     def text(self, text: str):
         if not text.strip():  # no block of its own, and none between calls

@@ -1,8 +1,10 @@
 """OpenAI's answer shapes for chat and text completions: whole answers, stream chunks, usage and log probabilities.
 
-What is generated arrives as the engine's events; tool calls in a chat answer
-are parsed out of its text (`tools.splitter`). Decoding tokens for log
-probabilities and parsing tool calls use the tokenizer, which holds its lock.
+What is generated arrives as the engine's events; a thinking model's reasoning
+is split off a chat answer (`reasoning`, and `reasoning_content` as vLLM and
+llama.cpp name it) and tool calls are parsed out of the rest
+(`reasoning.AnswerParts`). Decoding tokens for log probabilities and parsing
+tool calls use the tokenizer, which holds its lock.
 """
 
 import time
@@ -10,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .tools import splitter
+from .reasoning import AnswerParts
 
 
 @dataclass
@@ -67,13 +69,14 @@ def completion(model: str, job, chat: bool, answer: Answer, tok) -> Dict[str, An
     """The whole answer: a `chat.completion` or a `text_completion`."""
     content, finish = answer.text, answer.finish
     lps = None if job.logprobs is None else logprobs(tok, answer.tokens, answer.logprobs, chat)
-    split = splitter(tok, job.tools)
-    calls = []
-    if split is not None:
-        content, calls = split.feed(content, final=True, cut=finish == "length")
+    reasoning, calls = "", []
+    if chat:
+        reasoning, content, calls = AnswerParts(tok, job).feed(content, final=True, cut=finish == "length")
         finish = "tool_calls" if calls and finish == "stop" else finish
     message = {"role": "assistant", "content": content or None, "tool_calls": calls} if calls else \
         {"role": "assistant", "content": content}
+    if reasoning:
+        message.update(reasoning=reasoning, reasoning_content=reasoning)
     choice = ({"index": 0, "message": message, "logprobs": lps, "finish_reason": finish}
               if chat else {"index": 0, "text": content, "finish_reason": finish, "logprobs": lps})
     return {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -86,7 +89,7 @@ class Chunks:
     def __init__(self, model: str, job, chat: bool, tok):
         self.model, self.job, self.chat, self.tok = model, job, chat, tok
         self.id, self.created = _id(chat), int(time.time())
-        self.split = splitter(tok, job.tools) if chat else None
+        self.parts = AnswerParts(tok, job) if chat else None
         self.tokens, self.lps = [], []  # held until a chunk carries them (text may lag its tokens)
 
     def start(self) -> List[dict]:
@@ -95,14 +98,16 @@ class Chunks:
     def feed(self, event) -> List[dict]:
         self.tokens += event.tokens
         self.lps += event.logprobs or []
-        text, calls, finish = event.text, [], event.finish_reason
-        split = self.split
-        if split is not None:
-            text, calls = split.feed(text, final=finish is not None, cut=finish == "length")
-            calls = [dict(c, index=split.calls - len(calls) + i) for i, c in enumerate(calls)]
-            if finish == "stop" and split.calls:
+        reasoning, text, calls, finish = "", event.text, [], event.finish_reason
+        parts = self.parts
+        if parts is not None:
+            reasoning, text, calls = parts.feed(text, final=finish is not None, cut=finish == "length")
+            calls = [dict(c, index=parts.called - len(calls) + i) for i, c in enumerate(calls)]
+            if finish == "stop" and parts.called:
                 finish = "tool_calls"
         out = []
+        if reasoning:
+            out.append(self._chunk("", None, reasoning=reasoning))
         if text or calls or finish:
             lps = None if self.job.logprobs is None or not self.tokens else logprobs(self.tok, self.tokens, self.lps,
                                                                                      self.chat)
@@ -121,11 +126,13 @@ class Chunks:
     def _object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, text, finish, first=False, usage=None, logprobs=None, calls=()):
+    def _chunk(self, text, finish, first=False, usage=None, logprobs=None, calls=(), reasoning=""):
         if self.chat:
             delta = {"content": text} if text or not first else {"role": "assistant", "content": ""}
             if calls:
                 delta = dict(delta if text else {}, tool_calls=calls)
+            if reasoning:
+                delta = {"reasoning": reasoning, "reasoning_content": reasoning}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}

@@ -16,6 +16,7 @@ from . import messages_api, responses_api
 from ..constrain.grammar import Grammar
 from ..decode.request import check_prompt
 from ..errors import DFlashError, PromptTooLong
+from .reasoning import thinking
 from .tool_grammars import call_grammar
 from .tools import ToolError, check_tools, forced_tool, strict_tools, template_messages, tool_choice
 from .api_errors import APIError, too_long
@@ -188,6 +189,9 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         window = getattr(engine.pair.target.args, "max_position_embeddings", None) or limit + len(prompt)
         max_tokens = engine.default_max_tokens or max(1, min(limit, window - len(prompt)))
     job = Job(prompt, max_tokens, params, stop, logprobs, processors, tools, grammar)
+    if chat:
+        with engine.tokenizer_lock:
+            job.thinking = thinking(engine.tokenizer, prompt)
     options = _get(body, "stream_options", dict, None, None, "an object") if stream else None
     if options is not None:
         job.usage_chunk = _get(options, "include_usage", bool, False, None, "a boolean")

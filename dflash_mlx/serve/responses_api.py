@@ -207,6 +207,7 @@ class ResponseEvents:
         self.echo["text"] = body.get("text") or {"format": {"type": "text"}}
         self.output: List[dict] = []  # the items so far
         self.text: Optional[dict] = None  # the message item being written
+        self.thought: Optional[dict] = None  # the reasoning item being written
         self.sequence = 0
 
     def response(self, status: str, stats=None, finish: Optional[str] = None, error=None) -> dict:
@@ -225,9 +226,35 @@ class ResponseEvents:
         yield self._event("response.created", response=self.response("in_progress"))
         yield self._event("response.in_progress", response=self.response("in_progress"))
 
+    def add_reasoning(self, text: str) -> Iterator[Tuple[str, dict]]:
+        """A thinking model's reasoning, in a `reasoning` item of its own."""
+        if not text:
+            return
+        if self.thought is None:
+            yield from self._close_text()
+            self.thought = {"type": "reasoning", "id": _id("rs"), "status": "in_progress", "summary": [],
+                            "content": [{"type": "reasoning_text", "text": ""}]}
+            self.output.append(self.thought)
+            yield self._event("response.output_item.added", output_index=len(self.output) - 1,
+                              item=dict(self.thought, content=[]))
+        self.thought["content"][0]["text"] += text
+        yield self._event("response.reasoning_text.delta", item_id=self.thought["id"],
+                          output_index=self.output.index(self.thought), content_index=0, delta=text)
+
+    def _close_reasoning(self) -> Iterator[Tuple[str, dict]]:
+        if self.thought is None:
+            return
+        item, self.thought = self.thought, None
+        index = self.output.index(item)
+        item["status"] = "completed"
+        yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                          text=item["content"][0]["text"])
+        yield self._event("response.output_item.done", output_index=index, item=item)
+
     def add_text(self, text: str) -> Iterator[Tuple[str, dict]]:
         if not text:
             return
+        yield from self._close_reasoning()
         if self.text is None:
             if not text.strip():
                 return  # no message of its own for whitespace before a call
@@ -257,6 +284,7 @@ class ResponseEvents:
         yield self._event("response.output_item.done", output_index=index, item=item)
 
     def add_call(self, call: dict) -> Iterator[Tuple[str, dict]]:
+        yield from self._close_reasoning()
         yield from self._close_text()
         name = call["function"]["name"]
         item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": name, "arguments": "",
@@ -278,22 +306,28 @@ class ResponseEvents:
         """The last event: `response.completed`, whose response says `incomplete` where the budget ran
         out (clients such as Codex and the openai SDK's stream helper finish a turn on this event
         alone)."""
+        yield from self._close_reasoning()
         yield from self._close_text()
         status = "incomplete" if finish == "length" else "completed"
         yield self._event("response.completed", response=self.response(status, stats, finish))
 
     def failed(self, error: APIError) -> Iterator[Tuple[str, dict]]:
+        yield from self._close_reasoning()
         yield from self._close_text()
         yield self._event("response.failed", response=self.response(
             "failed", error={"code": error.code or error.kind, "message": error.message}))
 
-    def whole(self, text: str, calls: List[dict], finish: Optional[str], stats) -> dict:
+    def whole(self, text: str, calls: List[dict], finish: Optional[str], stats, reasoning: str = "") -> dict:
         """The response object of an answer that is not streamed."""
+        for _ in self.add_reasoning(reasoning):
+            pass
         for _ in self.add_text(text):
             pass
         for call in calls:
             for _ in self.add_call(call):
                 pass
+        for _ in self._close_reasoning():
+            pass
         for _ in self._close_text():
             pass
         return self.response("incomplete" if finish == "length" else "completed", stats, finish)

@@ -111,7 +111,7 @@ class ToolCallSplitter:
             if not self.inside:
                 i = self.buffer.find(self.start)
                 if i < 0:
-                    keep = _partial(self.buffer, self.start) if not final or cut else 0
+                    keep = held_back(self.buffer, self.start) if not final or cut else 0
                     content.append(self.buffer[: len(self.buffer) - keep])
                     self.buffer = "" if final else self.buffer[len(self.buffer) - keep:]
                     break
@@ -140,7 +140,7 @@ class ToolCallSplitter:
         return [openai_call(p) for p in parsed]
 
 
-def _partial(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """Length of the longest end of `text` that begins `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

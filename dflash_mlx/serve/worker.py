@@ -89,6 +89,7 @@ class Job:
     processor_args: dict = field(default_factory=dict)  # make_logits_processors' arguments (penalties, logit bias)
     tools: Optional[list] = None  # the request's tools: calls in the output are parsed
     grammar: Optional[Grammar] = None  # what the output keeps to (`constrain.Grammar`): a schema, a forced call
+    thinking: Optional[tuple] = None  # a thinking model's markers (`serve.reasoning.thinking`): its reasoning is split off
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # the handler has seen the engine's last event (None)
