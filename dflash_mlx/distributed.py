@@ -42,6 +42,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .constrain.gate import Reasoning
 from .constrain.grammar import Grammar
 from .errors import DFlashError
 
@@ -339,7 +340,9 @@ def follow(pair, channel: JobChannel, block_size, prompt_cache=None) -> None:
                                      stop=request["stop"], prompt_cache=prompt_cache,
                                      logprobs=request["logprobs"],
                                      logits_processors=make_processors(request["processors"]),
-                                     grammar=request["grammar"] and Grammar(**request["grammar"])):
+                                     grammar=request["grammar"] and Grammar(**request["grammar"]),
+                                     reasoning=request.get("reasoning") and Reasoning(
+                                         **dict(request["reasoning"], end=tuple(request["reasoning"]["end"])))):
                 if not channel.keep_going():
                     break
         except DFlashError:

@@ -3,6 +3,7 @@
 back unchecked), Responses `reasoning` items; tool calls read from the answer, never from the
 reasoning."""
 
+import json
 import threading
 
 import pytest
@@ -120,3 +121,89 @@ def test_responses_reasoning_items(thinker):
          "arguments": r.output[1].arguments},
         {"type": "function_call_output", "call_id": r.output[1].call_id, "output": "sunny"}])
     assert again.status in ("completed", "incomplete")
+
+
+# -- a grammar after the reasoning, exactly -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo():
+    import dflash_mlx
+
+    return dflash_mlx.load("demo")
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+def test_a_grammar_after_the_reasoning_equals_mlx_lm_with_the_same_gate(demo, block_size):
+    """The reasoning ends at the token greedy decoding writes at a position (an end marker, as
+    `</think>` is a token); the grammar follows it. Greedy ids equal mlx-lm's `generate_step` with
+    the gated grammar as its logits processor, and cycles whose drafts cross the marker are verified
+    with the free rows before it and the grammar's after it."""
+    from conftest import plain_greedy
+    from test_lossless import dflash_tokens
+
+    from dflash_mlx.constrain import Grammar
+    from dflash_mlx.constrain.gate import AfterReasoning, Reasoning
+    from dflash_mlx.constrain.processor import GrammarProcessor
+
+    prompt = demo.tokenizer.encode("def fibonacci(n):")
+    free = plain_greedy(demo.target.model, prompt, 40, demo.tokenizer.eos_token_ids)
+    grammar = Grammar.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    crossings = 0
+    for at in sorted({next(i for i in range(a, len(free)) if free[i] not in free[:i]) for a in (2, 5, 9, 13)}):
+        reasoning = Reasoning(end=(free[at],), inside=True)
+        gated = AfterReasoning(demo.grammars.constraint(grammar), reasoning)
+        ref = plain_greedy(demo.target.model, prompt, 60, demo.tokenizer.eos_token_ids,
+                           [GrammarProcessor(gated, len(prompt))])
+        assert ref[: at + 1] == free[: at + 1] and ref[at + 1:] != free[at + 1: len(ref)]  # free, then the grammar
+        out, events = dflash_tokens(demo, prompt, 60, grammar=grammar, reasoning=reasoning, block_size=block_size)
+        assert out == ref, at
+        done = 0
+        for e in events:
+            crossings += done <= at < done + len(e.tokens) - 1  # the marker and tokens after it in one cycle
+            done += len(e.tokens)
+    assert crossings > 0 or block_size == 1
+
+
+def test_the_budget_forces_the_end_of_the_reasoning(demo):
+    from test_lossless import dflash_tokens
+
+    from dflash_mlx.constrain import Grammar
+    from dflash_mlx.constrain.gate import Reasoning
+
+    prompt = demo.tokenizer.encode("def fibonacci(n):")
+    end = demo.tokenizer.encode("#")[-1]
+    grammar = Grammar.regex("[0-9]{3}")
+    out, events = dflash_tokens(demo, prompt, 40, grammar=grammar, block_size=8,
+                                reasoning=Reasoning(end=(end,), inside=True, budget=6))
+    assert out[6] == end and end not in out[:6]  # six reasoning tokens, then the marker, forced
+    assert demo.tokenizer.decode(out[7:]).isdigit() and events[-1].finish_reason == "stop"
+
+
+def test_a_forced_call_follows_the_thinking_instead_of_forbidding_it(thinker):
+    """Under `tool_choice: "required"` the model still thinks first (its first row also allows the
+    reasoning's start marker), then makes the call the grammar keeps to."""
+    client = openai.OpenAI(base_url=thinker + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="tiny-think", messages=[{"role": "user", "content": "Weather?"}],
+                                       max_tokens=24, temperature=0, tools=TOOLS, tool_choice="required")
+    message = r.choices[0].message
+    assert message.model_extra["reasoning"] == THOUGHT
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris"}
+
+
+def test_a_thinking_budget_ends_the_reasoning_with_the_end_marker(muser):
+    claude = anthropic.Anthropic(base_url=muser, api_key="x", max_retries=0)
+    free = claude.messages.create(model="tiny-think", max_tokens=16, temperature=0,
+                                  messages=[{"role": "user", "content": "Weather?"}])
+    assert free.content[0].thinking == f"<tool_call>{CALL}</tool_call>"
+    cut = claude.messages.create(model="tiny-think", max_tokens=16, temperature=0,
+                                 thinking={"type": "enabled", "budget_tokens": 1},
+                                 messages=[{"role": "user", "content": "Weather?"}])
+    assert [b.type for b in cut.content] == ["thinking", "text"]
+    assert cut.content[0].thinking == "<tool_call>" and cut.content[1].text == "No call needed."
+    client = openai.OpenAI(base_url=muser + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-think", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=4, reasoning_effort="enormous")
+    assert "reasoning_effort" in e.value.body["message"]

@@ -39,6 +39,7 @@ def stream_generate(
     tree: Optional[int] = None,
     proposal_scale: Union[str, float, object] = "auto",
     grammar: Optional[Grammar] = None,
+    reasoning=None,
     ) -> Generator[GenerationEvent, None, None]:
     """Generate with DFlash, yielding one event per verify cycle.
 
@@ -69,7 +70,8 @@ def stream_generate(
     a `ProposalScales` object learns into that object.
 
     With a `grammar` (`constrain.Grammar`: a JSON schema, regex or Lark grammar), every token
-    keeps to it: the output is exactly plain decoding's with the grammar's mask applied before
+    keeps to it (with `reasoning`, a `constrain.gate.Reasoning`: every token after a thinking
+    model's reasoning): the output is exactly plain decoding's with the grammar's mask applied before
     each pick (`constrain.processor.GrammarProcessor` with mlx-lm). Drafts the grammar forbids
     are cut before the target verifies them, and tokens it forces are drafted as certain copies.
 
@@ -89,7 +91,7 @@ def stream_generate(
     streams = Streams(pair, max(1, min(width, source.block_size)), prompt_cache=prompt_cache,
                            block_size=block_size or source.block_size)
     asks = Asks(params, logits_processors, logprobs, tree=tree, lookup=lookup, proposal_scale=proposal_scale,
-                grammar=grammar)
+                grammar=grammar, reasoning=reasoning)
     uid, event = streams.add(Joining(list(prompt), max_tokens, stop, asks, source), prefill_step)
     try:
         while True:

@@ -6,6 +6,7 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..constrain.gate import AfterReasoning, Free
 from ..draft import tree as trees
 from ..policy.plan import PLAIN, Outcome, Plan
 from ..sampling import Draws, Processed, SamplingParams, choose, pick
@@ -33,6 +34,7 @@ class Asks:
     lookup: bool = True  # its drafts may copy from its n-gram lookup, where its policy expects that to pay
     proposal_scale: Any = "auto"  # how an unseeded sampled sequence's drafts are drawn (`policy.proposal`)
     grammar: Any = None  # what its output keeps to (`constrain.Grammar`), or None
+    reasoning: Any = None  # where a thinking model's reasoning ends (`constrain.gate.Reasoning`): the grammar follows it
 
 
 @dataclass(kw_only=True)
@@ -223,6 +225,10 @@ def new_sequence(pair, uid: int, prompt: Sequence[int], max_tokens: int, source,
     if not params.greedy and tapped and draws is None:
         scaler = proposal_scaler(pair, source, params, asks.proposal_scale)
     constraint = None if asks.grammar is None else pair.grammars.constraint(asks.grammar)
+    if asks.reasoning is not None and (constraint is not None or asks.reasoning.budget is not None):
+        # the grammar (or, for a budget alone, nothing) applies from the end of the reasoning
+        inner = constraint or Free(pair.grammars.tokenizer.vocab_size, pair.tokenizer.eos_token_ids)
+        constraint = AfterReasoning(inner, asks.reasoning)
     return Running(uid=uid, max_tokens=max_tokens, source=source, dstate=dstate, params=params,
                    proc=Processed(asks.processors, prompt), draws=draws, top=asks.logprobs, scaler=scaler,
                    constraint=constraint,

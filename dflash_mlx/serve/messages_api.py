@@ -114,6 +114,14 @@ def to_chat(body: Any) -> Dict[str, Any]:
         chat.insert(0, {"role": "system", "content": _text(body["system"], "'system'")})
     chat = _in_place(chat)
     out = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream") if k in body}
+    thinking = body.get("thinking") if isinstance(body.get("thinking"), dict) else {}
+    if thinking.get("type") == "enabled" and thinking.get("budget_tokens") is not None:
+        out["thinking_budget"] = thinking["budget_tokens"]
+    elif thinking.get("type") == "disabled":
+        out["enable_thinking"] = False
+    effort = (body.get("output_config") or {}).get("effort") if isinstance(body.get("output_config"), dict) else None
+    if effort is not None and "thinking_budget" not in out and thinking.get("type") != "disabled":
+        out["reasoning_effort"] = effort
     out["messages"] = chat
     if body.get("stop_sequences") is not None:
         stops = body["stop_sequences"]

@@ -10,7 +10,14 @@ where tool calls are read, is what follows it. A template that opens the reasoni
 
 from typing import List, Optional, Sequence, Tuple
 
+from ..constrain.gate import Reasoning
+from .api_errors import APIError
 from .tools import held_back, splitter
+
+# Reasoning tokens a request's effort allows before the end marker is forced (OpenAI's
+# `reasoning_effort` and `reasoning.effort`); Anthropic's `thinking.budget_tokens` gives the number.
+# "none" turns thinking off where the chat template can.
+EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
 
 
 class ReasoningSplitter:
@@ -76,3 +83,28 @@ class AnswerParts:
         reasoning, text = self.thinking.feed(text, final) if self.thinking is not None else ("", text)
         text, calls = self.calls.feed(text, final, cut) if self.calls is not None else (text, [])
         return reasoning, text, calls
+
+
+def budget(body: dict) -> Optional[int]:
+    """The request's thinking budget in tokens: `thinking_budget` (Anthropic's `budget_tokens`, as
+    the Messages API passes it on) or `reasoning_effort` (`EFFORT_BUDGETS`); None: unbounded."""
+    tokens = body.get("thinking_budget")
+    if tokens is not None:
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise APIError(400, "'thinking.budget_tokens' must be a positive integer.", param="thinking")
+        return tokens
+    effort = body.get("reasoning_effort")
+    if effort is None or effort == "none":
+        return None
+    if effort not in EFFORT_BUDGETS:
+        raise APIError(400, f"'reasoning_effort' must be one of none, {', '.join(EFFORT_BUDGETS)}.",
+                       param="reasoning_effort")
+    return EFFORT_BUDGETS[effort]
+
+
+def gate(tokenizer, markers: Tuple[str, str, bool], tokens: Optional[int]) -> Reasoning:
+    """Where a thinking model's reasoning ends, in token ids, for a grammar that follows it or a
+    budget that ends it."""
+    start = list(tokenizer.think_start_tokens)
+    return Reasoning(end=tuple(tokenizer.think_end_tokens), start=start[0] if len(start) == 1 else None,
+                     inside=markers[2], budget=tokens)

@@ -16,7 +16,7 @@ from . import messages_api, responses_api
 from ..constrain.grammar import Grammar
 from ..decode.request import check_prompt
 from ..errors import DFlashError, PromptTooLong
-from .reasoning import thinking
+from .reasoning import budget, gate, thinking
 from .tool_grammars import call_grammar
 from .tools import ToolError, check_tools, forced_tool, strict_tools, template_messages, tool_choice
 from .api_errors import APIError, too_long
@@ -190,8 +190,11 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         max_tokens = engine.default_max_tokens or max(1, min(limit, window - len(prompt)))
     job = Job(prompt, max_tokens, params, stop, logprobs, processors, tools, grammar)
     if chat:
+        tokens = budget(body)
         with engine.tokenizer_lock:
             job.thinking = thinking(engine.tokenizer, prompt)
+            if job.thinking is not None and (grammar is not None or tokens is not None):
+                job.reasoning = gate(engine.tokenizer, job.thinking, tokens)  # the grammar follows the reasoning
     options = _get(body, "stream_options", dict, None, None, "an object") if stream else None
     if options is not None:
         job.usage_chunk = _get(options, "include_usage", bool, False, None, "a boolean")

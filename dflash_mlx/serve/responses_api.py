@@ -153,6 +153,9 @@ def to_chat(body: Any) -> Dict[str, Any]:
                    "conversation in 'input' (as with \"store\": false).", "previous_response_id")
     chat = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "parallel_tool_calls") if k in body}
     chat["messages"] = _messages(body)
+    effort = body["reasoning"].get("effort") if isinstance(body.get("reasoning"), dict) else None
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     tools = functions(body.get("tools"))

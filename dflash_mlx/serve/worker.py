@@ -23,7 +23,7 @@ import queue
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import mlx.core as mx
 
@@ -90,6 +90,7 @@ class Job:
     tools: Optional[list] = None  # the request's tools: calls in the output are parsed
     grammar: Optional[Grammar] = None  # what the output keeps to (`constrain.Grammar`): a schema, a forced call
     thinking: Optional[tuple] = None  # a thinking model's markers (`serve.reasoning.thinking`): its reasoning is split off
+    reasoning: Any = None  # where its reasoning ends (`constrain.gate.Reasoning`): its grammar or budget follows it
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # the handler has seen the engine's last event (None)
@@ -255,7 +256,7 @@ class Engine:
         try:
             firsts = batch.add_many([Joining(job.prompt, job.max_tokens, job.stop,
                                              Asks(job.params, make_processors(job.processor_args), job.logprobs,
-                                                  grammar=job.grammar))
+                                                  grammar=job.grammar, reasoning=job.reasoning))
                                      for job in joining])
         except DFlashError as e:
             if len(joining) > 1:  # find the one at fault: the others go in
@@ -312,7 +313,8 @@ class Engine:
             events = stream_generate(self.pair, job.prompt, max_tokens=job.max_tokens,
                                      sampling=job.params, block_size=self.block_size, stop=job.stop,
                                      prompt_cache=self.prompt_cache, logprobs=job.logprobs,
-                                     logits_processors=make_processors(job.processor_args), grammar=job.grammar)
+                                     logits_processors=make_processors(job.processor_args), grammar=job.grammar,
+                                     reasoning=job.reasoning)
             failed = False
             for event in events:
                 failed = event.finish_reason == "error"
@@ -344,7 +346,8 @@ class Engine:
         self.channel.send({"prompt": list(job.prompt), "max_tokens": job.max_tokens,
                            "params": dataclasses.asdict(job.params), "stop": list(job.stop),
                            "logprobs": job.logprobs, "processors": job.processor_args, "seed": seed,
-                           "grammar": None if job.grammar is None else dataclasses.asdict(job.grammar)})
+                           "grammar": None if job.grammar is None else dataclasses.asdict(job.grammar),
+                           "reasoning": None if job.reasoning is None else dataclasses.asdict(job.reasoning)})
         if seed is not None:
             mx.random.seed(seed)
 
