@@ -1,6 +1,8 @@
+import contextlib
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -324,3 +326,17 @@ class ScriptedWidths:
 
     def drafter_pays(self, first, last):
         return True
+
+
+@contextlib.contextmanager
+def serving(pair, name: str, **kw):
+    """A server on `pair` (`make_server`'s options `kw`) on a free loopback port: (server, its base URL)."""
+    from dflash_mlx.serve.http_server import make_server
+
+    server = make_server(pair, name, "127.0.0.1", 0, **kw)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.engine.close()

@@ -1,37 +1,26 @@
 """The Anthropic Messages API over real HTTP with the official anthropic client."""
 
 import json
-import threading
 
 import pytest
+from conftest import serving
 from test_tools import CALL, TOOLS, tool_pair  # noqa: F401 (a fixture)
 
-from dflash_mlx.serve.http_server import make_server
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
 
-def serve(pair, name, **kw):
-    server = make_server(pair, name, "127.0.0.1", 0, **kw)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
-
-
 @pytest.fixture(scope="module")
 def text_server(pairs):
-    server, url = serve(pairs["qwen3"], "tiny-qwen3", api_key="secret")
-    yield url
-    server.shutdown()
-    server.engine.close()
+    with serving(pairs["qwen3"], "tiny-qwen3", api_key="secret") as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
 def tool_server(tool_pair):  # noqa: F811
-    server, url = serve(tool_pair, "tiny-tools")
-    yield url
-    server.shutdown()
-    server.engine.close()
+    with serving(tool_pair, "tiny-tools") as (_, url):
+        yield url
 
 
 def test_a_message_equals_the_chat_completion(text_server):

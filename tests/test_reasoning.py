@@ -4,12 +4,11 @@ back unchecked), Responses `reasoning` items; tool calls read from the answer, n
 reasoning."""
 
 import json
-import threading
 
 import pytest
+from conftest import serving
 from test_tools import CALL, TEMPLATE, TOOLS, build_tool_pair
 
-from dflash_mlx.serve.http_server import make_server
 from dflash_mlx.serve.reasoning import ReasoningSplitter
 
 openai = pytest.importorskip("openai")
@@ -19,20 +18,12 @@ ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"][
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
 
 
-def serve(pair):
-    server = make_server(pair, "tiny-think", "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
-
-
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
     """It thinks, then calls get_weather."""
     pair = build_tool_pair(tmp_path_factory.mktemp("think"), TEMPLATE, CALL, before=("<think>", THOUGHT, "</think>"))
-    server, url = serve(pair)
-    yield url
-    server.shutdown()
-    server.engine.close()
+    with serving(pair, "tiny-think") as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +31,8 @@ def muser(tmp_path_factory):
     """It writes a call inside its thinking, then answers in words."""
     pair = build_tool_pair(tmp_path_factory.mktemp("muse"), TEMPLATE, CALL, before=("<think>",),
                            after=("</think>", "No call needed."))
-    server, url = serve(pair)
-    yield url
-    server.shutdown()
-    server.engine.close()
+    with serving(pair, "tiny-think") as (_, url):
+        yield url
 
 
 @pytest.mark.parametrize("inside", [False, True])

@@ -2,13 +2,13 @@
 `responses.stream`), and the requests Codex CLI and the OpenAI Agents SDK send, replayed."""
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
+from conftest import serving
+from test_messages_api import text_server, tool_server  # noqa: F401 (fixtures)
 from test_tools import CALL, TEMPLATE, TOOLS, build_tool_pair, tool_pair  # noqa: F401 (a fixture)
 
-from dflash_mlx.serve.http_server import make_server
 
 openai = pytest.importorskip("openai")
 FIXTURES = Path(__file__).parent / "fixtures" / "clients"
@@ -16,33 +16,11 @@ FUNCTIONS = [{"type": "function", "name": t["function"]["name"], "description": 
               "parameters": t["function"]["parameters"]} for t in TOOLS]
 
 
-def serve(pair, name):
-    server = make_server(pair, name, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
-
-
-@pytest.fixture(scope="module")
-def text_server(pairs):
-    server, url = serve(pairs["qwen3"], "tiny-qwen3")
-    yield url
-    server.shutdown()
-    server.engine.close()
-
-
-@pytest.fixture(scope="module")
-def tool_server(tool_pair):  # noqa: F811
-    server, url = serve(tool_pair, "tiny-tools")
-    yield url
-    server.shutdown()
-    server.engine.close()
-
-
 def clients(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0, timeout=120)
 
 
-def test_a_response_equals_the_chat_completion(text_server):
+def test_a_response_equals_the_chat_completion(text_server):  # noqa: F811
     c = clients(text_server)
     r = c.responses.create(model="tiny-qwen3", instructions="Be brief.", input="def add(a, b):",
                            max_output_tokens=12, temperature=0)
@@ -57,7 +35,7 @@ def test_a_response_equals_the_chat_completion(text_server):
     assert r.instructions == "Be brief." and r.max_output_tokens == 12
 
 
-def test_items_become_the_chat_history(text_server):
+def test_items_become_the_chat_history(text_server):  # noqa: F811
     c = clients(text_server)
     items = [{"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "def add(a, b):"}]},
@@ -72,7 +50,7 @@ def test_items_become_the_chat_history(text_server):
     assert r.usage.input_tokens == chat.usage.prompt_tokens
 
 
-def test_the_stream_parses_and_equals_the_whole_answer(text_server):
+def test_the_stream_parses_and_equals_the_whole_answer(text_server):  # noqa: F811
     c = clients(text_server)
     whole = c.responses.create(model="tiny-qwen3", input="import math", max_output_tokens=10, temperature=0)
     with c.responses.stream(model="tiny-qwen3", input="import math", max_output_tokens=10, temperature=0) as s:
@@ -88,7 +66,7 @@ def test_the_stream_parses_and_equals_the_whole_answer(text_server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
-def test_function_calls_and_a_tool_result_turn(tool_server):
+def test_function_calls_and_a_tool_result_turn(tool_server):  # noqa: F811
     c = clients(tool_server)
     r = c.responses.create(model="tiny-tools", input="Weather in Paris?", tools=FUNCTIONS, max_output_tokens=16,
                            temperature=0)
@@ -117,7 +95,7 @@ def test_function_calls_and_a_tool_result_turn(tool_server):
     assert [(o.type, o.name, json.loads(o.arguments)) for o in r.output] == [("function_call", "get_time", {})]
 
 
-def test_text_format_keeps_the_answer_to_a_schema(text_server):
+def test_text_format_keeps_the_answer_to_a_schema(text_server):  # noqa: F811
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
     r = clients(text_server).responses.create(
@@ -134,7 +112,7 @@ def test_text_format_keeps_the_answer_to_a_schema(text_server):
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "objekt"}}}},
      "unknown type 'objekt'"),
 ])
-def test_bad_requests_are_400s_before_any_byte(text_server, body, words):
+def test_bad_requests_are_400s_before_any_byte(text_server, body, words):  # noqa: F811
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:
             clients(text_server).responses.create(model="tiny-qwen3", stream=stream, **body)
@@ -154,7 +132,7 @@ def _replayed(path, url, model):
 
 @pytest.mark.parametrize("capture", sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.rglob("*-v1-responses.json")
                                            if "codex" not in str(p)))
-def test_the_agents_sdks_requests_are_answered_as_it_parses_them(tool_server, capture):
+def test_the_agents_sdks_requests_are_answered_as_it_parses_them(tool_server, capture):  # noqa: F811
     from openai.types.responses import Response, ResponseStreamEvent
     from pydantic import TypeAdapter
 
@@ -173,10 +151,9 @@ def test_the_agents_sdks_requests_are_answered_as_it_parses_them(tool_server, ca
 def agent_server(tmp_path_factory):
     """The tool-calling pair with a window that holds an agent's prompt (tools and system prompt:
     10-20k tokens of this tokenizer)."""
-    server, url = serve(build_tool_pair(tmp_path_factory.mktemp("agent"), TEMPLATE, CALL, window=65536), "demo-chat")
-    yield url
-    server.shutdown()
-    server.engine.close()
+    pair = build_tool_pair(tmp_path_factory.mktemp("agent"), TEMPLATE, CALL, window=65536)
+    with serving(pair, "demo-chat") as (_, url):
+        yield url
 
 
 @pytest.mark.parametrize("capture", sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.rglob("*.json")

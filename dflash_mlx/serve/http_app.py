@@ -18,7 +18,7 @@ import json
 import threading
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Optional
+from typing import Any, AsyncIterator, Awaitable, Optional, Union
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
@@ -315,12 +315,20 @@ def _named(events) -> bytes:
     return "".join(f"event: {name}\ndata: {json.dumps(obj)}\n\n" for name, obj in events).encode()
 
 
-async def _completion(engine: Engine, job: Job, events: JobEvents, chat: bool) -> Response:
+async def _gathered(events: JobEvents) -> Union[openai_api.Answer, APIError]:
+    """A whole answer from its events, or the error that ended it."""
     answer = openai_api.Answer()
     async for event in events.stream():
         if isinstance(event, APIError):
-            return _JSON(event.body(), event.status)
+            return event
         answer.add(event)
+    return answer
+
+
+async def _completion(engine: Engine, job: Job, events: JobEvents, chat: bool) -> Response:
+    answer = await _gathered(events)
+    if isinstance(answer, APIError):
+        return _JSON(answer.body(), answer.status)
     body = await _off_loop(job, openai_api.completion, engine.model_id, job, chat, answer, engine.tokenizer)
     return _JSON(body)
 
@@ -342,11 +350,9 @@ async def _chunk_events(engine: Engine, job: Job, events: JobEvents, chat: bool)
 
 
 async def _message(engine: Engine, job: Job, events: JobEvents) -> Response:
-    answer = openai_api.Answer()
-    async for event in events.stream():
-        if isinstance(event, APIError):
-            return _error(event, True)
-        answer.add(event)
+    answer = await _gathered(events)
+    if isinstance(answer, APIError):
+        return _error(answer, True)
 
     def whole():
         thinking, content, calls = AnswerParts(engine.tokenizer, job).feed(answer.text, final=True,
@@ -385,11 +391,9 @@ async def _message_events(engine: Engine, job: Job, events: JobEvents) -> AsyncI
 
 
 async def _response(engine: Engine, job: Job, events: JobEvents, body: dict) -> Response:
-    answer = openai_api.Answer()
-    async for event in events.stream():
-        if isinstance(event, APIError):
-            return _JSON(event.body(), event.status)
-        answer.add(event)
+    answer = await _gathered(events)
+    if isinstance(answer, APIError):
+        return _JSON(answer.body(), answer.status)
 
     def whole():
         reasoning, text, calls = AnswerParts(engine.tokenizer, job).feed(answer.text, final=True,
