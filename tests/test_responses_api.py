@@ -150,8 +150,8 @@ def test_the_agents_sdks_requests_are_answered_as_it_parses_them(tool_server, ca
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory):
     """The tool-calling pair with a window that holds an agent's prompt (tools and system prompt:
-    10-20k tokens of this tokenizer)."""
-    pair = build_tool_pair(tmp_path_factory.mktemp("agent"), TEMPLATE, CALL, window=65536)
+    10-20k tokens of this tokenizer), in two layers: a prefill of that length stays quick."""
+    pair = build_tool_pair(tmp_path_factory.mktemp("agent"), TEMPLATE, CALL, window=65536, layers=2)
     with serving(pair, "demo-chat") as (_, url):
         yield url
 

@@ -38,10 +38,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</tool_call>"), extra=(), window=4096,
-                    before=(), after=()):
-    """A bigram-chain target (see the module's docstring) whose assistant turn is the tool call
-    `call` (one added token) between the `markers`, with the tokens `before` and `after` it (each
-    added, each once), under chat template `template`; it reads `window` tokens."""
+                    before=(), after=(), layers=6):
+    """A bigram-chain target (see the module's docstring) of `layers` layers whose assistant turn is
+    the tool call `call` (one added token) between the `markers`, with the tokens `before` and
+    `after` it (each added, each once), under chat template `template`; it reads `window` tokens."""
     from mlx_lm.utils import _get_classes
     from tokenizers import Tokenizer
 
@@ -57,7 +57,8 @@ def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</t
     ids = tok.get_vocab()
     chain = [ids[t] for t in ["<|assistant|>", *before, markers[0], call, markers[1], *after, "<|end|>"]]
 
-    config = dict(tiny.target_config("qwen3", V), tie_word_embeddings=False, max_position_embeddings=window)
+    config = dict(tiny.target_config("qwen3", V), tie_word_embeddings=False, max_position_embeddings=window,
+                  num_hidden_layers=layers)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(3)
     model = model_cls(args_cls.from_dict(config))
@@ -73,7 +74,8 @@ def build_tool_pair(root, template: str, call: str, markers=("<tool_call>", "</t
     mx.save_safetensors(str(target / "model.safetensors"), params)
     (target / "config.json").write_text(json.dumps(config))
     drafter = tiny.build_drafter(root / "drafter",
-                                 tiny.drafter_config("old", V, 6, mask_token_id=ids["<|mask|>"]))
+                                 tiny.drafter_config("old", V, layers, mask_token_id=ids["<|mask|>"],
+                                                     layer_ids=(1, 3) if layers > 3 else (0, layers - 1)))
     return dflash_mlx.load(str(target), str(drafter))
 
 
