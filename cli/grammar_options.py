@@ -28,12 +28,19 @@ def _schema(value: str) -> Grammar:
     text = value.strip()
     if not text:
         raise DFlashError("--json-schema is empty; give a schema file, or the schema's JSON itself.")
-    if not text.startswith("{") and not Path(value).expanduser().exists() and not _is_json(text):
+    if not text.startswith("{") and not _exists(value) and not _is_json(text):
         raise DFlashError(f"--json-schema {value}: no such file (give a schema file, or the schema's JSON itself).")
-    if not text.startswith("{") and Path(value).expanduser().exists():
+    if not text.startswith("{") and _exists(value):
         return Grammar.json_schema(_read(value, "--json-schema", "a JSON schema file"),
                                    what=f"The JSON schema in {value}")
     return Grammar.json_schema(value)
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).expanduser().exists()
+    except OSError:  # a name too long to be a file's: JSON, or a mistake
+        return False
 
 
 def _is_json(text: str) -> bool:

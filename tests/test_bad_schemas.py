@@ -207,6 +207,8 @@ def test_the_cli_refuses_bad_schemas_in_one_line(tmp_path, name, how):
 def test_the_cli_reads_json_that_is_not_an_object_as_json_not_as_a_file_name():
     one_error_line(runner.invoke(app, ["generate", "-p", "x", "--json-schema", "false"]), "`false`")
     one_error_line(runner.invoke(app, ["generate", "-p", "x", "--json-schema", "[1,2]"]), "JSON object")
+    one_error_line(runner.invoke(app, ["generate", "-p", "x", "--json-schema", json.dumps(list(range(5000)))]),
+                   "JSON object")  # longer than any file name
 
 
 def test_the_cli_names_a_missing_file_and_a_folder_for_what_they_are(tmp_path):
