@@ -53,10 +53,12 @@ class AfterReasoning:
     def take_seconds(self) -> float:
         return self.inner.take_seconds()
 
-    def _walk(self, tokens: Sequence[int]) -> Tuple[str, int, int, int]:
+    def _walk(self, tokens: Sequence[int],
+              at: Optional[Tuple[str, int, int]] = None) -> Tuple[str, int, int, int]:
         """(state, matched, thought, i) after the leading tokens that stay outside the grammar:
-        `i` of them (through the end marker, if it comes); the state after them."""
-        state, matched, thought = self.state, self.matched, self.thought
+        `i` of them (through the end marker, if it comes); the state after them. `at`: the
+        (state, matched, thought) to walk from (default: the committed one)."""
+        state, matched, thought = at or (self.state, self.matched, self.thought)
         for i, t in enumerate(tokens):
             if state == "answer":
                 return state, matched, thought, i
@@ -95,18 +97,9 @@ class AfterReasoning:
                 break  # the grammar's first token: the inner matcher decides
             if not (row[drafts[i] // 32] >> (drafts[i] % 32)) & 1:
                 return i
-            state, matched, thought, _ = self._walk_from(state, matched, thought, drafts[i])
+            state, matched, thought, _ = self._walk([drafts[i]], (state, matched, thought))
             i += 1
         return i + self.inner.allows(drafts[i:]) if state != "reasoning" else i
-
-    def _walk_from(self, state, matched, thought, token):
-        saved = (self.state, self.matched, self.thought)
-        self.state, self.matched, self.thought = state, matched, thought
-        try:
-            s, m, t, _ = self._walk([token])
-        finally:
-            self.state, self.matched, self.thought = saved
-        return s, m, t, 1
 
     def masks(self, drafts: Sequence[int] = (), valid: Optional[int] = None) -> Masks:
         drafts = list(drafts)
@@ -126,7 +119,7 @@ class AfterReasoning:
             rows.append(self._free_row(state, matched, thought))
             if i == len(drafts):
                 return Masks(np.stack(rows), valid)
-            state, matched, thought, _ = self._walk_from(state, matched, thought, drafts[i])
+            state, matched, thought, _ = self._walk([drafts[i]], (state, matched, thought))
             i += 1
         rest = self.inner.masks(drafts[i:], max(valid - i, 0))
         return Masks(np.concatenate([np.stack(rows), rest.bits]) if rows else rest.bits, valid)
