@@ -342,7 +342,8 @@ def follow(pair, channel: JobChannel, block_size, prompt_cache=None) -> None:
                                      logits_processors=make_processors(request["processors"]),
                                      grammar=request["grammar"] and Grammar(**request["grammar"]),
                                      reasoning=request.get("reasoning") and Reasoning(
-                                         **dict(request["reasoning"], end=tuple(request["reasoning"]["end"])))):
+                                         **dict(request["reasoning"], end=tuple(request["reasoning"]["end"]),
+                                                close=tuple(request["reasoning"].get("close", ()))))):
                 if not channel.keep_going():
                     break
         except DFlashError:

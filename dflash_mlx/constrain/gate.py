@@ -2,14 +2,16 @@
 then answers in the schema.
 
 While the model reasons, every row allows every token; the grammar starts with the token after
-the reasoning's end marker. A block whose drafts cross the marker is masked row by row: rows up
-to the marker free, the rows after it by the grammar after the drafts that follow the marker, so
-speculation stays exact across the boundary. Where the model may open its reasoning itself (the
-prompt did not), the first row also allows the start marker. A thinking budget ends the
-reasoning: past it, the rows allow only the end marker's next token, a run of forced tokens.
+the reasoning's end marker (one token or several: Gemma 4's thought channel, harmony's
+`<|channel|>final<|message|>`). A block whose drafts cross the marker is masked row by row: rows
+up to the marker free, the rows after it by the grammar after the drafts that follow the marker,
+so speculation stays exact across the boundary. Where the model may open its reasoning itself
+(the prompt did not), the first row also allows the start marker. A thinking budget ends the
+reasoning: past it, the rows allow only the next token of its close (the end marker, or for
+harmony the analysis's end and the final answer's start), a run of forced tokens.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -25,6 +27,21 @@ class Reasoning:
     start: Optional[int] = None  # the start marker's token, where it is one token
     inside: bool = False  # the prompt opened the reasoning: the answer starts inside it
     budget: Optional[int] = None  # reasoning tokens before the end marker is forced (None: no bound)
+    close: Tuple[int, ...] = ()  # what a spent budget forces, ending with `end` (default: `end` alone)
+
+
+@dataclass(frozen=True)
+class Walk:
+    """Where a sequence stands outside the grammar."""
+
+    state: str  # "maybe": the next token may open the reasoning; "reasoning": inside it; "answer": the grammar's
+    matched: int = 0  # tokens of the end marker matched so far
+    closing: int = 0  # tokens of the close matched so far
+    thought: int = 0  # reasoning tokens
+
+
+def _match(marker: Sequence[int], matched: int, token: int) -> int:
+    return matched + 1 if matched < len(marker) and token == marker[matched] else int(token == marker[0])
 
 
 class AfterReasoning:
@@ -33,10 +50,9 @@ class AfterReasoning:
     def __init__(self, inner: Constraint, reasoning: Reasoning):
         self.inner, self.r = inner, reasoning
         self.words, self.eos = inner.words, inner.eos
-        # "maybe": the next token may open the reasoning; "reasoning": inside it; "answer": the grammar's
-        self.state = "reasoning" if reasoning.inside else "maybe" if reasoning.start is not None else "answer"
-        self.matched = 0  # tokens of the end marker matched so far
-        self.thought = 0  # reasoning tokens committed
+        end, close = tuple(reasoning.end), tuple(reasoning.close)
+        self.close = close if close[len(close) - len(end):] == end else end
+        self.at = Walk("reasoning" if reasoning.inside else "maybe" if reasoning.start is not None else "answer")
 
     @property
     def error(self) -> Optional[str]:
@@ -44,42 +60,48 @@ class AfterReasoning:
 
     @property
     def done(self) -> bool:
-        return self.state == "answer" and self.inner.done
+        return self.at.state == "answer" and self.inner.done
 
     @property
     def accepting(self) -> bool:
-        return self.state == "answer" and self.inner.accepting
+        return self.at.state == "answer" and self.inner.accepting
 
     def take_seconds(self) -> float:
         return self.inner.take_seconds()
 
-    def _walk(self, tokens: Sequence[int],
-              at: Optional[Tuple[str, int, int]] = None) -> Tuple[str, int, int, int]:
-        """(state, matched, thought, i) after the leading tokens that stay outside the grammar:
-        `i` of them (through the end marker, if it comes); the state after them. `at`: the
-        (state, matched, thought) to walk from (default: the committed one)."""
-        state, matched, thought = at or (self.state, self.matched, self.thought)
+    def _walk(self, tokens: Sequence[int], at: Optional[Walk] = None) -> Tuple[Walk, int]:
+        """Where the sequence stands after the leading `tokens` that stay outside the grammar (through
+        the end marker, if it comes), and how many they are; from `at` (default: the committed walk)."""
+        at = at or self.at
         for i, t in enumerate(tokens):
-            if state == "answer":
-                return state, matched, thought, i
-            if state == "maybe":
+            if at.state == "answer":
+                return at, i
+            if at.state == "maybe":
                 if t != self.r.start:
-                    return "answer", matched, thought, i
-                state = "reasoning"
+                    return replace(at, state="answer"), i
+                at = replace(at, state="reasoning")
                 continue
-            thought += 1
-            matched = matched + 1 if t == self.r.end[matched] else int(t == self.r.end[0])
+            matched = _match(self.r.end, at.matched, t)
             if matched == len(self.r.end):
-                state, matched = "answer", 0
-        return state, matched, thought, len(tokens)
+                at = Walk("answer", thought=at.thought + 1)
+            else:
+                at = Walk("reasoning", matched, _match(self.close, at.closing, t), at.thought + 1)
+        return at, len(tokens)
 
-    def _free_row(self, state: str, matched: int, thought: int) -> np.ndarray:
+    def _spent(self, at: Walk) -> bool:
+        return at.state == "reasoning" and self.r.budget is not None and at.thought >= self.r.budget
+
+    def _closing(self, at: Walk) -> Tuple[int, ...]:
+        """What a spent budget forces from `at`: the rest of the end marker once begun, else of the close."""
+        return tuple(self.r.end[at.matched:]) if at.matched else self.close[at.closing:] or tuple(self.r.end)
+
+    def _free_row(self, at: Walk) -> np.ndarray:
         """The mask of a row outside the grammar: all tokens while reasoning (past the budget, the
-        end marker's next token alone); at the answer's start, the grammar's first row and the
-        start marker."""
-        if state == "reasoning":
-            if self.r.budget is not None and thought >= self.r.budget:
-                return self._only(self.r.end[matched])
+        close's next token alone); at the answer's start, the grammar's first row and the start
+        marker."""
+        if at.state == "reasoning":
+            if self._spent(at):
+                return self._only(self._closing(at)[0])
             return np.full((self.words,), -1, dtype=np.int32)
         return self._only(self.r.start)  # "maybe": joined with the grammar's row by the caller
 
@@ -90,50 +112,50 @@ class AfterReasoning:
 
     def allows(self, drafts: Sequence[int]) -> int:
         drafts = list(drafts)
-        state, matched, thought, i = self.state, self.matched, self.thought, 0
-        while i < len(drafts) and state != "answer":
-            row = self._free_row(state, matched, thought)
-            if state == "maybe" and drafts[i] != self.r.start:
+        at, i = self.at, 0
+        while i < len(drafts) and at.state != "answer":
+            row = self._free_row(at)
+            if at.state == "maybe" and drafts[i] != self.r.start:
                 break  # the grammar's first token: the inner matcher decides
             if not (row[drafts[i] // 32] >> (drafts[i] % 32)) & 1:
                 return i
-            state, matched, thought, _ = self._walk([drafts[i]], (state, matched, thought))
+            at, _ = self._walk([drafts[i]], at)
             i += 1
-        return i + self.inner.allows(drafts[i:]) if state != "reasoning" else i
+        return i + self.inner.allows(drafts[i:]) if at.state != "reasoning" else i
 
     def masks(self, drafts: Sequence[int] = (), valid: Optional[int] = None) -> Masks:
         drafts = list(drafts)
         valid = self.allows(drafts) if valid is None else valid
         rows: List[np.ndarray] = []
-        state, matched, thought, i = self.state, self.matched, self.thought, 0
-        while state != "answer" and i <= len(drafts):
-            if state == "maybe":  # the grammar's first row, or the reasoning's start
+        at, i = self.at, 0
+        while at.state != "answer" and i <= len(drafts):
+            if at.state == "maybe":  # the grammar's first row, or the reasoning's start
                 if i < len(drafts) and drafts[i] == self.r.start:
                     rows.append(self.inner.masks().bits[0] | self._only(self.r.start))
-                    state = "reasoning"
+                    at = replace(at, state="reasoning")
                     i += 1
                     continue
                 first = self.inner.masks(drafts[i:], max(valid - i, 0))
                 first.bits[0] |= self._only(self.r.start)
                 return Masks(np.concatenate([np.stack(rows)] + [first.bits]) if rows else first.bits, valid)
-            rows.append(self._free_row(state, matched, thought))
+            rows.append(self._free_row(at))
             if i == len(drafts):
                 return Masks(np.stack(rows), valid)
-            state, matched, thought, _ = self._walk([drafts[i]], (state, matched, thought))
+            at, _ = self._walk([drafts[i]], at)
             i += 1
         rest = self.inner.masks(drafts[i:], max(valid - i, 0))
         return Masks(np.concatenate([np.stack(rows), rest.bits]) if rows else rest.bits, valid)
 
     def forced(self, limit: int) -> List[int]:
-        if self.state == "answer":
+        if self.at.state == "answer":
             return self.inner.forced(limit)
-        if self.state == "reasoning" and self.r.budget is not None and self.thought >= self.r.budget:
-            return list(self.r.end[self.matched:])[:limit]  # the budget is spent: the marker, as certain drafts
+        if self._spent(self.at):
+            return list(self._closing(self.at))[:limit]  # the budget is spent: the close, as certain drafts
         return []
 
     def commit(self, tokens: Sequence[int]) -> None:
         tokens = list(tokens)
-        self.state, self.matched, self.thought, i = self._walk(tokens)
+        self.at, i = self._walk(tokens)
         if i < len(tokens):
             self.inner.commit(tokens[i:])
 

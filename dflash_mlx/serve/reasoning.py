@@ -2,16 +2,20 @@
 
 Thinking models (Qwen3, Qwen3.5/3.6, Gemma 4) write their reasoning between markers mlx-lm finds
 for the tokenizer (`think_start` / `think_end`: `<think>` and `</think>`, Gemma 4's thought
-channel). The reasoning goes to each API's own field (OpenAI chat `reasoning` and
-`reasoning_content`, Anthropic `thinking` blocks, Responses `reasoning` items) and the answer,
-where tool calls are read, is what follows it. A template that opens the reasoning in the prompt
-(the generation prompt ends with the start marker) starts the answer inside it.
+channel); the answer, where tool calls are read, is what follows it. A template that opens the
+reasoning in the prompt (the generation prompt ends with the start marker) starts the answer
+inside it. gpt-oss writes harmony (`harmony`): its analysis channel is the reasoning, its final
+channel and preambles the answer's text, and its messages to functions the tool calls. The
+reasoning goes to each API's own field (OpenAI chat `reasoning` and `reasoning_content`,
+Anthropic `thinking` blocks, Responses `reasoning` items).
 """
 
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ..constrain.gate import Reasoning
 from .api_errors import APIError
+from .harmony import FINAL, HarmonySplitter, harmony_gate, is_harmony
 from .tools import held_back, splitter
 
 # Reasoning tokens a request's effort allows before the end marker is forced (OpenAI's
@@ -55,13 +59,24 @@ class ReasoningSplitter:
         return text
 
 
-def thinking(tokenizer, prompt: Sequence[int]) -> Optional[Tuple[str, str, bool]]:
-    """A thinking model's (start, end) markers and whether the prompt leaves the answer inside the
-    reasoning; None for a model that does not think."""
+@dataclass(frozen=True)
+class Markers:
+    """Where a model's reasoning is in its text."""
+
+    start: str  # the reasoning's start marker
+    end: str  # its end marker: the answer follows it
+    inside: bool  # the prompt opened the reasoning: the answer starts inside it
+    harmony: bool = False  # gpt-oss's harmony channels (`harmony`), read by their own splitter
+
+
+def thinking(tokenizer, prompt: Sequence[int]) -> Optional[Markers]:
+    """A thinking model's markers; None for a model that does not think."""
+    if is_harmony(tokenizer):
+        return Markers("<|channel|>analysis<|message|>", FINAL, inside=True, harmony=True)
     if not getattr(tokenizer, "has_thinking", False):
         return None
     opened, closed = tokenizer.rfind_think_start(list(prompt)), tokenizer.rfind_think_end(list(prompt))
-    return tokenizer.think_start, tokenizer.think_end, opened > closed
+    return Markers(tokenizer.think_start, tokenizer.think_end, opened > closed)
 
 
 class AnswerParts:
@@ -69,17 +84,23 @@ class AnswerParts:
     calls read from that text (never from the reasoning)."""
 
     def __init__(self, tokenizer, job):
-        """`job.thinking`: the model's markers (`thinking`); `job.tools`: the tools whose calls are read."""
-        self.thinking = ReasoningSplitter(*job.thinking) if job.thinking is not None else None
-        self.calls = splitter(tokenizer, job.tools)
+        """`job.thinking`: the model's `Markers`; `job.tools`: the tools whose calls are read."""
+        markers = job.thinking
+        self.harmony = HarmonySplitter(job.tools) if markers is not None and markers.harmony else None
+        self.thinking = (ReasoningSplitter(markers.start, markers.end, markers.inside)
+                         if markers is not None and self.harmony is None else None)
+        self.calls = splitter(tokenizer, job.tools) if self.harmony is None else None
 
     @property
     def called(self) -> int:
         """Calls read so far."""
-        return self.calls.calls if self.calls is not None else 0
+        reader = self.harmony if self.harmony is not None else self.calls
+        return reader.calls if reader is not None else 0
 
     def feed(self, text: str, final: bool = False, cut: bool = False) -> Tuple[str, str, List[dict]]:
         """(reasoning, text, calls) of the new `text`; `final`: the answer ends, `cut`: by its budget."""
+        if self.harmony is not None:
+            return self.harmony.feed(text, final, cut)
         reasoning, text = self.thinking.feed(text, final) if self.thinking is not None else ("", text)
         text, calls = self.calls.feed(text, final, cut) if self.calls is not None else (text, [])
         return reasoning, text, calls
@@ -102,9 +123,11 @@ def budget(body: dict) -> Optional[int]:
     return EFFORT_BUDGETS[effort]
 
 
-def gate(tokenizer, markers: Tuple[str, str, bool], tokens: Optional[int]) -> Reasoning:
+def gate(tokenizer, markers: Markers, tokens: Optional[int]) -> Reasoning:
     """Where a thinking model's reasoning ends, in token ids, for a grammar that follows it or a
     budget that ends it."""
+    if markers.harmony:
+        return harmony_gate(tokenizer, tokens)
     start = list(tokenizer.think_start_tokens)
     return Reasoning(end=tuple(tokenizer.think_end_tokens), start=start[0] if len(start) == 1 else None,
-                     inside=markers[2], budget=tokens)
+                     inside=markers.inside, budget=tokens)

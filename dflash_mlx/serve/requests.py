@@ -16,6 +16,7 @@ from . import messages_api, responses_api
 from ..constrain.grammar import Grammar
 from ..decode.request import check_prompt
 from ..errors import DFlashError, PromptTooLong
+from .harmony import is_harmony
 from .reasoning import budget, gate, thinking
 from .tool_grammars import call_grammar
 from .tools import ToolError, check_tools, forced_tool, strict_tools, template_messages, tool_choice
@@ -172,7 +173,7 @@ def parse_request(engine: Engine, body: Any, chat: bool):
         except ToolError as e:
             raise APIError(400, str(e), param=e.param)
         with engine.tokenizer_lock:
-            if not engine.tokenizer.has_tool_calling:
+            if not (engine.tokenizer.has_tool_calling or is_harmony(engine.tokenizer)):
                 raise APIError(400, "This model's chat template has no tool calling (mlx-lm found no tool-call "
                                     "format for it); send the request without 'tools'.", param="tools")
         if body.get("tool_choice") == "none":

@@ -23,7 +23,7 @@ import queue
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import mlx.core as mx
 
@@ -36,6 +36,9 @@ from ..errors import DFlashError
 from ..policy.batch import BatchWidths, FixedBatchWidth
 from ..sampling import SamplingParams, make_processors
 from .api_errors import APIError
+
+if TYPE_CHECKING:
+    from .reasoning import Markers
 
 # Requests decoded together at most: mlx-lm's BatchGenerator's default completion batch is 32;
 # beyond a few dozen rows per target pass a CPU's or GPU's pass costs in proportion.
@@ -89,7 +92,7 @@ class Job:
     processor_args: dict = field(default_factory=dict)  # make_logits_processors' arguments (penalties, logit bias)
     tools: Optional[list] = None  # the request's tools: calls in the output are parsed
     grammar: Optional[Grammar] = None  # what the output keeps to (`constrain.Grammar`): a schema, a forced call
-    thinking: Optional[tuple] = None  # a thinking model's markers (`serve.reasoning.thinking`): its reasoning is split off
+    thinking: Optional["Markers"] = None  # a thinking model's markers (`serve.reasoning.thinking`): its reasoning is split off
     reasoning: Any = None  # where its reasoning ends (`constrain.gate.Reasoning`): its grammar or budget follows it
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
