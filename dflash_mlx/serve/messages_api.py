@@ -22,6 +22,10 @@ class BadRequest(ValueError):
 # (a tool's result) as a matter of course, and a refusal would end their loop.
 IMAGE_NOTE = "[an image was here; this model reads text only]"
 MEDIA = ("image", "document")
+# Claude Code's first system block, `x-anthropic-billing-header: cc_version=<version>.<3 hex>; cc_entrypoint=...;`,
+# changes from one session to the next. At the start of the prompt it would leave no prefix for the prompt
+# cache to share between sessions; it is metadata, not instructions, so it is left out (as vLLM does).
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def _text(content, where: str) -> str:
@@ -31,6 +35,12 @@ def _text(content, where: str) -> str:
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") in ("text", *MEDIA) for b in content):
         return "".join(str(b.get("text", "")) if b["type"] == "text" else IMAGE_NOTE for b in content)
     raise BadRequest(f"{where} must be a string or a list of text or image blocks.", "messages")
+
+
+def _billing(block) -> bool:
+    """Whether a system block is Claude Code's billing line: one text line that starts with `BILLING_HEADER`."""
+    text = block.get("text") if isinstance(block, dict) and block.get("type") == "text" else None
+    return isinstance(text, str) and text.startswith(BILLING_HEADER) and "\n" not in text.strip()
 
 
 def _message(m) -> List[dict]:
@@ -110,8 +120,11 @@ def to_chat(body: Any) -> Dict[str, Any]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list.", "messages")
     chat = [m for msg in messages for m in _message(msg)]
-    if body.get("system") is not None:
-        chat.insert(0, {"role": "system", "content": _text(body["system"], "'system'")})
+    system = body.get("system")
+    if isinstance(system, list):
+        system = [b for b in system if not _billing(b)] or None
+    if system is not None:
+        chat.insert(0, {"role": "system", "content": _text(system, "'system'")})
     chat = _in_place(chat)
     out = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream") if k in body}
     thinking = body.get("thinking") if isinstance(body.get("thinking"), dict) else {}
