@@ -343,7 +343,8 @@ def follow(pair, channel: JobChannel, block_size, prompt_cache=None) -> None:
                                      grammar=request["grammar"] and Grammar(**request["grammar"]),
                                      reasoning=request.get("reasoning") and Reasoning(
                                          **dict(request["reasoning"], end=tuple(request["reasoning"]["end"]),
-                                                close=tuple(request["reasoning"].get("close", ()))))):
+                                                close=tuple(request["reasoning"].get("close", ())),
+                                                start=tuple(request["reasoning"].get("start", ()))))):
                 if not channel.keep_going():
                     break
         except DFlashError:

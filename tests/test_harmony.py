@@ -333,3 +333,23 @@ def test_the_response_format_applies_from_the_final_answer(answerer):
     assert r.choices[0].finish_reason == "stop"
     budgeted = chat(url).chat.completions.create(**ASK, extra_body={"thinking_budget": 4})
     assert budgeted.choices[0].message.content == THOUGHT + "\n\n" + ANSWER  # forced final, then the chain
+
+
+def test_a_start_marker_of_several_tokens_opens_the_reasoning_through_forced_tokens():
+    """Gemma 4 opens its reasoning with `<|channel>thought` (tokens o, t) when the prompt did not:
+    the first row allows the grammar's first token or o; after o, only t (forced); the grammar
+    starts after the end marker (e). Without o first, the grammar holds from the first token."""
+    o, t, e = 20, 21, 22
+    gate = AfterReasoning(Recorder(), Reasoning(end=(e,), start=(o, t)))
+    assert gate.at.state == "maybe" and gate.forced(4) == []
+    rows = gate.masks([o, t, 1, e, 5]).bits
+    assert [allowed(r) for r in rows] == [[5, o], [t], "all", "all", [5], [7]]
+    assert gate.allows([o, 3]) == 1 and gate.allows([o, t, 1, e, 5, 7]) == 6
+    gate.commit([o])
+    assert gate.at.state == "opening" and gate.forced(4) == [t]
+    gate.commit([t, 1, 2, e, 5])
+    assert gate.at.state == "answer" and gate.inner.committed == [5]
+    direct = AfterReasoning(Recorder(), Reasoning(end=(e,), start=(o, t)))
+    assert direct.allows([5, 7]) == 2 and direct.allows([6]) == 0
+    direct.commit([5])
+    assert direct.at.state == "answer" and direct.inner.committed == [5]

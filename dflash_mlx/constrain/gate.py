@@ -6,7 +6,8 @@ the reasoning's end marker (one token or several: Gemma 4's thought channel, har
 `<|channel|>final<|message|>`). A block whose drafts cross the marker is masked row by row: rows
 up to the marker free, the rows after it by the grammar after the drafts that follow the marker,
 so speculation stays exact across the boundary. Where the model may open its reasoning itself
-(the prompt did not), the first row also allows the start marker. A thinking budget ends the
+(the prompt did not), the first row also allows the start marker's first token; the rest of the
+marker (Gemma 4's `<|channel>thought`) then follows as forced tokens. A thinking budget ends the
 reasoning: past it, the rows allow only the next token of its close (the end marker, or for
 harmony the analysis's end and the final answer's start), a run of forced tokens.
 """
@@ -24,7 +25,7 @@ class Reasoning:
     """Where a sequence's reasoning ends, as token ids."""
 
     end: Tuple[int, ...]  # the end marker's tokens
-    start: Optional[int] = None  # the start marker's token, where it is one token
+    start: Tuple[int, ...] = ()  # the start marker's tokens (none: the model cannot open the reasoning)
     inside: bool = False  # the prompt opened the reasoning: the answer starts inside it
     budget: Optional[int] = None  # reasoning tokens before the end marker is forced (None: no bound)
     close: Tuple[int, ...] = ()  # what a spent budget forces, ending with `end` (default: `end` alone)
@@ -34,8 +35,9 @@ class Reasoning:
 class Walk:
     """Where a sequence stands outside the grammar."""
 
-    state: str  # "maybe": the next token may open the reasoning; "reasoning": inside it; "answer": the grammar's
-    matched: int = 0  # tokens of the end marker matched so far
+    state: str  # "maybe": the next token may open the reasoning; "opening": in its start marker;
+    # "reasoning": inside it; "answer": the grammar's
+    matched: int = 0  # tokens of the end marker matched so far (of the start marker, while opening)
     closing: int = 0  # tokens of the close matched so far
     thought: int = 0  # reasoning tokens
 
@@ -52,7 +54,8 @@ class AfterReasoning:
         self.words, self.eos = inner.words, inner.eos
         end, close = tuple(reasoning.end), tuple(reasoning.close)
         self.close = close if close[len(close) - len(end):] == end else end
-        self.at = Walk("reasoning" if reasoning.inside else "maybe" if reasoning.start is not None else "answer")
+        self.start = tuple(reasoning.start)
+        self.at = Walk("reasoning" if reasoning.inside else "maybe" if self.start else "answer")
 
     @property
     def error(self) -> Optional[str]:
@@ -76,10 +79,11 @@ class AfterReasoning:
         for i, t in enumerate(tokens):
             if at.state == "answer":
                 return at, i
-            if at.state == "maybe":
-                if t != self.r.start:
+            if at.state in ("maybe", "opening"):
+                if at.state == "maybe" and t != self.start[0]:
                     return replace(at, state="answer"), i
-                at = replace(at, state="reasoning")
+                opened = at.matched + 1 if at.state == "opening" else 1
+                at = Walk("opening", opened) if opened < len(self.start) else Walk("reasoning")
                 continue
             matched = _match(self.r.end, at.matched, t)
             if matched == len(self.r.end):
@@ -103,7 +107,9 @@ class AfterReasoning:
             if self._spent(at):
                 return self._only(self._closing(at)[0])
             return np.full((self.words,), -1, dtype=np.int32)
-        return self._only(self.r.start)  # "maybe": joined with the grammar's row by the caller
+        if at.state == "opening":
+            return self._only(self.start[at.matched])
+        return self._only(self.start[0])  # "maybe": joined with the grammar's row by the caller
 
     def _only(self, token: int) -> np.ndarray:
         bits = np.zeros((self.words * 32,), dtype=np.uint8)
@@ -115,7 +121,7 @@ class AfterReasoning:
         at, i = self.at, 0
         while i < len(drafts) and at.state != "answer":
             row = self._free_row(at)
-            if at.state == "maybe" and drafts[i] != self.r.start:
+            if at.state == "maybe" and drafts[i] != self.start[0]:
                 break  # the grammar's first token: the inner matcher decides
             if not (row[drafts[i] // 32] >> (drafts[i] % 32)) & 1:
                 return i
@@ -130,13 +136,13 @@ class AfterReasoning:
         at, i = self.at, 0
         while at.state != "answer" and i <= len(drafts):
             if at.state == "maybe":  # the grammar's first row, or the reasoning's start
-                if i < len(drafts) and drafts[i] == self.r.start:
-                    rows.append(self.inner.masks().bits[0] | self._only(self.r.start))
-                    at = replace(at, state="reasoning")
+                if i < len(drafts) and drafts[i] == self.start[0]:
+                    rows.append(self.inner.masks().bits[0] | self._only(self.start[0]))
+                    at, _ = self._walk([drafts[i]], at)
                     i += 1
                     continue
                 first = self.inner.masks(drafts[i:], max(valid - i, 0))
-                first.bits[0] |= self._only(self.r.start)
+                first.bits[0] |= self._only(self.start[0])
                 return Masks(np.concatenate([np.stack(rows)] + [first.bits]) if rows else first.bits, valid)
             rows.append(self._free_row(at))
             if i == len(drafts):
@@ -149,6 +155,8 @@ class AfterReasoning:
     def forced(self, limit: int) -> List[int]:
         if self.at.state == "answer":
             return self.inner.forced(limit)
+        if self.at.state == "opening":  # the rest of the start marker
+            return list(self.start[self.at.matched:])[:limit]
         if self._spent(self.at):
             return list(self._closing(self.at))[:limit]  # the budget is spent: the close, as certain drafts
         return []

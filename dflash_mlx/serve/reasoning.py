@@ -128,6 +128,5 @@ def gate(tokenizer, markers: Markers, tokens: Optional[int]) -> Reasoning:
     budget that ends it."""
     if markers.harmony:
         return harmony_gate(tokenizer, tokens)
-    start = list(tokenizer.think_start_tokens)
-    return Reasoning(end=tuple(tokenizer.think_end_tokens), start=start[0] if len(start) == 1 else None,
+    return Reasoning(end=tuple(tokenizer.think_end_tokens), start=tuple(tokenizer.think_start_tokens),
                      inside=markers.inside, budget=tokens)
