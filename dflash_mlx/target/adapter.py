@@ -26,6 +26,7 @@ others' (`distributed` sums the shares over the ranks).
 """
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -103,11 +104,27 @@ def load_target(path, tokenizer_config: Optional[dict] = None):
     except (ValueError, FileNotFoundError, KeyError, TypeError, RuntimeError) as e:
         raise DFlashError(f"Could not load the target from {path}: {failure_line(e)}; download the model again.")
     try:
-        tokenizer = load_tokenizer(Path(path), tokenizer_config or {}, eos_token_ids=config.get("eos_token_id"))
+        with _config_warnings_off():
+            tokenizer = load_tokenizer(Path(path), tokenizer_config or {}, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # the tokenizers library raises plain Exceptions for damaged files
         raise DFlashError(f"Could not load the target's tokenizer from {path}: {failure_line(e)}; "
                           "download the model again.")
     return model, tokenizer, config
+
+
+@contextmanager
+def _config_warnings_off():
+    """transformers reads config.json to pick a tokenizer and checks it as a config of its own models
+    (a Gemma 4 config whose layers all use sliding windows is warned about and changed in its copy);
+    MLX builds the model from the file itself, so those warnings do not apply to it."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def failure_line(e: BaseException) -> str:
