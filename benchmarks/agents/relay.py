@@ -7,7 +7,9 @@ and the exchange is written to OUT/NN-<path>.json:
     {"method", "path", "query", "headers", "body", "status", "response_headers", "response"}
 
 with secret headers (authorization, x-api-key, cookies, ...) replaced by "<redacted>", "body" parsed as JSON
-when it is JSON, and "response" the raw text for an SSE stream, parsed JSON otherwise.
+when it is JSON, and "response" the raw text for an SSE stream, parsed JSON otherwise. A forwarded answer also
+has "arrivals": for each chunk read from the upstream, [seconds since the request was sent, bytes received by
+then], from which each event's arrival time follows.
 
     python benchmarks/agents/relay.py --listen 127.0.0.1:9000 --upstream http://127.0.0.1:8080 --out DIR
 
@@ -354,6 +356,7 @@ class Handler(BaseHTTPRequestHandler):
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
         headers["Accept-Encoding"] = "identity"  # keep the logged answer readable
         target = up.path.rstrip("/") + self.path
+        tic = time.perf_counter()
         try:
             conn.request(self.command, target, body=raw if raw else None, headers=headers)
             resp = conn.getresponse()
@@ -371,9 +374,12 @@ class Handler(BaseHTTPRequestHandler):
             headers.append(("Content-Length", known_length))
         self.start(resp.status, headers, chunked=known_length is None and self.command != "HEAD")
         received = bytearray()
+        # [seconds since the request was sent, bytes of the answer received by then], per chunk read
+        record["arrivals"] = arrivals = []
         try:
             while chunk := resp.read1(65536):
                 received += chunk
+                arrivals.append([round(time.perf_counter() - tic, 4), len(received)])
                 if known_length is None:
                     self.write_chunk(chunk)
                 else:

@@ -80,11 +80,15 @@ def loss_fn(model, x, y):
     return nn.losses.cross_entropy(model(x), y, reduction="mean")
 
 
+def schedule(lr: float, steps: int, warm: int):
+    """Linear warm-up to `lr`, then cosine decay to 5% of it."""
+    return optim.join_schedules(
+        [optim.linear_schedule(1e-6, lr, warm), optim.cosine_decay(lr, steps - warm, lr * 0.05)], [warm])
+
+
 def trainer(model, lr: float, steps: int, warm: int):
     """A compiled AdamW step (warm-up, cosine decay, clipping) for `model`, and the state it updates."""
-    sched = optim.join_schedules(
-        [optim.linear_schedule(1e-6, lr, warm), optim.cosine_decay(lr, steps - warm, lr * 0.05)], [warm])
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.05)
+    opt = optim.AdamW(learning_rate=schedule(lr, steps, warm), weight_decay=0.05)
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     state = [model.state, opt.state]
 
