@@ -29,7 +29,7 @@ from .draft.source import DraftSource
 from .draft.lookup import WithLookup
 from .policy.proposal import ProposalScales
 from .sampling import SamplingParams
-from .hub import Resolved, cache_root, check_name, fetch, resolve
+from .hub import Resolved, aliases, cache_root, check_name, fetch, resolve
 
 # Safetensors dtypes a converted drafter's tensors may have (quantized weights are packed into U32).
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -226,7 +226,8 @@ def load(model: str, draft: Optional[str] = None, target_loader=None,
     drafter = load_drafter(draft_path)
     if not drafter.args.quantization:
         drafter.set_dtype(adapter.dtype)
-    if resolved.alias in ("demo", "demo-dflash2") and mx.default_device() == mx.cpu:
+    if resolved.alias is not None and aliases().get(resolved.alias, {}).get("builtin") \
+            and mx.default_device() == mx.cpu:
         # The CPU backend has no fast half-precision matmul; the demo is tiny.
         model_.set_dtype(mx.float32)
         drafter.set_dtype(mx.float32)
