@@ -67,5 +67,5 @@ EOF
 esac
 status=$?
 sleep 0.5
-cat "$out/.relay.log"
+cat "$out/.relay.log" >&2  # the client's own output stays alone on stdout
 exit $status
