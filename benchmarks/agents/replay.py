@@ -168,10 +168,22 @@ def table(rows: List[Row]) -> Table:
     return t
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def server_args(p: argparse.ArgumentParser) -> None:
+    """The options naming the server and its model (shared with run_clients.py)."""
     p.add_argument("--base-url", default="http://127.0.0.1:8080", help="the server, without /v1")
     p.add_argument("--model", default="demo-chat")
+
+
+def show(console: Console, table: Table) -> None:
+    """A table on a terminal, or at its natural width with no cell wrapped in a pipe or a file."""
+    if not console.is_terminal:
+        console.width = Measurement.get(console, console.options.update_width(1 << 16), table).maximum
+    console.print(table)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    server_args(p)
     p.add_argument("--api-key", default="x")
     p.add_argument("--max-tokens", type=int, default=32, help="each answer's budget")
     p.add_argument("--timeout", type=float, default=900, help="seconds per request")
@@ -179,10 +191,8 @@ def main():
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args()
     rows = replay(args)
-    console, out = Console(highlight=False), table(rows)
-    if not console.is_terminal:  # a pipe or a file: the table at its natural width, no cell wrapped
-        console.width = Measurement.get(console, console.options.update_width(1 << 16), out).maximum
-    console.print(out)
+    console = Console(highlight=False)
+    show(console, table(rows))
     for r in rows:
         if r.error:
             console.print(f"[red]{escape(r.client)}, turn {r.turn}:[/red] {escape(r.error)}", soft_wrap=True)

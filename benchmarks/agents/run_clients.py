@@ -28,7 +28,7 @@ from rich.table import Table
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from replay import Answer  # noqa: E402
+from replay import Answer, server_args, show  # noqa: E402
 
 MODEL_PATHS = {"/v1/messages", "/v1/responses", "/v1/chat/completions"}
 # Lines of capture.sh's three files: an answer that quotes one has read a file.
@@ -128,8 +128,7 @@ def table(runs: List[Run]) -> Table:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8080", help="the server, without /v1")
-    p.add_argument("--model", default="demo-chat")
+    server_args(p)
     p.add_argument("--prompt", default="list the files here, read one, answer")
     p.add_argument("--clients", nargs="+", default=CLIENTS, choices=CLIENTS)
     p.add_argument("--port", type=int, default=9000, help="the relay's port")
@@ -144,7 +143,7 @@ def main():
         console.print(f"running {client} ...")
         runs.append(run(client, args))
         console.print(f"  {runs[-1].outcome}: {runs[-1].answer[-200:]!r}")
-    Console().print(table(runs))
+    show(Console(highlight=False), table(runs))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in runs], indent=2) + "\n")
 
