@@ -18,7 +18,7 @@ import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = ROOT / "tests" / "fixtures" / "clients"
@@ -292,8 +292,12 @@ class Conversation:
         return args
 
 
-def one(rng: random.Random, corpus: List[str]) -> Example:
-    """One random conversation."""
+# How often each request shell is drawn.
+KINDS = {"claude": 25, "codex": 20, "agents": 15, "synthetic": 40}
+
+
+def one(rng: random.Random, corpus: List[str], kinds: Dict[str, float] = KINDS) -> Example:
+    """One random conversation, its request shell drawn with the weights `kinds`."""
     files = folder(rng)
     names = list(files)
     kind = rng.choices(["list", "list_read_one", "list_read", "read", "read_missing", "chat"],
@@ -306,7 +310,7 @@ def one(rng: random.Random, corpus: List[str]) -> Example:
     else:
         request = rng.choice({"list": LIST, "list_read_one": LIST_READ_ONE, "list_read": LIST_READ,
                               "read": READ, "read_missing": READ}[kind]).format(f=target)
-    client_kind = rng.choices(["claude", "codex", "agents", "synthetic"], [25, 20, 15, 40])[0]
+    client_kind = rng.choices(list(kinds), list(kinds.values()))[0]
     client = {"claude": claude_client, "codex": codex_client, "agents": agents_client}.get(client_kind)
     client = client(rng, request) if client else synthetic_client(rng, request, corpus)
     conv = Conversation(rng, client, thinking=rng.random() < 0.8)
@@ -353,10 +357,10 @@ def one(rng: random.Random, corpus: List[str]) -> Example:
     return conv_example
 
 
-def examples(n: int, seed: int = 0) -> List[Example]:
+def examples(n: int, seed: int = 0, kinds: Dict[str, float] = KINDS) -> List[Example]:
     rng = random.Random(seed)
     corpus = docstrings()
-    return [one(rng, corpus) for _ in range(n)]
+    return [one(rng, corpus, kinds) for _ in range(n)]
 
 
 @dataclass

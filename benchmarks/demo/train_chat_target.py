@@ -170,6 +170,8 @@ def main():
     ap.add_argument("--anchored", type=float, default=0.7,
                     help="share of conversations that start shortly before their request, not a window back")
     ap.add_argument("--init", help="go on from this model folder (its weights and tokenizer)")
+    ap.add_argument("--kinds", default=",".join(f"{k}={v}" for k, v in chat_data.KINDS.items()),
+                    help="request shells and their weights, e.g. agents=1,synthetic=1")
     ap.add_argument("--summary", default=str(HERE / "chat_target_training.json"))
     args = ap.parse_args()
 
@@ -177,7 +179,11 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(args.seed)
     tic = time.time()
-    examples = chat_data.examples(args.conversations, args.seed)
+    kinds = {k: float(v) for k, v in (part.split("=") for part in args.kinds.split(","))}
+    unknown = sorted(set(kinds) - set(chat_data.KINDS))
+    if unknown:
+        ap.error(f"--kinds: unknown shell {', '.join(unknown)}; choose from {', '.join(chat_data.KINDS)}")
+    examples = chat_data.examples(args.conversations, args.seed, kinds)
     held = chat_data.examples(40, args.seed + 1000)
     if args.init:
         from transformers import AutoTokenizer
