@@ -340,3 +340,22 @@ def serving(pair, name: str, **kw):
     finally:
         server.shutdown()
         server.engine.close()
+
+
+@pytest.fixture(scope="session")
+def more(root, tokenizer_dir, vocab, drafters):
+    """(pair, plain mlx-lm model) of a family beyond the session's, built on first use."""
+    import tiny
+    from mlx_lm import load
+
+    import dflash_mlx
+
+    built = {}
+
+    def get(family):
+        if family not in built:
+            path = tiny.build_target(root / f"more-{family}", family, tokenizer_dir, vocab[0])
+            built[family] = dflash_mlx.load(str(path), str(drafters["new"])), load(str(path))[0]
+        return built[family]
+
+    return get

@@ -411,10 +411,11 @@ def test_a_request_joined_mid_stream_goes_on_in_a_batch(pairs, family, after):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_one_drafter_pass_drafts_what_each_sequence_drafts_alone(pairs, family):
-    """`DraftBatch` holds several sequences' drafter contexts side by side (different lengths,
+    """`DraftBatch` holds several sequences' drafter contexts (different lengths,
     each given a different number of new rows per pass) and drafts every block in one pass:
-    each sequence's draft logits are those of its own pass over its own context; a sequence
-    handed back (`extract`) goes on alone as if it had never been pooled."""
+    each sequence's draft logits are those of its own pass over its own context; the pool holds
+    the contexts the sequences brought, and one that leaves goes on alone as if it had never been
+    pooled."""
     from dflash_mlx.draft.pool import DraftBatch
 
     pair = pairs[family]
@@ -422,11 +423,14 @@ def test_one_drafter_pass_drafts_what_each_sequence_drafts_alone(pairs, family):
     assert source is not None and source.drafter.batchable
     D = len(pair.target.tap_ids) * pair.target.hidden_size
     key = iter(mx.random.split(mx.random.key(4), 20))
-    alone = [source.new_state() for _ in range(3)]
-    for state, n in zip(alone, (7, 2, 13)):  # the contexts the sequences bring
-        source.add_context(state, mx.random.normal((1, n, D), key=next(key)))
+    alone, brought = [source.new_state() for _ in range(3)], [source.new_state() for _ in range(3)]
+    for a, s, n in zip(alone, brought, (7, 2, 13)):  # the contexts the sequences bring
+        context = mx.random.normal((1, n, D), key=next(key))
+        source.add_context(a, context)
+        source.add_context(s, context)
     pool = DraftBatch(source)
-    pool.join([source.context(s) for s in alone])
+    pool.join([source.context(s) for s in brought])
+    assert all(pool.extract(b)[0] is source.context(s)[0] for b, s in enumerate(brought))  # held, not copied
     lasts = mx.array([5, 9, 3], dtype=mx.uint32)
     for width, rows in ((4, (2, 0, 5)), (8, (1, 3, 1)), (3, (0, 0, 0))):
         hiddens = [mx.random.normal((1, r, D), key=next(key)) if r else None for r in rows]
@@ -435,9 +439,9 @@ def test_one_drafter_pass_drafts_what_each_sequence_drafts_alone(pairs, family):
             own = source.propose(state, lasts[b : b + 1], hiddens[b], width)
             assert same(together[b], own), (width, b)
         lasts = mx.argmax(together[:, -1], axis=-1).astype(mx.uint32)
-    back = pool.extract(1)
+    pool.filter([0, 2])  # the second leaves: its state goes on alone as if it had never been pooled
     h = mx.random.normal((1, 2, D), key=next(key))
-    assert same(source.propose(back, lasts[1:2], h, 5), source.propose(alone[1], lasts[1:2], h, 5))
+    assert same(source.propose(brought[1], lasts[1:2], h, 5), source.propose(alone[1], lasts[1:2], h, 5))
 
 
 def test_a_batch_drafts_in_one_pass_and_accepts_as_drafting_apart(pairs, baselines):

@@ -15,7 +15,8 @@ from dflash_mlx.cli.main import app
 from dflash_mlx.target import baseline
 from dflash_mlx import bench
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.target.adapter import TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear, wrap_quantized_linears
+from dflash_mlx.target.adapter import (GroupedAttention, TapedGatedDeltaNet, TappedLayer, VerifyQuantizedLinear,
+                                      _SharedInput, _SharedOutput, wrap_quantized_linears)
 
 
 def test_bench_json_schema_and_identical_check(pairs, tmp_path, monkeypatch):
@@ -180,7 +181,7 @@ def test_bench_cli_and_bad_flags(targets, drafters, tmp_path, monkeypatch):
 
 def wrappers(model):
     """Our wrapper classes found in a model instance."""
-    kinds = (TappedLayer, TapedGatedDeltaNet, VerifyQuantizedLinear)
+    kinds = (TappedLayer, TapedGatedDeltaNet, VerifyQuantizedLinear, GroupedAttention, _SharedInput, _SharedOutput)
     return {type(m).__name__ for _, m in model.named_modules() if isinstance(m, kinds)}
 
 
@@ -219,7 +220,9 @@ def test_plain_target_unwraps_nested_quantized_wrappers(targets, drafters, tmp_p
     convert(str(targets["qwen3_5"]), str(q), quantize=True, q_group_size=32, q_bits=4)
     pair = dflash_mlx.load(str(q), str(drafters["new"]))
     wrap_quantized_linears(pair.target.model)  # as the adapter does where a kernel runs (a GPU)
-    assert wrappers(pair.target.model) == {"TappedLayer", "TapedGatedDeltaNet", "VerifyQuantizedLinear"}
+    # A quantized linear's kernel wrapper nests inside the attention's shared projection wrappers.
+    assert wrappers(pair.target.model) == {"TappedLayer", "TapedGatedDeltaNet", "VerifyQuantizedLinear",
+                                           "GroupedAttention", "_SharedInput", "_SharedOutput"}
     plain = baseline.plain_target(pair)
     assert wrappers(plain) == set()
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in plain.named_modules())

@@ -103,25 +103,6 @@ def test_a_hybrid_target_carries_riders(pairs):
     assert close(target(nxt[:1], rider_cache)[0], target(nxt[:1], solo_cache)[0])
 
 
-@pytest.fixture(scope="module")
-def more(root, tokenizer_dir, vocab, drafters):
-    """(pair, plain mlx-lm model) of a family beyond the session's, built on first use."""
-    import tiny
-    from mlx_lm import load
-
-    import dflash_mlx
-
-    built = {}
-
-    def get(family):
-        if family not in built:
-            path = tiny.build_target(root / f"ride-{family}", family, tokenizer_dir, vocab[0])
-            built[family] = dflash_mlx.load(str(path), str(drafters["new"])), load(str(path))[0]
-        return built[family]
-
-    return get
-
-
 @pytest.mark.parametrize("family", ["gpt_oss"])
 def test_sliding_window_targets_carry_riders(more, family):
     """Sliding-window layers (window 8): a chunk longer than the window rides in a batch's pass

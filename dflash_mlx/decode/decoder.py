@@ -96,7 +96,7 @@ class Decoder:
         self.block_size = width if block_size is None else block_size
         self.eos = set(pair.tokenizer.eos_token_ids) if pair.tokenizer is not None else set()
         self.window = getattr(self.target.args, "max_position_embeddings", None)
-        self.caches = Caches()
+        self.caches = Caches(split=pair.target.splits)
         self.drafting = Drafting(self.source.pooled() if self.width > 1 else None)
         self.seqs: List[Running] = []
         self.filling = Fillings()  # prompts prefilled a chunk per step while others decode
@@ -424,23 +424,32 @@ def prefill(target, seq: Running, prompt: Sequence[int], tcache: list, reused: i
 
 def prefill_together(target, prompts: Sequence[Sequence[int]], starts: list, seqs: List[Running], eos):
     """Several prompts in one target pass, each from its cached prefix (`starts`: its caches,
-    draft state and tokens reused) and the rests right-padded to the longest, each sequence's
-    padding cropped after: the batch's caches and each sequence's first token (its `Committed`,
-    ended by a token of `eos` or its budget); each tapped sequence holds its prompt's taps."""
+    draft state and tokens reused): the batch's caches and each sequence's first token (its
+    `Committed`, ended by a token of `eos` or its budget); each tapped sequence holds its prompt's
+    taps. A target that `splits` runs each rest on its own caches, unpadded (`TargetAdapter.apart`);
+    otherwise the rests are right-padded to the longest in one padded batch and each sequence's
+    padding is cropped after."""
     rest = [len(p) - reused for p, (_, _, reused) in zip(prompts, starts)]
-    L = max(rest)
-    block = mx.array([list(p[len(p) - r :]) + [0] * (L - r) for p, r in zip(prompts, rest)])
-    cache = [batch_of(c) for c in starts[0][0]]
+    tapped = any(s.tapped for s in seqs)
+    if target.splits:
+        logits, hiddens = target.apart([mx.array(p[len(p) - r :]) for p, r in zip(prompts, rest)],
+                                       [tcache for tcache, _, _ in starts], taps=tapped)
+    else:
+        L = max(rest)
+        block = mx.array([list(p[len(p) - r :]) + [0] * (L - r) for p, r in zip(prompts, rest)])
+    cache = [batch_of(c, target.splits) for c in starts[0][0]]
     for tcache, _, _ in starts[1:]:
         for batch, c in zip(cache, tcache):
             add_to(batch, c)
-    logits, hidden = target(block, cache, taps=any(s.tapped for s in seqs), rows=mx.array(rest) - 1)
-    for c in cache:
-        c.crop([L - r for r in rest])
+    if not target.splits:
+        logits, hidden = target(block, cache, taps=tapped, rows=mx.array(rest) - 1)
+        for c in cache:
+            c.crop([L - r for r in rest])
+        hiddens = [hidden[b : b + 1, :r] for b, r in enumerate(rest)] if tapped else None
     picked = []
     for b, seq in enumerate(seqs):
         if seq.tapped:
-            seq.hold(hidden[b : b + 1, : rest[b]])
+            seq.hold(hiddens[b])
         picked.append(seq.pick(logits[b], seq.noise(1)))
     mx.eval(picked, [c.state for c in cache])
     firsts = [seq.first(p, *pick, eos) for p, seq, pick in zip(prompts, seqs, picked)]

@@ -6,7 +6,7 @@ when the context is committed, and kept in `DraftCache`; the block's own keys
 are scratch that the next cycle overwrites.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -123,6 +123,43 @@ class DraftCache:
         return visible(mx.arange(q_start, q_start + L), mx.arange(self.start, self.start + S), causal, window)
 
 
+class DraftCaches:
+    """One drafter layer's contexts of B sequences, each sequence's in its own `DraftCache`, for a
+    pass over all of their blocks (`pool.DraftBatch`): `DFlashDrafter.ragged` sets `counts`, each
+    sequence's real rows of the right-padded context being committed, before each pass."""
+
+    def __init__(self, caches: Sequence[DraftCache] = ()):
+        self.caches: List[DraftCache] = list(caches)
+        self.counts: List[int] = []
+
+    @property
+    def offset(self) -> mx.array:
+        """Each sequence's committed context length (its block's first position, before this pass's rows)."""
+        return mx.array([c.length for c in self.caches])
+
+    def update_and_fetch(self, ctx_kv, block_kv):
+        """Commit each sequence's context rows (a pass without a block)."""
+        for b, c in enumerate(self.caches):
+            c.update_and_fetch(self._rows(ctx_kv, b), (None, None))
+
+    def attend(self, q: mx.array, ctx_kv, block_kv, attn: "Attention") -> mx.array:
+        """Each sequence's context rows committed and its block [1, H, L, D] of `q` attending over
+        its own context and block, as it does alone: [B, H, L, D]."""
+        bk, bv = block_kv
+        L = q.shape[2]
+        outs = []
+        for b, c in enumerate(self.caches):
+            keys, values = c.update_and_fetch(self._rows(ctx_kv, b), (bk[b : b + 1], bv[b : b + 1]))
+            mask = c.block_mask(L, keys.shape[2], c.length, attn.is_causal, attn.window)
+            outs.append(mx.fast.scaled_dot_product_attention(q[b : b + 1], keys, values, scale=attn.scale, mask=mask))
+        return mx.concatenate(outs, axis=0)
+
+    def _rows(self, ctx_kv, b: int):
+        ck, cv = ctx_kv
+        n = self.counts[b] if ck is not None else 0
+        return (ck[b : b + 1, :, :n], cv[b : b + 1, :, :n]) if n else (None, None)
+
+
 def visible(q_pos: mx.array, k_pos: mx.array, causal: bool, window: Optional[int]) -> Optional[mx.array]:
     """[..., Lq, Lk] bool: whether a query at each of `q_pos` [..., Lq] sees a key at each of
     `k_pos` [Lk], in a layer with a causal mask and/or a window; None: every key."""
@@ -177,11 +214,12 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
-        keys, values = cache.update_and_fetch(ctx_kv, self._kv(x, offset))
-        mask = cache.block_mask(L, keys.shape[2], offset, self.is_causal, self.window)
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=self.scale, mask=mask
-        )
+        if isinstance(cache, DraftCaches):  # several sequences, each over its own context
+            out = cache.attend(q, ctx_kv, self._kv(x, offset), self)
+        else:
+            keys, values = cache.update_and_fetch(ctx_kv, self._kv(x, offset))
+            mask = cache.block_mask(L, keys.shape[2], offset, self.is_causal, self.window)
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def forward_blocks(self, x, ctx, anchors):
@@ -322,7 +360,7 @@ class DFlashDrafter(nn.Module):
 
     def ragged(self, block_embeddings: Optional[mx.array], target_hidden: Optional[mx.array],
                counts: List[int], cache: list) -> Optional[mx.array]:
-        """`__call__` for B sequences at once (`pool.RaggedDraftCache`): sequence b
+        """`__call__` for B sequences at once (`DraftCaches`): sequence b
         commits the first counts[b] rows of its `target_hidden` [B, R, D] (right-padded) as
         context, then its block [B, L, D] (None: no block) sits right after its own context."""
         ends = cache[0].offset

@@ -1,109 +1,46 @@
 """The drafter's blocks for every sequence of a batch in one pass.
 
-Each sequence's committed drafter context lives side by side with the others'
-in a `RaggedKVCache` per drafter layer (sequence b in columns [0, ends[b])).
-A cycle commits each sequence's new context rows (right-padded to the longest,
-the padding cropped after) and runs every block [B, L] through the drafter
-once; a block's rows are scratch, written at its sequence's end and cropped
-after, and each block sees its own sequence's columns only. One pass reads the
-drafter's weights once for the whole batch, where a pass per sequence reads
-them B times.
-
-Column c of a sequence holds its context position c, so causal and windowed
-layers mask by position as they do alone; rows a window has left behind stay
-(masked) until the sequence leaves. A drafter whose context is bounded to its
-first and last rows (`DFlashDrafter.batchable`) drafts per sequence.
+Each sequence keeps the drafter context it drafts on alone (a `DraftCache` per drafter layer), and
+the batch holds those caches side by side (`DraftCaches`): a sequence that joins or leaves copies
+nothing of the others', and a window or a context bound drops rows as it does alone. A cycle
+commits each sequence's new context rows (right-padded to the longest in the projections, each
+sequence's own rows committed) and runs every block [B, L] through the drafter once: the
+projections and MLPs read the drafter's weights once for the whole batch, and each block attends
+over its own sequence's context only. A drafter whose context is bounded to its first and last
+rows (`DFlashDrafter.batchable`) drafts per sequence.
 """
 
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..target.ragged import RaggedKVCache
-from .drafter import DraftCache, visible
-
-
-class RaggedDraftCache:
-    """One drafter layer's context for B sequences, with the `DraftCache` interface the
-    drafter's attention uses (`DFlashDrafter.ragged` sets `counts` before each pass)."""
-
-    def __init__(self):
-        self.kv = RaggedKVCache()
-        self.counts: List[int] = []  # each sequence's real rows of the padded context being committed
-
-    @property
-    def offset(self) -> mx.array:
-        """Each sequence's committed context rows (its block's first position)."""
-        return self.kv.offset
-
-    def update_and_fetch(self, ctx_kv, block_kv):
-        """Commit each sequence's context rows, write its block after them as scratch and
-        return every column (the block's cropped again: nothing but the context is kept)."""
-        (ck, cv), (bk, bv) = ctx_kv, block_kv
-        if ck is not None:
-            self.kv.update_and_fetch(ck, cv)
-            self.kv.crop([ck.shape[2] - n for n in self.counts])
-        if bk is None:
-            return None
-        L = bk.shape[2]
-        keys, values = self.kv.update_and_fetch(bk, bv)
-        self.kv.crop([L] * len(self.kv.ends))
-        return keys, values
-
-    def block_mask(self, L: int, S: int, q_start: mx.array, causal: bool, window: Optional[int]) -> mx.array:
-        """[B, 1, L, S]: block row j of sequence b (at position q_start[b] + j) sees the columns of its
-        own context and block that its layer's mask allows."""
-        q_pos = q_start[:, None] + mx.arange(L)[None]
-        k_pos = mx.arange(S)
-        mask = k_pos[None, None] < (q_start + L)[:, None, None]
-        seen = visible(q_pos, k_pos, causal, window)
-        return (mask if seen is None else mask & seen)[:, None]
-
-
-def _from_zero(c: DraftCache):
-    """`c` with its rows at their positions from 0 (a window may have dropped the first `start`)."""
-    if c.start == 0 or c.keys is None:
-        return c
-    out = DraftCache()
-    B, H, _, D = c.keys.shape
-    out.keys = mx.concatenate([mx.zeros((B, H, c.start, D), c.keys.dtype), c.keys[..., : c.offset, :]], axis=2)
-    out.values = mx.concatenate([mx.zeros((B, H, c.start, c.values.shape[3]), c.values.dtype),
-                                 c.values[..., : c.offset, :]], axis=2)
-    out.offset = c.start + c.offset
-    return out
+from .drafter import DraftCache, DraftCaches
 
 
 class DraftBatch:
-    """A DFlash draft source's drafter over many sequences: their contexts (joined from
-    each one's own `DraftCache`s, handed back by `extract`) and one pass for all blocks."""
+    """A DFlash draft source's drafter over many sequences: their contexts (each one's own
+    `DraftCache`s, held side by side and handed back by `extract`) and one pass for all blocks."""
 
     def __init__(self, source):
         """`source`: a `draft.source.DFlashDraftSource` whose drafter is `batchable`."""
         self.source, self.drafter, self.target = source, source.drafter, source.target
-        self.cache = [RaggedDraftCache() for _ in self.drafter.layers]
+        self.cache = [DraftCaches() for _ in self.drafter.layers]
 
     def __len__(self) -> int:
-        return len(self.cache[0].kv.ends)
+        return len(self.cache[0].caches)
 
     def join(self, contexts: Sequence[List[DraftCache]]) -> None:
-        """Append sequences, each given as its drafter layers' `DraftCache`s (rows copied once;
-        rows a window dropped become zeros, which the window hides)."""
+        """Append sequences, each given as its drafter layers' `DraftCache`s (held, not copied)."""
         for layer, c in enumerate(self.cache):
-            c.kv.extend([_from_zero(ctx[layer]) for ctx in contexts])
+            c.caches += [ctx[layer] for ctx in contexts]
 
     def filter(self, keep: Sequence[int]) -> None:
         for c in self.cache:
-            c.kv.filter(keep)
+            c.caches = [c.caches[b] for b in keep]
 
     def extract(self, b: int) -> List[DraftCache]:
-        """Sequence b's context as its own `DraftCache`s (a copy)."""
-        out = []
-        for layer, c in zip(self.drafter.layers, self.cache):
-            kv = c.kv.extract(b)
-            d = DraftCache(layer.self_attn.window, self.drafter.context_bound)
-            d.keys, d.values, d.offset = kv.keys, kv.values, kv.offset
-            out.append(d)
-        return out
+        """Sequence b's context: its own `DraftCache`s."""
+        return [c.caches[b] for c in self.cache]
 
     def _padded(self, hiddens: Sequence[Optional[mx.array]]):
         """New context rows per sequence ([1, r, D] or None) as one right-padded [B, R, D], and each r."""

@@ -13,11 +13,12 @@ cache, every layer, its attention and its RoPE are wrapped too: a tree pass
 (`draft/tree.py`) gives the layers its mask and rotates each run of nodes at
 its own positions (`keep_rows` then keeps the accepted branch's K/V rows).
 Where every layer has a cache of its own (K/V, a sliding window or a Gated
-DeltaNet state), each attention is wrapped, and the tape's mixer splits too,
-so that another sequence's prefill chunk can ride in a pass (`Rider`): its rows
-share the pass's projections and MLPs and attend over, or update, their own
-caches. Two
-adapters in one process share nothing.
+DeltaNet state), each attention is wrapped (`GroupedAttention`), and the tape's
+mixer splits too: a batch's sequences each attend over caches of their own
+(`target/sequences.py`), and another sequence's prefill chunk can ride in a
+pass (`Rider`), its rows sharing the pass's projections and MLPs and
+attending over, or updating, their own caches. Two adapters in one process
+share nothing.
 
 Under mlx-lm's pipeline parallelism (`model.model.pipeline(group)`) a rank
 holds only its own layers (the others are None) and caches for them alone;
@@ -27,6 +28,7 @@ others' (`distributed` sums the shares over the ranks).
 
 import inspect
 from contextlib import contextmanager
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -44,6 +46,7 @@ from ..errors import DFlashError
 from ..kernels import backend, gdn_replay, gdn_replay_each, gdn_verify, qmm_verify
 from .caches import DEFAULT_SLACK, WindowCache, family_verdict, gdn_layout, keep_rows, rollback_kind
 from .ragged import RaggedKVCache
+from .sequences import SequenceKV
 
 
 def initialize_rope(dims, base, scaling_config, max_position_embeddings):
@@ -182,6 +185,7 @@ class _Taps:
         self.groups = None  # during a pass with a rider: ((B, L) of the main rows, (1, L) of the rider's)
         self.head_rows = None  # during a pass with a rider: the flat rows that reach the LM head
         self.group_tree = None  # during a tree pass with a rider: the tree's (mask, runs), its own rows'
+        self.shared = None  # during a grouped attention call: what its parts share (`_Shared`)
 
 
 class _Wrapper(nn.Module):
@@ -270,30 +274,167 @@ class _Grouped:
         return tuple(c.make_mask(L, **kwargs) for c, (_, L) in zip(self.caches, self.groups))
 
 
-class RidingAttention(_Wrapper):
-    """A layer's attention: during a pass with a rider, each group of rows (the pass's own
-    [B, L], the rider's [1, L]) attends over its own caches, with its own mask and positions."""
+@dataclass
+class _Part:
+    """One sequence's rows (or a batch's, held in one array) in a grouped attention call: rows
+    [start, start + B * L) of the pass, as [B, L], with their own mask and caches."""
 
-    def __init__(self, inner: nn.Module, taps: _Taps):
+    start: int
+    B: int
+    L: int
+    mask: Any
+    cache: Any
+    runs: Optional[tuple] = None  # a tree's RoPE runs, where these rows are its nodes
+
+
+class _Shared:
+    """What a grouped attention call shares among its parts: every row of the pass ([1, N, D]),
+    the part running, and each input projection's output over every row (made on first use)."""
+
+    def __init__(self, x: mx.array, defer: bool):
+        self.x, self.part, self.start, self.outs = x, None, 0, {}
+        self.defer = defer  # the output projection hands its input back, to run once after every part
+        self.deferred = None  # what it handed back last
+
+
+class _SharedInput(_Wrapper):
+    """An attention's input projection (q, k, v, ...): in a grouped call, it projects every part's
+    rows at once, and each part gets its slice (one read of the weights for all)."""
+
+    def __init__(self, inner: nn.Module, taps: "_Taps"):
         super().__init__()
         self.inner = inner
         self._taps = taps
 
+    def __call__(self, x):
+        s = self._taps.shared
+        if s is None or x is not s.part:
+            return self.inner(x)
+        full = s.outs.get(id(self))
+        if full is None:
+            full = s.outs[id(self)] = self.inner(s.x)
+        B, L = x.shape[:2]
+        return full[:, s.start : s.start + B * L].reshape(B, L, -1)
+
+
+class _SharedOutput(_Wrapper):
+    """An attention's output projection: in a grouped call, it hands its input back unprojected,
+    and `GroupedAttention` projects every part's rows at once after the last."""
+
+    def __init__(self, inner: nn.Module, taps: "_Taps"):
+        super().__init__()
+        self.inner = inner
+        self._taps = taps
+
+    def __call__(self, x):
+        s = self._taps.shared
+        if s is None or not s.defer:
+            return self.inner(x)
+        s.deferred = x
+        return x
+
+
+# The output projection's name in mlx-lm's attention modules.
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "wo", "c_proj")
+LINEARS = (nn.Linear, nn.QuantizedLinear)
+
+
+class GroupedAttention(_Wrapper):
+    """A layer's attention, for a pass over several sequences held in caches of their own: a
+    batch's `SequenceKV`, or a rider's (`Rider`) beside the pass's own rows. Each sequence's rows
+    attend over its own caches, with its own mask and positions (the model's own attention,
+    called per sequence); the input projections run once over every row and the output
+    projection once after (`_SharedInput`, `_SharedOutput`)."""
+
+    def __init__(self, inner: nn.Module, taps: "_Taps"):
+        super().__init__()
+        self.inner = inner
+        self._taps = taps
+        self._defer: Optional[bool] = None  # whether the output projection runs once after the parts
+        for name in list(inner):
+            child = inner[name]
+            if isinstance(child, LINEARS):
+                if name in OUTPUT_PROJECTIONS:
+                    setattr(inner, name, _SharedOutput(child, taps))
+                else:
+                    setattr(inner, name, _SharedInput(child, taps))
+        self._output = next((n for n in OUTPUT_PROJECTIONS if isinstance(inner.get(n), _SharedOutput)), None)
+
     def __call__(self, x, mask=None, cache=None, **kwargs):
-        taps = self._taps
-        if taps.groups is None:
+        parts = self._parts(x, mask, cache)
+        if parts is None:
             return self.inner(x, mask, cache, **kwargs)
-        outs, start = [], 0
-        for i, ((B, L), m, c) in enumerate(zip(taps.groups, mask, cache.caches)):
-            part = x[:, start : start + B * L].reshape(B, L, -1)
-            if i == 0 and taps.group_tree is not None:  # the pass's own rows are a tree's nodes
-                m, taps.tree_runs = taps.group_tree
+        if self._defer is None:
+            self._defer = self._defers(x, kwargs)
+        taps = self._taps
+        B, L, D = x.shape
+        rows = x.reshape(1, B * L, D)
+        shared = _Shared(rows, self._defer)
+        outs, runs = [], taps.tree_runs
+        for p in parts:
+            part = rows[:, p.start : p.start + p.B * p.L].reshape(p.B, p.L, D)
+            shared.part, shared.start = part, p.start
+            taps.shared, taps.tree_runs = shared, p.runs
             try:
-                outs.append(self.inner(part, m, c, **kwargs).reshape(1, B * L, -1))
+                out = self.inner(part, p.mask, p.cache, **kwargs)
             finally:
-                taps.tree_runs = None
+                taps.shared, taps.tree_runs = None, runs
+            outs.append(out.reshape(1, p.B * p.L, -1))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        if self._defer:
+            out = self.inner[self._output].inner(out)
+        return out.reshape(B, L, -1)
+
+    def _defers(self, x, kwargs) -> bool:
+        """Whether the attention returns its output projection's output as it is, so that the
+        projection can run once after every part (checked once, on a row of `x` and a fresh cache:
+        the graph it builds is never evaluated)."""
+        if self._output is None:
+            return False
+        probe = x[:1, :1]
+        shared = _Shared(probe, True)
+        shared.part = probe
+        taps, runs = self._taps, self._taps.tree_runs
+        taps.shared, taps.tree_runs = shared, None
+        try:
+            out = self.inner(probe, None, cache_lib.KVCache(), **kwargs)
+        except Exception:  # a layout the probe does not fit: project each part on its own
+            return False
+        finally:
+            taps.shared, taps.tree_runs = None, runs
+        return out is shared.deferred
+
+    def _parts(self, x, mask, cache) -> Optional[List[_Part]]:
+        """The pass's parts: each sequence of a `SequenceKV` batch, a batch held in one array as
+        one part, and a rider; None for a pass over one cache (the attention runs as the model's)."""
+        taps = self._taps
+        if taps.groups is not None:
+            groups, masks, caches = taps.groups, mask, cache.caches
+        elif isinstance(cache, SequenceKV):
+            groups, masks, caches = (x.shape[:2],), (mask,), (cache,)
+        else:
+            return None
+        parts, start = [], 0
+        for i, ((B, L), m, c) in enumerate(zip(groups, masks, caches)):
+            runs = taps.tree_runs if i == 0 else None  # the pass's own rows may be a tree's nodes
+            if i == 0 and taps.group_tree is not None:
+                m, runs = taps.group_tree
+            if isinstance(c, SequenceKV):
+                each = m if isinstance(m, (tuple, list)) else [m] * len(c.caches)
+                parts += [_Part(start + b * L, 1, L, mb, cb, _runs_of(runs, b))
+                          for b, (mb, cb) in enumerate(zip(each, c.caches))]
+            else:
+                parts.append(_Part(start, B, L, m, c, runs))
             start += B * L
-        return mx.concatenate(outs, axis=1)
+        return parts
+
+
+def _runs_of(runs: Optional[list], b: int) -> Optional[list]:
+    """Sequence b's RoPE runs of a batch's tree (`draft.tree.Tree.runs`: a branch's depth is an
+    array, each sequence's own)."""
+    if runs is None:
+        return None
+    return [(s, e, d if isinstance(d, int) else d[b : b + 1]) for s, e, d in runs]
 
 
 def _tree_mask(tree: tuple, cache) -> mx.array:
@@ -304,6 +445,9 @@ def _tree_mask(tree: tuple, cache) -> mx.array:
     mask = tree[0]
     B, N, _ = mask.shape
     c = cache[0]
+    if isinstance(c, SequenceKV):  # each sequence's own caches: a mask of its own
+        return tuple(mx.concatenate([mx.ones((1, N, e), dtype=mx.bool_), mask[b : b + 1]], axis=2)[:, None]
+                     for b, e in enumerate(c.ends))
     if isinstance(c.offset, int):  # one sequence's own caches
         return mx.concatenate([mx.ones((B, N, c.offset), dtype=mx.bool_), mask], axis=2)[:, None]
     rel = mx.arange(max(c.ends) + N)[None, None] - c.offset[:, None, None]  # column - the sequence's end
@@ -338,7 +482,7 @@ def ride_capable(kinds: Dict[int, str], layers) -> bool:
     """Whether a prefill chunk can ride in a pass: every cache K/V (full or a sliding window,
     each group's own mask made by its own caches) or a Gated DeltaNet state (the tape's
     wrapper runs each group on its own), and every attention layer's attention a child of
-    the layer taking the mask second, holding the one RoPE (`RidingAttention` wraps it)."""
+    the layer taking the mask second, holding the one RoPE (`GroupedAttention` wraps it)."""
     if any(k not in ("offset", "window", "tape") for k in kinds.values()) or len(kinds) != len(layers):
         return False
     for i, layer in enumerate(layers):
@@ -594,7 +738,7 @@ class TargetAdapter:
                 if self.supports_tree:
                     owner.rope = TreeRoPE(owner.rope, self._taps)
                 if self._riders:
-                    setattr(layer, next(n for n in layer if layer[n] is owner), RidingAttention(owner, self._taps))
+                    setattr(layer, next(n for n in layer if layer[n] is owner), GroupedAttention(owner, self._taps))
             tapped = i in self.local_taps and (i != last or self.pipelined)
             if tapped or self.supports_tree:
                 layers[i] = TappedLayer(layer, i, self._taps, record=tapped)
@@ -631,7 +775,8 @@ class TargetAdapter:
         """Whether a tree pass can run over these caches (all plain KV caches, a sequence's own or
         a batch's: not quantized, not sliding windows)."""
         return self.supports_tree and all(
-            type(c) is cache_lib.KVCache or (type(c) is RaggedKVCache and c.window is None) for c in cache)
+            type(c) is cache_lib.KVCache or (type(c) in (RaggedKVCache, SequenceKV) and c.window is None)
+            for c in cache)
 
     def can_carry(self, cache) -> bool:
         """Whether a prefill chunk over these caches (a sequence's own) can ride in a pass
@@ -709,31 +854,58 @@ class TargetAdapter:
         """`__call__` with a rider: the rows of both flattened into one [1, B * L + L'] pass (a tree's
         mask and RoPE runs, with `tree`, for the pass's own rows only)."""
         B, L = tokens.shape
-        taps = self._taps
         groups = ((B, L), tuple(rider.tokens.shape))
         if rows is not None:
             heads = rows + mx.arange(B) * L
         else:
             heads = mx.arange(B * L).reshape(B, L)[:, -1 if last_only else slice(None)].reshape(-1)
         self._slack_for(tokens, cache, record)
-        taps.values.clear()
-        taps.recording, taps.head_calls = record, 0
-        taps.groups, taps.head_rows = groups, heads
-        taps.group_tree = None if tree is None else (_tree_mask(tree, cache), tree[1])
-        try:
-            flat = mx.concatenate([tokens.reshape(1, -1), rider.tokens.astype(tokens.dtype)], axis=1)
-            logits = self.model(flat, cache=[_Grouped(pair, groups) for pair in zip(cache, rider.cache)])
-        finally:
-            taps.recording = False
-            taps.groups = taps.head_rows = taps.group_tree = None
-        feats = [self._tap(i, flat) for i in self.tap_ids]
-        taps.values.clear()
+        flat = mx.concatenate([tokens.reshape(1, -1), rider.tokens.astype(tokens.dtype)], axis=1)
+        tree = None if tree is None else (_tree_mask(tree, cache), tree[1])
+        logits, feats = self._flat(flat, groups, [_Grouped(pair, groups) for pair in zip(cache, rider.cache)],
+                                   heads, record, tree)
         logits = logits.reshape(B, -1, logits.shape[-1])
         rider.hidden = mx.concatenate([f[:, B * L :] for f in feats], axis=-1) if rider.taps else None
         own = [f[:, : B * L].reshape(B, L, -1) for f in feats]
         if wanted == "layers":
             return logits, tuple(own)
         return logits, mx.concatenate(own, axis=-1) if wanted else None
+
+    def apart(self, blocks: Sequence[mx.array], caches: Sequence[list], taps: bool = True):
+        """One pass over several sequences' blocks of different lengths, each over its own caches
+        (a `splits` target's, every cache one `can_carry` takes), with no padding: the rows go
+        through every projection and MLP together and each sequence's attend over its own caches.
+        Returns the logits of each block's last row [B, 1, V] and, with `taps`, each block's
+        taps [1, L_b, D] (None without)."""
+        lengths = [int(b.shape[-1]) for b in blocks]
+        groups = tuple((1, n) for n in lengths)
+        flat = mx.concatenate([b.reshape(1, -1) for b in blocks], axis=1)
+        starts = list(accumulate([0] + lengths[:-1]))
+        layers = [_Grouped(tuple(c[i] for c in caches), groups) for i in range(len(caches[0]))]
+        logits, feats = self._flat(flat, groups, layers, mx.array(starts) + mx.array(lengths) - 1, False, None)
+        if not self._checked:
+            self._check(flat, logits, feats)
+        if not taps:
+            return logits.reshape(len(blocks), 1, -1), None
+        joined = mx.concatenate(feats, axis=-1)
+        return logits.reshape(len(blocks), 1, -1), [joined[:, a : a + n] for a, n in zip(starts, lengths)]
+
+    def _flat(self, flat: mx.array, groups: tuple, cache: list, heads: mx.array, record: bool, tree):
+        """The model over `flat` [1, N], its rows in `groups` ((B, L) each, every group's own caches
+        in `cache`'s `_Grouped`s, the first's a tree's nodes with `tree`): the logits of rows `heads`
+        and the taps [1, N, D] per tapped layer."""
+        taps = self._taps
+        taps.values.clear()
+        taps.recording, taps.head_calls = record, 0
+        taps.groups, taps.head_rows, taps.group_tree = groups, heads, tree
+        try:
+            logits = self.model(flat, cache=cache)
+        finally:
+            taps.recording = False
+            taps.groups = taps.head_rows = taps.group_tree = None
+        feats = [self._tap(i, flat) for i in self.tap_ids]
+        taps.values.clear()
+        return logits, feats
 
     def _slack_for(self, tokens: mx.array, cache, record: bool) -> None:
         """A recorded pass wider than the windows' slack: keep enough to crop it."""
@@ -810,6 +982,13 @@ class TargetAdapter:
         return all(k in ("offset", "window", "tape") for k in self._kinds.values())
 
     @property
+    def splits(self) -> bool:
+        """Whether a batch holds each sequence's K/V in caches of its own (`target.sequences`): every
+        attention runs per sequence (`GroupedAttention`). Else a batch's K/V is one padded array
+        (`target.ragged`): layers that share caches."""
+        return self._riders
+
+    @property
     def recurrent(self) -> bool:
         """Whether a cropped pass must be recorded (`record=True`): the target has recurrent states."""
         return bool(self._gdn)
@@ -820,6 +999,11 @@ class TargetAdapter:
         keep_rows(cache, rows, width)
 
     def keep_rows_each(self, cache, rows: Sequence[Sequence[int]], width: int):
-        """`keep_rows` for a batch's caches (`target.ragged`): sequence b keeps rows `rows[b]`."""
+        """`keep_rows` for a batch's caches (`target.ragged`, `target.sequences`): sequence b keeps
+        rows `rows[b]`."""
+        if cache and isinstance(cache[0], SequenceKV):  # each sequence's layers at once (`caches.keep_rows`)
+            for b, r in enumerate(rows):
+                keep_rows([c.caches[b] for c in cache], list(r), width)
+            return
         for c in cache:
             c.keep_rows(rows, width)

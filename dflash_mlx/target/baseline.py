@@ -49,7 +49,7 @@ def _unwrapped_key(key: str, wrappers: Set[str]) -> str:
     while i < len(parts):
         path.append(parts[i])
         out.append(parts[i])
-        if ".".join(path) in wrappers and i + 1 < len(parts) and parts[i + 1] == "inner":
+        while ".".join(path) in wrappers and i + 1 < len(parts) and parts[i + 1] == "inner":  # wrappers nest
             path.append("inner")
             i += 1
         i += 1

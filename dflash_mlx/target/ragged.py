@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .caches import WindowCache
+from .sequences import SequenceKV
 
 STEP = 256  # columns the buffer grows by, as mlx-lm's KVCache: few reallocations, little waste
 
@@ -223,12 +224,15 @@ def ragged_like(cache, ends: Sequence[int] = ()) -> RaggedKVCache:
     return RaggedKVCache(ends)
 
 
-def batch_of(cache) -> object:
-    """One sequence's cache (one layer's) as the first of a batch: a `RaggedKVCache` for K/V
-    (a sliding window's too), mlx-lm's `ArraysCache` (its own `merge`, `extend`, `filter`,
-    `extract`) for a recurrent state."""
+def batch_of(cache, split: bool = False) -> object:
+    """One sequence's cache (one layer's) as the first of a batch: with `split` (a target whose
+    attention runs per sequence, `TargetAdapter.splits`) a `SequenceKV` holding it, else a
+    `RaggedKVCache` for K/V (a sliding window's too); mlx-lm's `ArraysCache` (its own `merge`,
+    `extend`, `filter`, `extract`) for a recurrent state."""
     if isinstance(cache, ArraysCache):
         return ArraysCache.merge([cache])
+    if split:
+        return SequenceKV([cache])
     out = ragged_like(cache)
     out.extend([_from_zero(cache)])
     return out
@@ -236,7 +240,9 @@ def batch_of(cache) -> object:
 
 def add_to(batch, cache) -> None:
     """Append one sequence's cache (one layer's) to the batch's."""
-    if isinstance(batch, RaggedKVCache):
+    if isinstance(batch, SequenceKV):
+        batch.extend([cache])
+    elif isinstance(batch, RaggedKVCache):
         batch.extend([_from_zero(cache)])
     else:
         batch.extend(ArraysCache.merge([cache]))

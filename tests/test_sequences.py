@@ -1,0 +1,258 @@
+"""A batch that holds each sequence's K/V apart (`target/sequences.py`): each sequence attends over
+its own caches, the projections run once for all, and joining, leaving and cropping copy nothing."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from dflash_mlx.target.adapter import GroupedAttention, _Taps
+from dflash_mlx.target.sequences import SequenceKV
+
+# Very different lengths: a long prompt beside short ones.
+LENGTHS = [300, 3, 41]
+
+
+def prompt(n, seed):
+    return [(seed * 7 + 3 * i) % 200 + 1 for i in range(n)]
+
+
+def own_caches(target, tokens):
+    cache = target.make_cache()
+    target(mx.array([tokens]), cache)
+    return cache
+
+
+def close(a, b):
+    return mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
+def test_a_batch_of_very_different_lengths_equals_each_sequence_alone(pairs, family):
+    """Each sequence's logits and taps in a batched pass are its own pass's, whatever the others'
+    lengths, after crops of different depths, after one leaves and another joins; and a sequence
+    handed back is the very cache it brought (nothing copied)."""
+    target = pairs[family].target
+    assert target.splits
+    prompts = [prompt(n, s) for s, n in enumerate(LENGTHS)]
+    alone = [own_caches(target, p) for p in prompts]
+    brought = [own_caches(target, p) for p in prompts]
+    from dflash_mlx.decode.caches import Caches
+
+    caches = Caches(split=True)
+    for c in brought:
+        caches.add(c)
+    kv = [c for c in caches.layers if isinstance(c, SequenceKV)]
+    assert kv and all(c.caches[b] is brought[b][i] for i, c in enumerate(caches.layers)
+                      if isinstance(c, SequenceKV) for b in range(3))
+
+    def both(blocks, keeps=None):
+        """A batched pass and each sequence's own; with `keeps`, each then keeps that many rows."""
+        record = keeps is not None
+        logits, hidden = target(mx.array(blocks), caches.layers, record=record)
+        mx.eval(logits, hidden)
+        if record:
+            target.crop_each(caches.layers, keeps, len(blocks[0]))
+        for b, block in enumerate(blocks):
+            own, own_hidden = target(mx.array([block]), alone[b], record=record)
+            assert close(logits[b], own[0]) and close(hidden[b], own_hidden[0]), (family, b)
+            if record:
+                target.crop(alone[b], keeps[b], len(block))
+
+    keeps = [3, 1, 2]
+    both([[1, 2, 3], [4, 5, 6], [7, 8, 9]], keeps)
+    assert [c.offset for c in kv[0].caches] == [n + k for n, k in zip(LENGTHS, keeps)]
+    both([[10, 11], [12, 13], [14, 15]])
+    both([[16], [17], [18]])  # plain steps
+    both([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], [0, 4, 2])
+
+    caches.keep_only([0, 2], 3)  # the second leaves; a new one joins
+    alone = [alone[0], alone[2]]
+    joining = prompt(17, 9)
+    alone.append(own_caches(target, joining))
+    caches.add(own_caches(target, joining))
+    both([[20, 21, 22, 23], [24, 25, 26, 27], [28, 29, 30, 31]])
+    for b in range(3):
+        assert all(caches.of(b)[i].offset == alone[b][i].offset for i, c in enumerate(caches.layers)
+                   if isinstance(c, SequenceKV))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_joins_and_leaves_in_every_order_copy_no_other_sequence_s_rows(pairs, family):
+    """A sequence that joins or leaves leaves every other sequence's K/V buffers as they were (the
+    same arrays), and the batch holds exactly the bytes its sequences hold."""
+    from itertools import permutations
+
+    from dflash_mlx.decode.caches import Caches
+
+    target = pairs[family].target
+    for order in permutations(range(3)):
+        seqs = [own_caches(target, prompt(n, s)) for s, n in enumerate(LENGTHS)]
+        caches = Caches(split=True)
+        for i in order:
+            before = [(c.caches[b].keys, c.caches[b].values) for c in caches.layers if isinstance(c, SequenceKV)
+                      for b in range(len(c.caches))] if caches.batched else []
+            caches.add(seqs[i])
+            after = [(c.caches[b].keys, c.caches[b].values) for c in caches.layers if isinstance(c, SequenceKV)
+                     for b in range(len(c.caches) - 1)]
+            assert all(k0 is k1 and v0 is v1 for (k0, v0), (k1, v1) in zip(before, after))
+        kv = [i for i, c in enumerate(caches.layers) if isinstance(c, SequenceKV)]
+        assert sum(caches.layers[i].nbytes for i in kv) == sum(seqs[s][i].nbytes for s in range(3) for i in kv)
+        kept = [caches.layers[i].caches[2] for i in kv]
+        caches.keep_only([2], 3)
+        assert not caches.batched and all(caches.layers[i] is k for i, k in zip(kv, kept))
+
+
+def test_a_batch_holds_what_its_sequences_hold_in_bytes(pairs):
+    """The bytes of a layer's keys and values: each sequence's own buffer, grown in steps as mlx-lm's
+    KVCache grows it, where a padded batch holds every sequence at the longest's length."""
+    from dflash_mlx.target.ragged import RaggedKVCache
+
+    target = pairs["qwen3"].target
+    lengths = [1000, 3, 41]
+    seqs = [own_caches(target, prompt(n, s)) for s, n in enumerate(lengths)]
+    k = seqs[0][0].keys
+    _, H, _, D = k.shape
+    columns = [-(-n // KVCache.step) * KVCache.step for n in lengths]
+    assert SequenceKV([s[0] for s in seqs]).nbytes == sum(2 * H * c * D * k.dtype.size for c in columns)
+    padded = RaggedKVCache.merge([s[0] for s in seqs])
+    assert padded.nbytes == 2 * len(lengths) * H * max(columns) * D * k.dtype.size
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_each_input_projection_runs_once_for_the_whole_batch(pairs, family):
+    """In a pass over B sequences held apart, every attention's q, k, v and output projections are
+    each called once on all B sequences' rows, not once per sequence."""
+    from dflash_mlx.decode.caches import Caches
+
+    target = pairs[family].target
+    caches = Caches(split=True)
+    for s, n in enumerate(LENGTHS):
+        caches.add(own_caches(target, prompt(n, s)))
+    attn = next(m for _, m in target.model.named_modules() if isinstance(m, GroupedAttention))
+    calls = {}
+
+    class Counting(nn.Module):
+        def __init__(self, name, inner):
+            super().__init__()
+            self.name, self.inner = name, inner
+
+        def __call__(self, x):
+            calls[self.name] = calls.get(self.name, []) + [x.shape]
+            return self.inner(x)
+
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        wrapper = attn.inner[name]
+        wrapper.inner = Counting(name, wrapper.inner)
+    target(mx.array([[1, 2], [3, 4], [5, 6]]), caches.layers)
+    assert {n: len(v) for n, v in calls.items()} == {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 1}
+    assert all(shape[:2] == (1, 6) for v in calls.values() for shape in v)
+
+
+class AfterOutput(nn.Module):
+    """An attention that works on its output after the output projection: the grouped call must not
+    defer the projection past it."""
+
+    def __init__(self, dims=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj = nn.Linear(dims, dims, bias=False), nn.Linear(dims, dims, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(dims, dims, bias=False), nn.Linear(dims, dims, bias=False)
+        self.rope = nn.RoPE(dims // heads)
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, D = x.shape
+        q, k, v = (p(x).reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        return mx.tanh(self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D)))
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_the_output_projection_runs_once_only_where_the_attention_ends_with_it(after):
+    """A grouped call over sequences held apart equals each sequence's own call, whether the
+    attention returns its output projection's output (projected once after every part) or works on
+    it further (projected per part)."""
+    mx.random.seed(0)
+    module = AfterOutput() if after else Plain()
+    mx.eval(module.parameters())
+    lengths = [5, 1, 12]
+    own, held = [], []
+    for n in lengths:
+        x = mx.random.normal((1, n, 16))
+        for caches in (own, held):
+            c = KVCache()
+            module(x, "causal", c)
+            caches.append(c)
+    grouped = GroupedAttention(module, _Taps())
+    x = mx.random.normal((3, 2, 16))
+    batch = SequenceKV(held)
+    out = grouped(x, batch.make_mask(2, return_array=False, window_size=None), batch)
+    for b in range(3):
+        assert close(out[b], grouped.inner(x[b : b + 1], own[b].make_mask(2, return_array=False, window_size=None), own[b])[0])
+    assert grouped._defer is (not after)
+
+
+class Plain(AfterOutput):
+    def __call__(self, x, mask=None, cache=None):
+        B, L, D = x.shape
+        q, k, v = (p(x).reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss", "gemma4_text"])
+@pytest.mark.parametrize("width", [1, 4])
+def test_a_long_prompt_beside_short_ones_decodes_each_as_alone(pairs, baselines, more, family, width):
+    """A 300-token prompt and short ones decoded in one batch, the short ones joining while it decodes:
+    each sequence's tokens are mlx-lm's greedy tokens for it alone. Targets whose attention runs per
+    sequence hold the batch apart (full attention, Gated DeltaNet hybrids, sliding windows); Gemma 4,
+    whose layers share caches, keeps a padded batch."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.decode.decoder import Decoder
+    from dflash_mlx.target.ragged import RaggedKVCache
+
+    pair, base = (pairs[family], baselines[family]) if family in pairs else more(family)
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    long = prompt(300, 1)
+    short = [pair.tokenizer.encode(t) for t in ("def add(a, b):", "Once upon a time", "x")]
+    dec = Decoder(pair, width, block_size=4)
+    out = {c.uid: list(c.tokens) for c in dec.add_many([long], [20])}
+    for _ in range(2):
+        for c in dec.step():
+            out[c.uid] += c.tokens
+    out.update({c.uid: list(c.tokens) for c in dec.add_many(short, [16, 8, 12])})
+    layers = [c for c in dec.caches.layers if not hasattr(c, "cache")]  # the K/V layers
+    assert all(isinstance(c, SequenceKV if pair.target.splits else RaggedKVCache) for c in layers)
+    assert pair.target.splits is (family != "gemma4_text")
+    while len(dec):
+        for c in dec.step():
+            out[c.uid] += c.tokens
+    want = [plain_greedy(base, p, n, eos=eos) for p, n in zip([long] + short, [20, 16, 8, 12])]
+    assert [out[u] for u in sorted(out)] == want
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_prompts_of_different_lengths_prefill_in_one_pass_without_padding(pairs, more, family):
+    """`TargetAdapter.apart`: blocks of different lengths, each over its own caches (one of them
+    holding a prefix already), in one pass: each block's last logits and its taps are its own
+    pass's, and each cache holds exactly its own rows (sliding windows of 8 included)."""
+    pair = pairs[family] if family in pairs else more(family)[0]
+    target = pair.target
+    blocks = [prompt(13, 1), prompt(3, 2), prompt(1, 3)]
+    prefix = prompt(5, 4)
+    mine = [target.make_cache(), own_caches(target, prefix), target.make_cache()]
+    alone = [target.make_cache(), own_caches(target, prefix), target.make_cache()]
+    logits, taps = target.apart([mx.array(b) for b in blocks], mine)
+    for b, block in enumerate(blocks):
+        own, own_taps = target(mx.array([block]), alone[b])
+        assert close(logits[b, 0], own[0, -1]) and close(taps[b], own_taps), b
+        assert mine[b][0].offset == alone[b][0].offset == len(block) + (len(prefix) if b == 1 else 0)
+    nxt = mx.array([[7]])
+    assert all(close(target(nxt, mine[b])[0], target(nxt, alone[b])[0]) for b in range(3))
