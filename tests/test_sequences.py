@@ -129,6 +129,7 @@ def test_each_input_projection_runs_once_for_the_whole_batch(pairs, family):
     caches = Caches(split=True)
     for s, n in enumerate(LENGTHS):
         caches.add(own_caches(target, prompt(n, s)))
+    target(mx.array([[1], [2], [3]]), caches.layers)  # the first grouped call also checks the layout once
     attn = next(m for _, m in target.model.named_modules() if isinstance(m, GroupedAttention))
     calls = {}
 
@@ -256,3 +257,60 @@ def test_prompts_of_different_lengths_prefill_in_one_pass_without_padding(pairs,
         assert mine[b][0].offset == alone[b][0].offset == len(block) + (len(prefix) if b == 1 else 0)
     nxt = mx.array([[7]])
     assert all(close(target(nxt, mine[b])[0], target(nxt, alone[b])[0]) for b in range(3))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
+@pytest.mark.parametrize("width", [1, 3, 8])
+def test_a_batch_held_apart_whatever_its_lengths_equals_each_prompt_alone(pairs, baselines, monkeypatch, family,
+                                                                        width):
+    """With every batch held per sequence (`SPLIT_WASTE` at 1), prompts of similar lengths joining
+    at different cycles and leaving at different times decode exactly mlx-lm's greedy tokens."""
+    from conftest import plain_greedy
+    from test_batch import TEXTS, generate_batch
+
+    from dflash_mlx.decode import caches
+
+    monkeypatch.setattr(caches, "SPLIT_WASTE", 1.0)
+    pair = pairs[family]
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    got = generate_batch(pair, prompts, max_tokens=24, width=width, join_at={2: 1, 3: 3, 4: 3})
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    assert [plain_greedy(baselines[family], p, 24, eos=eos) for p in prompts] == got
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_the_layout_follows_the_lengths_and_changes_copy_each_sequence_once(pairs, baselines, more, family):
+    """Similar lengths share one padded array; a long prompt joining makes the batch hold each
+    sequence apart, and its leaving makes it padded again; every sequence decodes mlx-lm's greedy
+    tokens through both changes."""
+    from conftest import plain_greedy
+
+    from dflash_mlx.decode.caches import waste
+    from dflash_mlx.decode.decoder import Decoder
+    from dflash_mlx.target.ragged import RaggedKVCache
+
+    pair, base = (pairs[family], baselines[family]) if family in pairs else more(family)
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    short = [pair.tokenizer.encode(t) for t in ("def add(a, b):", "Once upon a time", "import os")]
+    dec = Decoder(pair, 4, block_size=4)
+    out = {c.uid: list(c.tokens) for c in dec.add_many(short, [40, 40, 40])}
+
+    def layout():
+        return {type(c) for c in dec.caches.layers if not hasattr(c, "cache")}
+
+    def steps(n):
+        for _ in range(n):
+            for c in dec.step():
+                out[c.uid] += c.tokens
+
+    steps(2)
+    assert layout() == {RaggedKVCache} and waste(dec.caches.lengths()) < 1.5
+    out.update({c.uid: list(c.tokens) for c in dec.add_many([prompt(300, 5)], [6])})
+    assert layout() == {SequenceKV}
+    while 3 in {s.uid for s in dec.seqs}:
+        steps(1)
+    assert layout() == {RaggedKVCache}  # the long one has left
+    while len(dec):
+        steps(1)
+    want = [plain_greedy(base, p, n, eos=eos) for p, n in zip(short + [prompt(300, 5)], [40, 40, 40, 6])]
+    assert [out[u] for u in sorted(out)] == want

@@ -1,20 +1,50 @@
 """The target's caches of a decoder's sequences: one sequence's own, or several's batched
 (`target/sequences.py`, `target/ragged.py`)."""
 
-from typing import List
+from typing import List, Optional
 
-from ..target.ragged import add_to, batch_of
+from ..target.ragged import RaggedKVCache, add_to, batch_of
+from ..target.sequences import SequenceKV
+
+# A batch's K/V is held per sequence (`SequenceKV`) once one array padded to its longest sequence
+# would hold SPLIT_WASTE times the rows its sequences hold: one 16k-token prompt beside seven
+# 512-token ones holds 6.7x. Below, one padded array (`RaggedKVCache`): per-sequence attention costs
+# a few small operations per sequence and layer, which a batch of similar lengths does not repay
+# (on the CPU a plain step of seven 512-token sequences takes 1.5x; benchmarks/serving.md).
+SPLIT_WASTE = 1.5
+# A batch held per sequence goes back to one padded array below this waste (a margin, so that a
+# batch near the threshold does not change layouts back and forth, each change a copy).
+SPLIT_BACK = 1.2
+
+
+def waste(lengths: List[int]) -> float:
+    """Rows one array padded to the longest sequence holds, over the rows the sequences hold."""
+    return len(lengths) * max(lengths) / max(1, sum(lengths))
 
 
 class Caches:
     """The target's caches of a decoder's sequences, per layer: one sequence's own (the target's
-    kinds, on which it decodes as a request alone does), or for several a batch's
-    (`SequenceKV`s or `RaggedKVCache`s, batched `ArraysCache`s of recurrent states)."""
+    kinds, on which it decodes as a request alone does), or for several a batch's: `SequenceKV`s
+    (each sequence's own K/V held side by side, where the target `splits` and one padded array would
+    waste `SPLIT_WASTE`) or `RaggedKVCache`s (one padded array), and batched `ArraysCache`s of
+    recurrent states."""
 
     def __init__(self, split: bool = False):
         self.layers: list = []
         self.batched = False
-        self.split = split  # a batch holds each sequence's K/V apart (`target.sequences`)
+        self.split = split  # the target can hold a batch's K/V per sequence (`TargetAdapter.splits`)
+
+    @property
+    def apart(self) -> bool:
+        """Whether the batch holds each sequence's K/V apart now."""
+        return self.batched and any(isinstance(c, SequenceKV) for c in self.layers)
+
+    def lengths(self) -> List[int]:
+        """Each sequence's rows (none where no layer holds K/V)."""
+        kv = self._kv()
+        if kv is None:
+            return []
+        return kv.ends if self.batched else [kv.offset]
 
     def add(self, tcache: list) -> None:
         """One sequence's caches join: the first keeps its own; a later one's are held beside the
@@ -22,16 +52,22 @@ class Caches:
         if not self.layers:
             self.layers, self.batched = list(tcache), False
             return
-        self._batch()
+        kv = self._kv(tcache)
+        self._fit_layout(self.lengths() + ([kv.offset] if kv is not None else []))
         for batch, c in zip(self.layers, tcache):
             add_to(batch, c)
 
     def join(self, batched: list) -> None:
-        """Several sequences' batch caches join (a padded prefill's)."""
+        """Several sequences' batch caches join (a prefill of several prompts')."""
+        if any(isinstance(c, SequenceKV) for c in batched):  # each sequence's own: held one by one
+            count = len(next(c for c in batched if isinstance(c, SequenceKV)).caches)
+            for b in range(count):
+                self.add([c.extract(b) for c in batched])
+            return
         if not self.layers:
             self.layers, self.batched = batched, True
             return
-        self._batch()
+        self._fit_layout(self.lengths())
         for batch, c in zip(self.layers, batched):
             batch.join(c)
 
@@ -42,12 +78,14 @@ class Caches:
 
     def keep_only(self, keep: List[int], count: int) -> None:
         """Of `count` sequences, those at indices `keep` stay; one left alone decodes on caches of its
-        own again (`fit`)."""
+        own again (`fit`), several in the layout their lengths call for."""
         if not keep:
             self.layers, self.batched = [], False
         elif len(keep) < count:
             for c in self.layers:
                 c.filter(keep)
+            if len(keep) > 1:
+                self._fit_layout(self.lengths())
         self.fit(len(keep))
 
     def fit(self, count: int) -> None:
@@ -56,8 +94,28 @@ class Caches:
         if self.batched and count == 1:
             self.layers, self.batched = [c.extract(0) for c in self.layers], False
 
-    def _batch(self) -> None:
-        """A sequence alone's caches made the first of a batch's (held, or its rows copied once into a
-        padded batch)."""
+    def _fit_layout(self, lengths: List[int]) -> None:
+        """Hold the batch (made from a sequence alone's caches where there is none yet) in the layout
+        sequences of these lengths call for, its rows copied once where it changes."""
+        apart = self.split and bool(lengths) and waste(lengths) > (SPLIT_BACK if self.apart else SPLIT_WASTE)
         if not self.batched:
-            self.layers, self.batched = [batch_of(c, self.split) for c in self.layers], True
+            self.layers, self.batched = [batch_of(c, apart) for c in self.layers], True
+        elif apart != self.apart:
+            self.layers = [_relaid(c, apart) for c in self.layers]
+
+    def _kv(self, layers: Optional[list] = None):
+        """The first layer holding K/V (of `layers`, else of the decoder's), or None."""
+        return next((c for c in (self.layers if layers is None else layers) if hasattr(c, "offset")
+                     and not hasattr(c, "cache")), None)
+
+
+def _relaid(layer, apart: bool):
+    """A batch layer in the other layout: each sequence's rows copied once (recurrent states stay)."""
+    if apart and isinstance(layer, RaggedKVCache):
+        return SequenceKV([layer.extract(b) for b in range(len(layer.ends))])
+    if not apart and isinstance(layer, SequenceKV):
+        out = batch_of(layer.caches[0], False)
+        for c in layer.caches[1:]:
+            add_to(out, c)
+        return out
+    return layer
