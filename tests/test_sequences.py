@@ -150,13 +150,13 @@ def test_each_input_projection_runs_once_for_the_whole_batch(pairs, family):
     assert all(shape[:2] == (1, 6) for v in calls.values() for shape in v)
 
 
-class AfterOutput(nn.Module):
-    """An attention that works on its output after the output projection: the grouped call must not
-    defer the projection past it."""
+class Attention(nn.Module):
+    """An attention that returns its output projection's output, or (`after`) works on it further:
+    the grouped call must not defer the projection past such work."""
 
-    def __init__(self, dims=16, heads=2):
+    def __init__(self, after: bool, dims=16, heads=2):
         super().__init__()
-        self.heads = heads
+        self.after, self.heads = after, heads
         self.q_proj, self.k_proj = nn.Linear(dims, dims, bias=False), nn.Linear(dims, dims, bias=False)
         self.v_proj, self.o_proj = nn.Linear(dims, dims, bias=False), nn.Linear(dims, dims, bias=False)
         self.rope = nn.RoPE(dims // heads)
@@ -168,7 +168,8 @@ class AfterOutput(nn.Module):
         q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
-        return mx.tanh(self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D)))
+        out = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D))
+        return mx.tanh(out) if self.after else out
 
 
 @pytest.mark.parametrize("after", [False, True])
@@ -177,7 +178,7 @@ def test_the_output_projection_runs_once_only_where_the_attention_ends_with_it(a
     attention returns its output projection's output (projected once after every part) or works on
     it further (projected per part)."""
     mx.random.seed(0)
-    module = AfterOutput() if after else Plain()
+    module = Attention(after)
     mx.eval(module.parameters())
     lengths = [5, 1, 12]
     own, held = [], []
@@ -194,17 +195,6 @@ def test_the_output_projection_runs_once_only_where_the_attention_ends_with_it(a
     for b in range(3):
         assert close(out[b], grouped.inner(x[b : b + 1], own[b].make_mask(2, return_array=False, window_size=None), own[b])[0])
     assert grouped._defer is (not after)
-
-
-class Plain(AfterOutput):
-    def __call__(self, x, mask=None, cache=None):
-        B, L, D = x.shape
-        q, k, v = (p(x).reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss", "gemma4_text"])

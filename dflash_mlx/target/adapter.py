@@ -297,14 +297,18 @@ class _Shared:
         self.deferred = None  # what it handed back last
 
 
-class _SharedInput(_Wrapper):
-    """An attention's input projection (q, k, v, ...): in a grouped call, it projects every part's
-    rows at once, and each part gets its slice (one read of the weights for all)."""
+class _Projection(_Wrapper):
+    """One of an attention's linear projections, shared by the parts of a grouped call (`_Shared`)."""
 
     def __init__(self, inner: nn.Module, taps: "_Taps"):
         super().__init__()
         self.inner = inner
         self._taps = taps
+
+
+class _SharedInput(_Projection):
+    """An attention's input projection (q, k, v, ...): in a grouped call, it projects every part's
+    rows at once, and each part gets its slice (one read of the weights for all)."""
 
     def __call__(self, x):
         s = self._taps.shared
@@ -317,14 +321,9 @@ class _SharedInput(_Wrapper):
         return full[:, s.start : s.start + B * L].reshape(B, L, -1)
 
 
-class _SharedOutput(_Wrapper):
+class _SharedOutput(_Projection):
     """An attention's output projection: in a grouped call, it hands its input back unprojected,
     and `GroupedAttention` projects every part's rows at once after the last."""
-
-    def __init__(self, inner: nn.Module, taps: "_Taps"):
-        super().__init__()
-        self.inner = inner
-        self._taps = taps
 
     def __call__(self, x):
         s = self._taps.shared
