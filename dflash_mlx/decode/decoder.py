@@ -213,8 +213,8 @@ class Decoder:
                             self.block_size, self.prompt_cache is not None, self.lookup and self.width > 1)
 
     def _join(self, seq: Running, tcache: list) -> None:
-        """A sequence alone decodes on its own caches; beside others, its caches' rows are
-        copied into the batch's."""
+        """A sequence alone decodes on its own caches; beside others, the batch holds them
+        (`Caches.add`: its own side by side with the others', or its rows copied into a padded batch)."""
         self._settle_ahead()
         self.caches.add(tcache)
         self.seqs.append(seq)

@@ -101,7 +101,7 @@ class Drafting:
     def _pooling(self, seqs: List[Running]) -> bool:
         """Whether this cycle drafts every sequence in one pass: several sequences, each drafting
         with the pair's poolable source. Sequences not pooled yet join the pool (their held taps
-        read into their own context first, which is then copied in); where they cannot, the
+        read into their own context first, which the pool then holds); where they cannot, the
         pool's contexts go back to their sequences."""
         if self.poolable is None or len(seqs) == 1 or any(s.source.pooled() is not self.poolable for s in seqs):
             if self.pool is not None:
