@@ -142,10 +142,14 @@ def test_each_input_projection_runs_once_for_the_whole_batch(pairs, family):
             calls[self.name] = calls.get(self.name, []) + [x.shape]
             return self.inner(x)
 
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        wrapper = attn.inner[name]
+    wrappers = [attn.inner[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    for name, wrapper in zip(("q_proj", "k_proj", "v_proj", "o_proj"), wrappers):
         wrapper.inner = Counting(name, wrapper.inner)
-    target(mx.array([[1, 2], [3, 4], [5, 6]]), caches.layers)
+    try:
+        target(mx.array([[1, 2], [3, 4], [5, 6]]), caches.layers)
+    finally:  # the pair is the session's: its model goes back as it was
+        for wrapper in wrappers:
+            wrapper.inner = wrapper.inner.inner
     assert {n: len(v) for n, v in calls.items()} == {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 1}
     assert all(shape[:2] == (1, 6) for v in calls.values() for shape in v)
 
