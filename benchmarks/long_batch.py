@@ -121,8 +121,11 @@ def measure(target: str, drafter: str, long: int, short: int, streams: int, step
         seconds = time.perf_counter() - tic
         return peak, held(dec), tokens / seconds, copied
 
+    print(f"{target}: the long prompt and one short one alone", file=sys.stderr, flush=True)
     alone = [decode([p], 4) for p in [long_p] + short_p[:1]]
+    print(f"{target}: the long prompt beside {streams} short ones", file=sys.stderr, flush=True)
     together = decode([long_p] + short_p, steps, count=list(range(1, streams + 1)))
+    print(f"{target}: the short ones without it", file=sys.stderr, flush=True)
     without = decode(short_p, steps)
     own = alone[0][0] + streams * alone[1][0]
     own_bytes = alone[0][1] + streams * alone[1][1]
@@ -137,9 +140,12 @@ def run(root: Path, args, target: Path) -> dict:
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2]); "
             "import long_batch; print(json.dumps(long_batch.measure(*sys.argv[3:5], *map(int, sys.argv[5:]))))")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    print(f"measuring the package under {root}", file=sys.stderr, flush=True)
     out = subprocess.run([sys.executable, "-c", code, str(root), str(Path(__file__).parent), str(target),
                           str(args.pair / "drafter"), str(args.long), str(args.short), str(args.streams),
-                          str(args.steps), str(args.width)], env=env, check=True, capture_output=True, text=True)
+                          str(args.steps), str(args.width)], env=env, stdout=subprocess.PIPE, text=True)
+    if out.returncode:
+        sys.exit(f"The measurement under {root} failed (exit {out.returncode}); its error is printed above.")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -154,6 +160,9 @@ def main(argv=None):
     ap.add_argument("--before", help="also measure the package at this git revision first")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    for need in ("target/config.json", "drafter"):
+        if not (args.pair / need).exists():
+            ap.error(f"--pair {args.pair} has no {need}; build the pair with benchmarks/peers/widen.py")
     work = Path(tempfile.mkdtemp(prefix="long-batch-"))
     try:
         target = stand_in(args.pair, args.long, work / "pair")

@@ -3,6 +3,8 @@
 
 from typing import List, Optional
 
+from mlx_lm.models.cache import ArraysCache
+
 from ..target.ragged import RaggedKVCache, add_to, batch_of
 from ..target.sequences import SequenceKV
 
@@ -46,23 +48,24 @@ class Caches:
             return []
         return kv.ends if self.batched else [kv.offset]
 
-    def add(self, tcache: list) -> None:
-        """One sequence's caches join: the first keeps its own; a later one's are held beside the
-        others' (`SequenceKV`), or its rows copied into the batch's (`RaggedKVCache`)."""
+    def add(self, *tcaches: list) -> None:
+        """Sequences' caches join: a first one alone keeps its own; later ones' are held beside the
+        others' (`SequenceKV`), or their rows copied into the batch's (`RaggedKVCache`, once for all)."""
         if not self.layers:
-            self.layers, self.batched = list(tcache), False
+            self.layers, self.batched = list(tcaches[0]), False
+            tcaches = tcaches[1:]
+        if not tcaches:
             return
-        kv = self._kv(tcache)
-        self._fit_layout(self.lengths() + ([kv.offset] if kv is not None else []))
-        for batch, c in zip(self.layers, tcache):
-            add_to(batch, c)
+        kvs = [self._kv(t) for t in tcaches]
+        self._fit_layout(self.lengths() + [kv.offset for kv in kvs if kv is not None])
+        for i, batch in enumerate(self.layers):
+            add_to(batch, *(t[i] for t in tcaches))
 
     def join(self, batched: list) -> None:
         """Several sequences' batch caches join (a prefill of several prompts')."""
-        if any(isinstance(c, SequenceKV) for c in batched):  # each sequence's own: held one by one
-            count = len(next(c for c in batched if isinstance(c, SequenceKV)).caches)
-            for b in range(count):
-                self.add([c.extract(b) for c in batched])
+        apart = next((c for c in batched if isinstance(c, SequenceKV)), None)
+        if apart is not None:  # each sequence's own caches, held in the layout the lengths call for
+            self.add(*([c.extract(b) for c in batched] for b in range(len(apart.caches))))
             return
         if not self.layers:
             self.layers, self.batched = batched, True
@@ -105,8 +108,7 @@ class Caches:
 
     def _kv(self, layers: Optional[list] = None):
         """The first layer holding K/V (of `layers`, else of the decoder's), or None."""
-        return next((c for c in (self.layers if layers is None else layers) if hasattr(c, "offset")
-                     and not hasattr(c, "cache")), None)
+        return next((c for c in (self.layers if layers is None else layers) if not isinstance(c, ArraysCache)), None)
 
 
 def _relaid(layer, apart: bool):
@@ -115,7 +117,6 @@ def _relaid(layer, apart: bool):
         return SequenceKV([layer.extract(b) for b in range(len(layer.ends))])
     if not apart and isinstance(layer, SequenceKV):
         out = batch_of(layer.caches[0], False)
-        for c in layer.caches[1:]:
-            add_to(out, c)
+        add_to(out, *layer.caches[1:])
         return out
     return layer

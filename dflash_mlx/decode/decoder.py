@@ -438,9 +438,8 @@ def prefill_together(target, prompts: Sequence[Sequence[int]], starts: list, seq
         L = max(rest)
         block = mx.array([list(p[len(p) - r :]) + [0] * (L - r) for p, r in zip(prompts, rest)])
     cache = [batch_of(c, target.splits) for c in starts[0][0]]
-    for tcache, _, _ in starts[1:]:
-        for batch, c in zip(cache, tcache):
-            add_to(batch, c)
+    for i, batch in enumerate(cache):
+        add_to(batch, *(tcache[i] for tcache, _, _ in starts[1:]))
     if not target.splits:
         logits, hidden = target(block, cache, taps=tapped, rows=mx.array(rest) - 1)
         for c in cache:

@@ -881,7 +881,8 @@ class TargetAdapter:
         flat = mx.concatenate([b.reshape(1, -1) for b in blocks], axis=1)
         starts = list(accumulate([0] + lengths[:-1]))
         layers = [_Grouped(tuple(c[i] for c in caches), groups) for i in range(len(caches[0]))]
-        logits, feats = self._flat(flat, groups, layers, mx.array(starts) + mx.array(lengths) - 1, False, None)
+        lasts = mx.array([a + n - 1 for a, n in zip(starts, lengths)])
+        logits, feats = self._flat(flat, groups, layers, lasts, False, None)
         if not self._checked:
             self._check(flat, logits, feats)
         if not taps:
@@ -982,9 +983,10 @@ class TargetAdapter:
 
     @property
     def splits(self) -> bool:
-        """Whether a batch holds each sequence's K/V in caches of its own (`target.sequences`): every
-        attention runs per sequence (`GroupedAttention`). Else a batch's K/V is one padded array
-        (`target.ragged`): layers that share caches."""
+        """Whether a batch can hold each sequence's K/V in caches of its own (`target.sequences`;
+        `decode.caches` chooses by the lengths): every attention runs per sequence
+        (`GroupedAttention`). Else a batch's K/V is always one padded array (`target.ragged`):
+        layers that share caches."""
         return self._riders
 
     @property
@@ -1000,7 +1002,7 @@ class TargetAdapter:
     def keep_rows_each(self, cache, rows: Sequence[Sequence[int]], width: int):
         """`keep_rows` for a batch's caches (`target.ragged`, `target.sequences`): sequence b keeps
         rows `rows[b]`."""
-        if cache and isinstance(cache[0], SequenceKV):  # each sequence's layers at once (`caches.keep_rows`)
+        if cache and isinstance(cache[0], SequenceKV):  # each sequence's own layers (`caches.keep_rows`)
             for b, r in enumerate(rows):
                 keep_rows([c.caches[b] for c in cache], list(r), width)
             return

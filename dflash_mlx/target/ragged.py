@@ -238,11 +238,11 @@ def batch_of(cache, split: bool = False) -> object:
     return out
 
 
-def add_to(batch, cache) -> None:
-    """Append one sequence's cache (one layer's) to the batch's."""
+def add_to(batch, *caches) -> None:
+    """Append sequences' caches (one layer's each) to the batch's: a padded batch is copied once for all."""
     if isinstance(batch, SequenceKV):
-        batch.extend([cache])
+        batch.extend(caches)
     elif isinstance(batch, RaggedKVCache):
-        batch.extend([_from_zero(cache)])
+        batch.extend([_from_zero(c) for c in caches])
     else:
-        batch.extend(ArraysCache.merge([cache]))
+        batch.extend(ArraysCache.merge(list(caches)))

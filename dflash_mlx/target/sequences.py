@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import DFlashError
-from .caches import WindowCache, keep_rows
+from .caches import WindowCache
 
 
 class SequenceKV:
@@ -63,11 +63,6 @@ class SequenceKV:
         for c, d in zip(self.caches, drops, strict=True):
             if d:
                 c.trim(min(d, c.offset))
-
-    def keep_rows(self, rows: Sequence[Sequence[int]], width: int) -> None:
-        """After a pass of `width` rows (a tree's nodes), sequence b keeps rows `rows[b]` of it."""
-        for c, r in zip(self.caches, rows, strict=True):
-            keep_rows([c], list(r), width)
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep sequences `keep` (indices, in that order); the others' caches are let go."""
