@@ -10,7 +10,7 @@ Settings, each run on every prompt in a fresh random order per repeat (greedy, `
   ours json       `--block-size auto` with the prompt's schema
   ours json b1    `--block-size 1` with the schema (its ids must equal the two above)
   ours json, no forced drafts   the same as `ours json` with forced tokens left to the target step
-                  by step (`decode.constrained.FORCED_RUN` set to 0 for these runs)
+                  by step (`forced_run=0` for these runs)
   ours free       `--block-size auto`, no schema
 Decode tok/s is each loop's own figure (mlx-lm's `generation_tps`, ours from the first token on);
 ratios are per-prompt medians over repeats, summarised as the median and geometric mean of the
@@ -30,7 +30,7 @@ import dflash_mlx
 from dflash_mlx.bench import context_prompt, load_prompts, machine_info, validates
 from dflash_mlx.constrain import Grammar
 from dflash_mlx.constrain.processor import GrammarProcessor
-from dflash_mlx.decode import constrained
+from dflash_mlx.policy.planner import FORCED_RUN
 from dflash_mlx.target.baseline import generate as baseline_generate, plain_target
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -46,18 +46,13 @@ def run(pair, model, setting: str, ids, schema, max_tokens: int) -> dict:
         r = baseline_generate(model, pair.tokenizer, ids, max_tokens, 0.0, procs)
         return {"tps": r["generation_tps"], "ids": r["tokens"], "finish": "length" if len(r["tokens"]) >= max_tokens
                 else "stop"}
-    saved = constrained.FORCED_RUN
-    if setting == "ours json, no forced drafts":
-        constrained.FORCED_RUN = 0
-    try:
-        ids_out, stats = [], None
-        for ev in dflash_mlx.stream_generate(pair, ids, max_tokens=max_tokens,
-                                             block_size=1 if setting.endswith("b1") else "auto",
-                                             grammar=None if setting == "ours free" else grammar):
-            ids_out += ev.tokens
-            stats = ev.stats
-    finally:
-        constrained.FORCED_RUN = saved
+    ids_out, stats = [], None
+    for ev in dflash_mlx.stream_generate(pair, ids, max_tokens=max_tokens,
+                                         block_size=1 if setting.endswith("b1") else "auto",
+                                         grammar=None if setting == "ours free" else grammar,
+                                         forced_run=0 if setting == "ours json, no forced drafts" else FORCED_RUN):
+        ids_out += ev.tokens
+        stats = ev.stats
     decode = stats.generation_tokens / stats.generation_tps if stats.generation_tps else 0.0
     return {"tps": stats.generation_tps, "ids": ids_out, "finish": stats.finish_reason,
             "cycle_tokens": sum(stats.acceptance_lengths), "cycles": len(stats.acceptance_lengths),

@@ -42,7 +42,9 @@ import mlx.core as mx
 
 from .policy.costs import CostCurve, measure_cost_curve
 from .target.baseline import generate as baseline_generate, plain_target
-from .decode import passes, stream_generate
+from .decode import stream_generate
+from .decode.cycle import Block, LinearCycle, PlainStep, Rows
+from .decode.sequence import SequenceState
 from .decode.timing import cycle_parts
 from .draft.source import DraftSource
 from .machine import blas_name, peak_memory_gb
@@ -215,25 +217,27 @@ class ResultsTarget:
 
 
 def verify_seconds(pair, seq: Sequence[int], prompt_tokens: int, cycles) -> float:
-    """Seconds of the target's bare verify passes (each evaluated alone) over
-    `cycles` [(width, kept)], at the context lengths the loop ran them."""
-    target, greedy = pair.target, SamplingParams()
+    """Seconds of the target's bare verify passes (each settled alone, as the loop's cycles)
+    over `cycles` [(width, kept)], at the context lengths the loop ran them."""
+    target, source = pair.target, pair.draft_source
     tcache = target.make_cache()
     for s in range(0, prompt_tokens, 2048):
         target(mx.array(seq[s : min(s + 2048, prompt_tokens)])[None], tcache, last_only=True)
         mx.eval([c.state for c in tcache])
+    rows = Rows(target, tcache, [SequenceState(source=source, dstate=source.new_state())])
     pos, total = prompt_tokens, 0.0
     for width, kept in cycles:
-        block = mx.array(seq[pos : pos + width])
+        block = mx.array(seq[pos : pos + width], dtype=mx.uint32)
         mx.eval(block)
         tic = time.perf_counter()
         if width == 1:
-            mx.eval(passes.step(target, tcache, block, greedy))
+            PlainStep(rows, block).settle()
         else:
-            mx.eval(passes.verify(target, tcache, block[:1], block[1:], None, greedy))
+            cycle = LinearCycle(rows, Block(block[:1], block[None, 1:], [None], [None]))
+            cycle.settle()
         total += time.perf_counter() - tic
         if width > 1:
-            target.crop(tcache, kept, width)
+            cycle.cut([kept])
         pos += kept
     return total
 

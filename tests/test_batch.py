@@ -571,7 +571,6 @@ def test_batch_gains_count_the_lookup_offers(pairs, monkeypatch):
     drafter's statistics alone (a random drafter), and they do commit more."""
     from test_adaptive import install_curve
 
-    from dflash_mlx.decode.drafting import expected_gains
     from dflash_mlx.decode.decoder import Decoder
 
     pair = pairs["qwen3"]
@@ -583,7 +582,7 @@ def test_batch_gains_count_the_lookup_offers(pairs, monkeypatch):
         dec.step(8)
     offered, not_offered = [], []
     for _ in range(20):
-        extra = expected_gains(dec.seqs, [8])[8] - sum(s.sizer.expected_tokens(8) for s in dec.seqs)
+        extra = dec.planner.gains(dec.seqs, [8])[8] - sum(s.sizer.expected_tokens(8) for s in dec.seqs)
         committed = sum(len(c.tokens) for c in dec.step(8))
         (offered if extra > 1 else not_offered).append(committed)
     assert len(offered) >= 3 and not_offered
@@ -628,7 +627,7 @@ def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs
     """Told the next cycle's width (`then`), a plain step launches the next plain step ahead only
     where it will run: a batch whose plain steps and drafted cycles alternate runs one target
     pass per cycle, none computed to be dropped, and its output is plain greedy decoding.
-    `Streams` chooses each width a cycle ahead and passes it on."""
+    The planner chooses each width a cycle ahead and passes it on."""
     from conftest import plain_greedy
 
     from dflash_mlx.decode.decoder import Decoder
@@ -669,8 +668,9 @@ def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs
 
     streams = Streams(pair, 4, Script([1, 4, 1, 1, 4, 1, 1, 1]))
     ran = []
-    step = streams.decoder.step
-    streams.decoder.step = lambda width, then, branches=0: ran.append((width, then)) or step(width, then, branches)
+    planner = streams.decoder.planner
+    batch = planner.batch
+    planner.batch = lambda *a, **k: (lambda p: ran.append((p.width, p.then)) or p)(batch(*a, **k))
     streams.add_many([Joining(p, 40) for p in prompts])
     for _ in range(7):
         streams.step()
@@ -940,11 +940,12 @@ def test_a_tree_cycle_launched_ahead_is_dropped_when_its_sequence_leaves(pairs, 
 
 
 def test_a_plan_chosen_for_a_plain_step_is_spent_once_it_runs(pairs):
-    """While a plain step runs, `plain_next` chooses the next plan now, or leaves it to be chosen
+    """While a plain step runs, `Planner.plain_next` chooses the next plan now, or leaves it to be chosen
     when it comes (with the lookup's offer, where one may be worth waiting for): a plan chosen
     for the step in flight is never reused for the one after it."""
     from dflash_mlx.decode.running import Asks, new_sequence
     from dflash_mlx.policy.plan import PLAIN, Plan
+    from dflash_mlx.policy.planner import Planner
 
     pair = pairs["qwen3"]
     prompt = pair.tokenizer.encode(TEXTS[0])
@@ -967,6 +968,6 @@ def test_a_plan_chosen_for_a_plain_step_is_spent_once_it_runs(pairs):
 
     seq.run, seq.source, seq.lookup = Run(), Source(), True
     seq.chosen = PLAIN  # chosen for the plain step now in flight
-    assert not seq.plain_next() and seq.chosen is None  # the next waits for the lookup's offer
+    assert not Planner.plain_next(seq) and seq.chosen is None  # the next waits for the lookup's offer
     seq.run.offer_pays = False
-    assert not seq.plain_next() and seq.chosen == Plan(4)
+    assert not Planner.plain_next(seq) and seq.chosen == Plan(4)

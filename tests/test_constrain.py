@@ -288,6 +288,17 @@ def test_forced_tokens_go_through_in_one_pass_even_where_free_text_decodes_plain
     assert counted.passes < len(out)  # fewer target passes than tokens, at block size 1
 
 
+def test_forced_run_zero_leaves_forced_tokens_to_the_target_step_by_step(demo):
+    """`forced_run=0` (the structured benchmark's "no forced drafts"): the same text, with no
+    forced token drafted and a target pass per token at block size 1."""
+    prompt = demo.tokenizer.encode(PROMPT)
+    counted = Counted(demo.target)
+    out, events = run(dataclass_copy(demo, target=counted), prompt, WEATHER, max_tokens=60, block_size=1,
+                      forced_run=0)
+    assert out == constrained_ref(demo.target.model, demo, WEATHER, prompt, 60)
+    assert events[-1].stats.forced_tokens == 0 and counted.passes >= len(out)
+
+
 def test_a_long_forced_run_goes_through_in_one_pass_whatever_the_width(demo):
     keys = {f"field_number_{i}": {"const": i} for i in range(6)}
     grammar = Grammar.json_schema({"type": "object", "properties": keys, "required": list(keys),
@@ -371,7 +382,6 @@ def test_forced_tokens_count_as_certain_in_what_a_batch_expects_of_a_width(demo)
     """The batch's policy weighs each width by the tokens its sequences expect it to commit: a
     sequence whose grammar forces tokens next expects them all, whatever its drafter's rates."""
     from dflash_mlx.decode.decoder import Decoder
-    from dflash_mlx.decode.drafting import expected_gains
 
     keys = {f"field_number_{i}": {"const": i} for i in range(6)}
     boiler = Grammar.json_schema({"type": "object", "properties": keys, "required": list(keys),
@@ -380,8 +390,8 @@ def test_forced_tokens_count_as_certain_in_what_a_batch_expects_of_a_width(demo)
     dec = Decoder(demo, 8, lookup=True, block_size="auto")
     dec.add_many(prompts, [60] * 2, asks=[Asks(grammar=boiler, lookup=False), Asks(lookup=False)])
     constrained, free = dec.seqs
-    both = expected_gains(dec.seqs, [1, 2, 4, 8])
-    alone = expected_gains([free], [1, 2, 4, 8])
+    both = dec.planner.gains(dec.seqs, [1, 2, 4, 8])
+    alone = dec.planner.gains([free], [1, 2, 4, 8])
     assert len(constrained.constraint.forced(64)) > 8
     for w in (1, 2, 4, 8):
         assert both[w] == pytest.approx(alone[w] + w)  # the free one's expectation, and w certain tokens

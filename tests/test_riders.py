@@ -293,7 +293,7 @@ def test_a_tree_pass_carrying_a_chunk_equals_both_apart(pairs):
 
 def test_while_a_prompt_joins_the_batch_runs_cycles_that_leave_its_chunks_their_share(pairs, baselines,
                                                                                        monkeypatch):
-    """`Streams` caps the batch policy's width while a prompt joins, and for the joiner's first cycle
+    """The planner caps the batch policy's width while a prompt joins, and for the joiner's first cycle
     beside the others, to the widest whose cycles fit (`JoinChunks.fits`), and lets the policy
     choose again once it has joined."""
     from conftest import plain_greedy
@@ -314,9 +314,8 @@ def test_while_a_prompt_joins_the_batch_runs_cycles_that_leave_its_chunks_their_
     prompts = [pair.tokenizer.encode(t) for t in TEXTS[:2]]
     out = {uid: list(e.tokens) for uid, e in streams.add_many([Joining(p, 40) for p in prompts])}
     joins, dec = streams.decoder.joins, streams.decoder
-    widths, step = [], dec.step
-    dec.step = lambda width=None, then=None, branches=0: (widths.append((width, bool(dec.filling)))
-                                                          or step(width, then, branches))
+    widths, batch = [], dec.planner.batch
+    dec.planner.batch = lambda *a, **k: (lambda p: widths.append((p.width, bool(dec.filling))) or p)(batch(*a, **k))
     for uid, e in streams.step() + streams.step():
         out[uid] += e.tokens
     cap = (1 + JOIN_CYCLES) * (1 - 1 / JOIN_TTFT)

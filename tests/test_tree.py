@@ -449,7 +449,7 @@ def test_trees_in_a_batch_are_lossless_and_keep_each_sequences_branch(pairs, bas
     dec = Decoder(pair, W, block_size=W)
     firsts = dec.add_many(prompts, [n] * 3, sources, [Asks(tree=2)] * 3)
     out = {c.uid: list(c.tokens) for c in firsts}
-    assert dec.branches == 2
+    assert [s.branches for s in dec.seqs] == [2, 2, 2]
     together, branched = 0, set()
     while len(dec):
         got = dec.step(W, branches=2)

@@ -11,12 +11,6 @@ import numpy as np
 
 from ..constrain.mask import allowed, upload
 
-# The most forced tokens one cycle verifies: a schema's boilerplate goes through the target in one
-# pass whatever the policy's width, up to this many rows (beyond, a pass costs like a prefill chunk
-# and the rest is forced again next cycle).
-FORCED_RUN = 64
-
-
 def constrained(seqs: Sequence) -> bool:
     return any(s.constraint is not None for s in seqs)
 
@@ -40,11 +34,6 @@ def filled(seqs: Sequence, rows: int, masks) -> mx.array:
         if s.constraint is not None:
             bits[b] = masks(b, s.constraint)
     return upload(bits)
-
-
-def forced(seq, room: int) -> List[int]:
-    """The tokens `seq`'s grammar forces next, at most `room` (none for a free sequence)."""
-    return [] if seq.constraint is None else seq.constraint.forced(min(room, FORCED_RUN))
 
 
 def checked(seqs: Sequence, block):

@@ -28,12 +28,13 @@ import mlx.core as mx
 
 from ..cache.prompt_cache import can_trim, snapshot
 from ..errors import DFlashError
-from ..policy.batch import WIDTHS
+from ..policy.batch import WIDTHS, BatchPolicy
 from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
+from ..policy.planner import FORCED_RUN, CyclePlan, Planner
 from ..target.ragged import add_to, batch_of
 from .caches import Caches
-from .constrained import checked, forced, tree_masks
+from .constrained import checked, tree_masks
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
 from .filling import Filling, Fillings
@@ -79,14 +80,18 @@ class Decoder:
     """Sequences decoded together, each cycle at a width of at most `width` (1: plain batched
     decoding); a sequence alone runs the cycles its own policy plans."""
 
-    def __init__(self, pair, width: int, prompt_cache=None, lookup: bool = False, block_size=None):
+    def __init__(self, pair, width: int, prompt_cache=None, lookup: bool = False, block_size=None,
+                 policy: Optional[BatchPolicy] = None, forced_run: int = FORCED_RUN):
         """With a `prompt_cache`, each sequence starts from the longest prefix it holds and
         what a finished sequence computed is kept there (`keep`). With `lookup`, a batch's
         drafted cycle's first positions may be copied from each sequence's n-gram lookup, as
         much as the pair's sizer (`pair.auto_sizer`, at the sequence's settings) expects to pay.
         `block_size`: the policy a sequence alone decodes by, unless it asks for its own
-        (`Asks.block_size`): a width, 'auto' or a `policy.plan.Policy` (default: `width`). A
-        target whose caches cannot be batched decodes one sequence at a time."""
+        (`Asks.block_size`): a width, 'auto' or a `policy.plan.Policy` (default: `width`).
+        `policy` (`policy.batch`) chooses each cycle of several sequences (default: `width`);
+        `forced_run`: the most tokens a grammar forces that one cycle copies as drafts
+        (`policy.planner.Planner`). A target whose caches cannot be batched decodes one
+        sequence at a time."""
         self.pair, self.target, self.source = pair, pair.target, pair.draft_source
         self.prompt_cache, self.lookup = prompt_cache, lookup
         self.kept = Kept(pair, prompt_cache)  # what finished sequences computed, for `keep`
@@ -98,6 +103,7 @@ class Decoder:
         self.window = getattr(self.target.args, "max_position_embeddings", None)
         self.caches = Caches(split=pair.target.splits)
         self.drafting = Drafting(self.source.pooled() if self.width > 1 else None)
+        self.planner = Planner(self.width, policy, forced_run)
         self.seqs: List[Running] = []
         self.filling = Fillings()  # prompts prefilled a chunk per step while others decode
         # The next cycle, launched before the host read the last one's tokens.
@@ -106,6 +112,7 @@ class Decoder:
         self._uids = count()
         self.joins = JoinChunks()  # how much of a joining prompt to prefill with each cycle
         self._shape = None  # (sequences, width) of the last cycle run: its cost sizes join chunks
+        self._joining = False  # a prompt was prefilling at the last `fill`: it joins in the next cycle, or is still to
 
     def __len__(self) -> int:
         """Sequences in the batch: decoding, or still prefilling (`fill`)."""
@@ -146,7 +153,7 @@ class Decoder:
     def fill(self) -> List[Committed]:
         """One prefill chunk of each sequence still prefilling (`Fillings.step`: riding in the next
         `step`'s cycle where it can); those done join the batch (their first tokens, `first` set)."""
-        out = []
+        out, self._joining = [], bool(self.filling)
         for f, done in self.filling.step(self.target, bool(self.seqs), self.joins):
             out.append(self._filled(f, *done))
             out[-1].first = True
@@ -219,82 +226,76 @@ class Decoder:
         self.caches.add(tcache)
         self.seqs.append(seq)
 
-    @property
-    def branches(self) -> int:
-        """The most tree branches a drafted cycle of every sequence may verify (0: none)."""
-        return min((s.branches for s in self.seqs), default=0)
-
     def step(self, width: Optional[int] = None, then: Optional[int] = None, branches: int = 0) -> List[Committed]:
-        """One cycle for every sequence in the batch at `width` (default: a sequence alone, its
-        policy's plan; several, the largest), a drafted one verifying trees of `branches`
-        branches where every sequence allows that many; finished sequences leave it. `then`: the
-        width of the cycle after it (default: the same); a plain step launches the next before the host
-        reads its tokens only where that is plain too, so no step is computed to be dropped. A
-        sequence alone has its next cycle launched before this one's tokens are handed back. Its
-        seconds size join chunks. Where a cycle launched ahead was settled when the batch changed
-        (`early`), this step hands back what it committed instead, and runs nothing."""
+        """One cycle for every sequence in the batch, as the planner plans it (`policy.planner`: a
+        sequence alone, its own policy's plan; several, the batch policy's width), or at `width`
+        (at most the decoder's), a drafted one verifying trees of `branches` branches where every
+        sequence allows that many, and `then`: the width of the cycle after it (default: the same;
+        a plain step launches the next before the host reads its tokens only where that is plain
+        too, so no step is computed to be dropped). Finished sequences leave the batch. A sequence
+        alone has its next cycle launched before this one's tokens are handed back. Its seconds size
+        join chunks and teach the batch's policy. Where a cycle launched ahead was settled when the
+        batch changed (`early`), this step hands back what it committed instead, and runs nothing."""
         self.filling.rode = 0
+        joining, self._joining = self._joining, False
         if self.early:
             out, self.early = self.early, []
-        else:
+        elif self.seqs:
+            plan = None
+            if width is not None or len(self.seqs) > 1:
+                plan = (self.planner.batch(self.seqs, joining, self.joins.fits) if width is None
+                        else self.planner.fixed(self.seqs, width, then, branches))
             tic = time.perf_counter()
-            out = self._cycle(width, then, min(branches, self.branches))
-            if out and self.filling.rode:
-                self.joins.rode(self.filling.rode, time.perf_counter() - tic, self._shape)
-            elif out:
-                self.joins.cycle(time.perf_counter() - tic, self._shape)
+            out = self._alone(self.seqs[0]) if plan is None else self._cycle(plan)
+            seconds = time.perf_counter() - tic
+            if self.filling.rode:  # a cycle that carried a prompt's chunk says nothing of its width
+                self.joins.rode(self.filling.rode, seconds, self._shape)
+            else:
+                self.joins.cycle(seconds, self._shape)
+                if width is None and plan is not None:
+                    self.planner.update(plan, seconds, sum(c.accepted + 1 for c in out), out[0].plan.branches > 0)
+        else:
+            out = []
         self.filling.unridden(self.target, self.joins)
         return out
 
-    def _cycle(self, width: Optional[int], then: Optional[int], branches: int) -> List[Committed]:
-        if not self.seqs:
-            return []
-        if width is None and len(self.seqs) == 1:
-            return self._alone(self.seqs[0])
-        w = self.width if width is None else max(1, min(width, self.width))
-        if w > 1 and not all(s.tapped for s in self.seqs):
-            w = 1  # a sequence without a drafter's context cannot draft
-        if w == 1:
-            return self._plain_step(then is None or then <= 1)
+    def _cycle(self, plan: CyclePlan) -> List[Committed]:
+        """A planned cycle of several sequences, launched and committed."""
+        if plan.width == 1:
+            return self._plain_step(plan.then is None or plan.then <= 1)
         self._drop_ahead()
-        if branches:
-            return self._run(self._tree(Plan(w, 0, branches)))
-        certain = [forced(s, w - 1) for s in self.seqs]  # a grammar's forced tokens before a lookup's
-        return self._run(self._linear(w, [f or self.drafting.copies(s, w) for f, s in zip(certain, self.seqs)],
-                                      forced=[len(f) for f in certain]))
+        if plan.branches:
+            return self._run(self._tree(plan.plans[0]))
+        return self._run(self._linear(plan))
 
     def _alone(self, seq: Running) -> List[Committed]:
         """A cycle of a sequence alone, as its policy plans it; unless a prompt is joining, the next
         is launched before the host reads this one's tokens (a plain step's from them on the device,
         a drafted cycle's once this one is committed)."""
         launched, self._ahead = self._ahead or self._launch_alone(seq), None
-        out = self._run(launched, ahead=seq.plain_next)
+        out = self._run(launched, ahead=lambda: self.planner.plain_next(seq))
         if len(self.seqs) == 1 and not self.filling and self._ahead is None:
             self._ahead = self._launch_alone(self.seqs[0])
         return out
 
     def _launch_alone(self, seq: Running) -> "Launched":
-        """A sequence alone's next cycle, as its policy plans it, launched."""
-        planned = seq.plan_alone()
-        plan = planned.plan
+        """A sequence alone's next cycle, as the planner plans it, launched."""
+        plan = self.planner.alone(seq)
         if plan.width == 1:
             return Launched(PlainStep(self._rows(), seq.last), [PLAIN])
-        if not plan.branches:
-            return self._linear(plan.width, [planned.copies], alternatives=seq.run.learns_branches,
-                                forced=[planned.forced])
-        return self._tree(plan)
+        if plan.branches:
+            return self._tree(plan.plans[0])
+        return self._linear(plan)
 
-    def _linear(self, width: int, copies: List[List[int]], alternatives: bool = False,
-                forced: Optional[List[int]] = None) -> "Launched":
-        """A drafted cycle of `width` for every sequence, `copies` first (the first `forced[b]` of
-        sequence b's forced by its grammar, the rest a lookup's), launched; cut where the
-        sequences' grammars forbid every draft after (`checked`)."""
-        p = self.drafting.propose(self.seqs, width, copies, alternatives)
+    def _linear(self, plan: CyclePlan) -> "Launched":
+        """A drafted cycle of the plan's width for every sequence, its copies first, launched; cut
+        where the sequences' grammars forbid every draft after (`checked`)."""
+        p = self.drafting.propose(self.seqs, plan.width, plan.copies, plan.alternatives)
         p.block = checked(self.seqs, p.block)
         width = p.block.width
         p.copies = [c[: width - 1] for c in p.copies]
         return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in p.copies], p,
-                        [min(f, width - 1) for f in forced or [0] * len(copies)])
+                        [min(f, width - 1) for f in plan.forced])
 
     def _tree(self, plan: Plan) -> "Launched":
         """A tree cycle of the plan's width and branches for every sequence, launched."""

@@ -11,7 +11,6 @@ from ..draft import tree as trees
 from ..draft.lookup import point_masses
 from ..draft.pool import DraftBatch
 from ..policy.proposal import reached_gains
-from .constrained import forced
 from .cycle import Block, LinearCycle
 from .passes import Draft, caught_up, draft, joined, pick_drafts
 from .running import Proposal, Running
@@ -52,15 +51,6 @@ class Drafting:
         else:
             logits = mx.stack([s.source.propose(s.dstate, s.last, _caught_up(s), width) for s in seqs])
         return trees.build(lasts, logits, branches)
-
-    @staticmethod
-    def copies(seq: Running, width: int) -> List[int]:
-        """The lookup tokens a batch's drafted cycle of `width` copies for `seq` (first positions),
-        as many as its sizer run expects to pay."""
-        if seq.sizer is None or not seq.lookup:
-            return []
-        offer = seq.source.offer(seq.dstate, width - 1)
-        return list(offer[: seq.sizer.copies(offer, width)])
 
     @staticmethod
     def learn(seqs: List[Running], p: Proposal, cycle: LinearCycle, accepted: List[int]) -> None:
@@ -160,22 +150,3 @@ def _copied(d: Draft, copies: List[int]) -> Draft:
         return Draft(tokens, None, None)
     masses = point_masses(copied, d.q_lp.shape[-1])
     return Draft(tokens, mx.concatenate([masses, d.q_lp[k:]]) if k < n else masses, None)
-
-
-def expected_gains(seqs: List[Running], widths: Sequence[int]) -> Optional[dict]:
-    """The tokens the sequences expect a cycle of each width to commit, in all, from their sizer
-    runs' acceptance statistics and their lookup offers, copied as `Drafting.copies` would, or the
-    tokens their grammars force, copied first and certain (None unless every sequence has a sizer
-    run)."""
-    if not widths or not seqs or any(s.sizer is None for s in seqs):
-        return None
-    gains = dict.fromkeys(widths, 0.0)
-    for s in seqs:
-        certain = forced(s, max(widths) - 1)
-        offer = certain or (s.source.offer(s.dstate, max(widths) - 1) if s.lookup else [])
-        order = getattr(offer, "order", 0)
-        alphas = s.sizer.alphas()
-        look = [1.0] * len(alphas) if certain else s.sizer.lookup_alphas(order) if offer else None
-        for w in widths:
-            gains[w] += 1 + s.sizer.best_copies(len(offer), order, min(w, s.sizer.max_width), alphas, look)[1]
-    return gains

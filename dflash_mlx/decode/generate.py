@@ -15,6 +15,7 @@ from typing import Generator, Optional, Sequence, Union
 from ..cache.prompt_cache import PromptCache
 from ..constrain.grammar import Grammar
 from ..draft.source import DraftSource
+from ..policy.planner import FORCED_RUN
 from ..sampling import SamplingParams
 from .events import GenerationEvent
 from .passes import PREFILL_STEP
@@ -40,6 +41,7 @@ def stream_generate(
     proposal_scale: Union[str, float, object] = "auto",
     grammar: Optional[Grammar] = None,
     reasoning=None,
+    forced_run: int = FORCED_RUN,
     ) -> Generator[GenerationEvent, None, None]:
     """Generate with DFlash, yielding one event per verify cycle.
 
@@ -73,7 +75,8 @@ def stream_generate(
     keeps to it (with `reasoning`, a `constrain.gate.Reasoning`: every token after a thinking
     model's reasoning): the output is exactly plain decoding's with the grammar's mask applied before
     each pick (`constrain.processor.GrammarProcessor` with mlx-lm). Drafts the grammar forbids
-    are cut before the target verifies them, and tokens it forces are drafted as certain copies.
+    are cut before the target verifies them, and tokens it forces are drafted as certain copies,
+    up to `forced_run` in a cycle (0: forced tokens are decoded as any others).
 
     A caller that stops early (closes the generator, or drops it) ends the request as a stop
     string would: its caches go to the prompt cache.
@@ -89,7 +92,7 @@ def stream_generate(
         prompt = pair.tokenizer.encode(prompt)
     width = block_size if isinstance(block_size, int) else source.block_size
     streams = Streams(pair, max(1, min(width, source.block_size)), prompt_cache=prompt_cache,
-                           block_size=block_size or source.block_size)
+                      block_size=block_size or source.block_size, forced_run=forced_run)
     asks = Asks(params, logits_processors, logprobs, tree=tree, lookup=lookup, proposal_scale=proposal_scale,
                 grammar=grammar, reasoning=reasoning)
     uid, event = streams.add(Joining(list(prompt), max_tokens, stop, asks, source), prefill_step)

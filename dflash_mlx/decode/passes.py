@@ -1,5 +1,5 @@
-"""The model passes of a cycle, arrays in and arrays out: prefill, draft, verify,
-a plain step, and a tree's draft and verify. No policy and no host
+"""The model passes of a cycle, arrays in and arrays out: prefill, a draft and its
+acceptance, and a tree's draft and verify. No policy and no host
 synchronisation here: each returns lazy arrays for a cycle (`cycle.py`) to
 launch and settle."""
 
@@ -13,7 +13,7 @@ from ..kernels import verify_accept
 from ..draft.lookup import point_masses
 from ..policy.proposal import rescale_rows
 from ..target.adapter import Rider
-from ..sampling import Processed, SamplingParams, agreeing, choose, greedy_log_probs, log_probs, pick
+from ..sampling import Processed, SamplingParams, agreeing, choose, greedy_log_probs, log_probs
 
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk: mlx-lm's prefill_step_size
@@ -206,17 +206,6 @@ def pick_drafts(logits: mx.array, params: SamplingParams, proc: Optional[Process
     return Draft(mx.concatenate(tokens), mx.concatenate(qs) if kept else None, None)
 
 
-class Verified(NamedTuple):
-    drafts: mx.array  # the tokens verified after `last`
-    accepted: mx.array
-    token: mx.array  # the target's token after the accepted drafts
-    hidden: mx.array  # taps of the block
-    logprobs: Optional[tuple]  # `token_logprobs` of the block's rows, when asked for
-    alternatives: Optional[mx.array] = None  # the drafter's 2nd and 3rd choices, for the sizer
-    logits: Optional[mx.array] = None  # the block's rows and what the drafts were drawn from, kept
-    q_lp: Optional[mx.array] = None  # when the proposal scales learn from this cycle (`policy/proposal.py`)
-
-
 class Accepted(NamedTuple):
     """What the target's rows of a block [last, drafts] accept: one place for greedy, seeded and
     rejection sampling, logits processors and log probabilities."""
@@ -254,12 +243,6 @@ def accept(tokens: mx.array, logits: mx.array, params: SamplingParams, q_lp: Opt
     return Accepted(accepted, token, picks, None if top is None else token_logprobs(logits, picks, top), logits)
 
 
-class Stepped(NamedTuple):
-    token: mx.array  # [1]: it is the next step's input as it is
-    hidden: Optional[tuple]  # the tapped layers' outputs [1, 1, D] each, joined later (`joined`)
-    logprobs: Optional[tuple]
-
-
 def token_logprobs(logits: mx.array, chosen: mx.array, k: int):
     """mlx-lm's log probabilities (`logits - logsumexp`) of `chosen` [n] in each
     row of `logits` [n, V], and each row's k most likely tokens (unordered)."""
@@ -276,36 +259,6 @@ def logprob_rows(values, n: int):
     lists = [v.tolist() for v in values]
     tops = [sorted(zip(*row), key=lambda t: -t[1]) for row in zip(*lists[1:])] if len(lists) > 1 else [[]] * n
     return list(zip(lists[0][:n], tops[:n]))
-
-
-def verify(target, tcache, last, tokens, q_lp, params: SamplingParams, top: Optional[int] = None,
-           proc: Optional[Processed] = None, keep: bool = False, noise: Optional[mx.array] = None) -> Verified:
-    """One target pass over [last, tokens]: accepted count, next token, taps
-    (and with `top`, the log probabilities of the tokens it commits; with
-    `keep`, the block's logits and `q_lp`). With `noise` (a seeded request's
-    `sampling.Draws` rows [width, V]) the drafts are checked against the
-    target's draws at their positions."""
-    block = mx.concatenate([last, tokens])
-    logits, hidden = target(block[None], tcache, record=True)
-    a = accept(tokens, logits[0], params, q_lp, top, proc, noise)
-    if keep:
-        return Verified(tokens, a.accepted, a.token, hidden, a.logprobs, logits=a.logits, q_lp=q_lp)
-    return Verified(tokens, a.accepted, a.token, hidden, a.logprobs)
-
-
-def step(target, tcache, last, params: SamplingParams, record: bool = False, top: Optional[int] = None,
-         proc: Optional[Processed] = None, taps: bool = True, noise: Optional[mx.array] = None) -> Stepped:
-    """One plain decoding step, as mlx-lm's: the token after `last`, and the
-    taps as a tuple of the tapped layers' outputs (None with `taps=False`):
-    `joined` concatenates a run of steps' taps at once when the drafter reads them.
-    With `noise` (a seeded request's `sampling.Draws` row [1, V]) the token is that draw.
-
-    The loop records nothing for a rollback: a plain step is never cropped.
-    """
-    logits, hidden = target(last[None], tcache, record=record, taps="layers" if taps else False)
-    logits = logits[0, -1:] if not proc else proc.row(logits[0, -1:])
-    token = pick(logits, params) if noise is None else choose(logits, params, noise)
-    return Stepped(token, hidden, None if top is None else token_logprobs(logits, token, top))
 
 
 class TreeVerified(NamedTuple):
@@ -354,7 +307,7 @@ def caught_up(source, dstate, taps: list) -> list:
 
 def joined(taps: list) -> mx.array:
     """Held taps as one array [1, rows, D * taps]. An entry is a pass's taps
-    (an array of rows) or a plain step's (`Stepped.hidden`, a tuple of the
+    (an array of rows) or a plain step's (`cycle.PlainStep.hidden`, a tuple of the
     tapped layers' outputs); a run of steps is joined layer by layer, a few ops
     for the whole run rather than one per step."""
     parts, run = [], []

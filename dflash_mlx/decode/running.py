@@ -10,7 +10,7 @@ from ..constrain.gate import AfterReasoning, Free
 from ..draft import tree as trees
 from ..policy.plan import PLAIN, Outcome, Plan
 from ..sampling import Draws, Processed, SamplingParams, choose, pick
-from .constrained import forced, masked
+from .constrained import masked
 from .cycle import Block
 from .passes import logprob_rows, token_logprobs
 from .request import block_policy, proposal_scaler
@@ -120,47 +120,6 @@ class Running(SequenceState):
         if c.finish is None:
             self.last = o.last
         return self.tapped and bool(c.tokens) and len(self.taps) == HELD_TAPS
-
-    def plan_alone(self) -> "AlonePlan":
-        """Its next cycle's plan when it decodes alone (its policy's, asked with its lookup's offer
-        unless chosen while a plain step was in flight, fitted to its budget), and the offer's
-        tokens that plan copies. Tokens its grammar forces make a cycle of their own instead (its
-        policy is not asked), as many as there are (`constrained.FORCED_RUN` at most): they are
-        certain, and a drafter after them would draft blind to them."""
-        plan, offer, self.chosen = self.chosen, [], None
-        left = self.max_tokens - self.generated
-        certain = forced(self, left - 1)
-        if certain:
-            return AlonePlan(Plan(len(certain) + 1, len(certain)), certain, len(certain))
-        if plan is None:
-            offer = self.source.offer(self.dstate, self.source.block_size - 1) if self.lookup else []
-            plan = self.run.choose(len(self.history), offer, unseen=self.unseen, left=left)
-        width = min(plan.width, left)
-        copied = min(plan.copied, width - 1, len(offer))
-        plan = Plan(width, copied, min(plan.branches, self.branches) if width > 1 and not copied else 0)
-        return AlonePlan(plan, list(offer[:copied]))
-
-    def plain_next(self) -> bool:
-        """While its plain step is in flight, whether the next is plain too (chosen now, so that it
-        launches before the host reads this one), unless a lookup offer may be worth waiting for."""
-        left = self.max_tokens - self.generated
-        self.chosen = None  # a plan chosen for this step is spent: the next is chosen now or when it comes
-        if self.constraint is not None:  # its next mask needs this step's token, and may force drafts
-            return False
-        if left > 1 and not (self.lookup and self.source.may_offer(self.dstate)
-                             and self.run.lookup_pays(len(self.history) + 1)):
-            self.chosen = self.run.choose(len(self.history) + 1, unseen=self.unseen + 1, left=left - 1)
-            return self.chosen == PLAIN
-        return False
-
-
-@dataclass
-class AlonePlan:
-    """A sequence alone's next cycle: its plan, and the lookup tokens its first draft positions copy."""
-
-    plan: Plan
-    copies: List[int]
-    forced: int = 0  # the first copies are its grammar's forced tokens
 
 
 @dataclass

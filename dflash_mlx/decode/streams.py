@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..machine import peak_memory_gb
 from ..policy.batch import BatchPolicy, BatchWidths
+from ..policy.planner import FORCED_RUN
 from .decoder import Decoder
-from .drafting import expected_gains
 from .events import GenerationEvent, GenerationStats
 from .passes import PREFILL_STEP
 from .request import TextStream, check_prompt
@@ -37,17 +37,17 @@ class Streams:
     """Requests decoded together (`Decoder`), each event tagged with its request's uid."""
 
     def __init__(self, pair, width: int, policy: Optional[BatchPolicy] = None, prompt_cache=None, lookup: bool = False,
-                 block_size=None):
+                 block_size=None, forced_run: int = FORCED_RUN):
         """`width`: the widest cycle of several requests; `policy` (`policy.batch.BatchWidths`,
         default) picks each such cycle's; a request alone runs its own policy's plans
         (`block_size`: the decoder's default, `Decoder`); with a `prompt_cache`, requests
         start from it and are kept in it (`keep`); `lookup`: a batch's drafts may copy from each
-        request's n-gram lookup."""
+        request's n-gram lookup; `forced_run`: the most tokens a grammar forces that one cycle
+        copies as drafts (`policy.planner`)."""
         self.pair = pair
-        self.decoder = Decoder(pair, width, prompt_cache, lookup, block_size)
-        self.policy: BatchPolicy = policy or BatchWidths(self.decoder.width)
+        self.decoder = Decoder(pair, width, prompt_cache, lookup, block_size,
+                               policy or BatchWidths(min(width, pair.draft_source.block_size)), forced_run)
         self.streams: Dict[int, _Stream] = {}
-        self._then: Optional[Tuple[int, int]] = None  # (batch size, width) chosen for the next cycle
 
     def __len__(self) -> int:
         return len(self.decoder)
@@ -82,36 +82,8 @@ class Streams:
     def step(self) -> List[Tuple[int, GenerationEvent]]:
         """A prefill chunk of each request still prefilling (the first events of those done), then
         one cycle for every request decoding; those it ends (EOS, budget, a stop string) have left."""
-        joining = bool(self.decoder.filling)  # a prompt fills, or joins in this step's cycle
         out = [(c.uid, self._first(c)) for c in self.decoder.fill()]
-        B = len(self.decoder.seqs)
-        if B == 0:
-            return out
-        if self.decoder.early:  # the cycle launched ahead, settled as requests joined
-            committed = self.decoder.step()
-        elif B == 1:  # a request alone: its own policy plans the cycle
-            self._then = None
-            committed = self.decoder.step()
-        else:
-            # Widths are chosen a cycle ahead, so that a plain step launches the next one only where
-            # it will run; where the batch has changed, this cycle runs what is chosen now.
-            then = self.policy.choose(B, expected_gains(self.decoder.seqs, self.policy.widths))
-            # A policy weighing widths runs cycles cheap enough to leave a joining prompt's chunks, and its
-            # first cycle, their share (a fixed one runs what it was given).
-            fits, capped = self.decoder.joins.fits, joining and bool(self.policy.widths)
-            if capped:
-                then = max((w for w in self.policy.widths if w <= then and fits((B, w))),
-                           default=min(self.policy.widths))
-            width = self._then[1] if self._then is not None and self._then[0] == B else then
-            self._then = (B, then)
-            branches = self.policy.branches(B, width, self.decoder.branches)
-            if capped and branches and not fits((B, width, branches)):
-                branches = 0
-            tic = time.perf_counter()
-            committed = self.decoder.step(width, then, branches)
-            if not self.decoder.filling.rode:  # a cycle that carried a joining prompt's chunk says nothing of its width
-                tree = branches if committed and committed[0].plan.branches else 0
-                self.policy.update(B, width, time.perf_counter() - tic, sum(c.accepted + 1 for c in committed), tree)
+        committed = self.decoder.step()
         for c in committed:
             stats = self.streams[c.uid].stats
             stats.cycles += 1
