@@ -62,7 +62,7 @@ def arrays(c) -> list:
         return []
     if isinstance(c, (list, tuple)):
         return [a for x in c for a in arrays(x)]
-    for name in ("caches", "kv"):  # a batch held per sequence; a padded drafter batch
+    for name in ("parts", "caches", "kv"):  # a batch held in parts or per sequence; a padded drafter batch
         if hasattr(c, name):
             return arrays(getattr(c, name))
     if hasattr(c, "keys"):

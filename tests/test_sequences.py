@@ -27,8 +27,16 @@ def close(a, b):
     return mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
 
 
+@pytest.fixture
+def apart(monkeypatch):
+    """Parts that cost nothing: every sequence of a different length is held apart."""
+    from dflash_mlx.decode import caches
+
+    monkeypatch.setattr(caches, "PART_ROWS", 0)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
-def test_a_batch_of_very_different_lengths_equals_each_sequence_alone(pairs, family):
+def test_a_batch_of_very_different_lengths_equals_each_sequence_alone(pairs, apart, family):
     """Each sequence's logits and taps in a batched pass are its own pass's, whatever the others'
     lengths, after crops of different depths, after one leaves and another joins; and a sequence
     handed back is the very cache it brought (nothing copied)."""
@@ -43,7 +51,7 @@ def test_a_batch_of_very_different_lengths_equals_each_sequence_alone(pairs, fam
     for c in brought:
         caches.add(c)
     kv = [c for c in caches.layers if isinstance(c, SequenceKV)]
-    assert kv and all(c.caches[b] is brought[b][i] for i, c in enumerate(caches.layers)
+    assert kv and all(c.parts[c.where(b)[0]] is brought[b][i] for i, c in enumerate(caches.layers)
                       if isinstance(c, SequenceKV) for b in range(3))
 
     def both(blocks, keeps=None):
@@ -61,7 +69,7 @@ def test_a_batch_of_very_different_lengths_equals_each_sequence_alone(pairs, fam
 
     keeps = [3, 1, 2]
     both([[1, 2, 3], [4, 5, 6], [7, 8, 9]], keeps)
-    assert [c.offset for c in kv[0].caches] == [n + k for n, k in zip(LENGTHS, keeps)]
+    assert kv[0].ends == [n + k for n, k in zip(LENGTHS, keeps)]
     both([[10, 11], [12, 13], [14, 15]])
     both([[16], [17], [18]])  # plain steps
     both([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], [0, 4, 2])
@@ -78,7 +86,7 @@ def test_a_batch_of_very_different_lengths_equals_each_sequence_alone(pairs, fam
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_joins_and_leaves_in_every_order_copy_no_other_sequence_s_rows(pairs, family):
+def test_joins_and_leaves_in_every_order_copy_no_other_sequence_s_rows(pairs, apart, family):
     """A sequence that joins or leaves leaves every other sequence's K/V buffers as they were (the
     same arrays), and the batch holds exactly the bytes its sequences hold."""
     from itertools import permutations
@@ -90,15 +98,14 @@ def test_joins_and_leaves_in_every_order_copy_no_other_sequence_s_rows(pairs, fa
         seqs = [own_caches(target, prompt(n, s)) for s, n in enumerate(LENGTHS)]
         caches = Caches(split=True)
         for i in order:
-            before = [(c.caches[b].keys, c.caches[b].values) for c in caches.layers if isinstance(c, SequenceKV)
-                      for b in range(len(c.caches))] if caches.batched else []
+            before = [(p.keys, p.values) for c in caches.layers if isinstance(c, SequenceKV)
+                      for p in c.parts] if caches.batched else []
             caches.add(seqs[i])
-            after = [(c.caches[b].keys, c.caches[b].values) for c in caches.layers if isinstance(c, SequenceKV)
-                     for b in range(len(c.caches) - 1)]
+            after = [(p.keys, p.values) for c in caches.layers if isinstance(c, SequenceKV) for p in c.parts[:-1]]
             assert all(k0 is k1 and v0 is v1 for (k0, v0), (k1, v1) in zip(before, after))
         kv = [i for i, c in enumerate(caches.layers) if isinstance(c, SequenceKV)]
         assert sum(caches.layers[i].nbytes for i in kv) == sum(seqs[s][i].nbytes for s in range(3) for i in kv)
-        kept = [caches.layers[i].caches[2] for i in kv]
+        kept = [caches.layers[i].parts[caches.layers[i].where(2)[0]] for i in kv]
         caches.keep_only([2], 3)
         assert not caches.batched and all(caches.layers[i] is k for i, k in zip(kv, kept))
 
@@ -120,7 +127,7 @@ def test_a_batch_holds_what_its_sequences_hold_in_bytes(pairs):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_each_input_projection_runs_once_for_the_whole_batch(pairs, family):
+def test_each_input_projection_runs_once_for_the_whole_batch(pairs, apart, family):
     """In a pass over B sequences held apart, every attention's q, k, v and output projections are
     each called once on all B sequences' rows, not once per sequence."""
     from dflash_mlx.decode.caches import Caches
@@ -203,16 +210,19 @@ def test_the_output_projection_runs_once_only_where_the_attention_ends_with_it(a
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss", "gemma4_text"])
 @pytest.mark.parametrize("width", [1, 4])
-def test_a_long_prompt_beside_short_ones_decodes_each_as_alone(pairs, baselines, more, family, width):
+def test_a_long_prompt_beside_short_ones_decodes_each_as_alone(pairs, baselines, more, monkeypatch, family, width):
     """A 300-token prompt and short ones decoded in one batch, the short ones joining while it decodes:
     each sequence's tokens are mlx-lm's greedy tokens for it alone. Targets whose attention runs per
-    sequence hold the batch apart (full attention, Gated DeltaNet hybrids, sliding windows); Gemma 4,
-    whose layers share caches, keeps a padded batch."""
+    part hold the long one apart and the short ones in one padded group (full attention, Gated
+    DeltaNet hybrids, sliding windows); Gemma 4, whose layers share caches, keeps one padded batch."""
     from conftest import plain_greedy
 
+    from dflash_mlx.decode import caches
     from dflash_mlx.decode.decoder import Decoder
     from dflash_mlx.target.ragged import RaggedKVCache
 
+    monkeypatch.setattr(caches, "PART_ROWS", 16)  # 300 tokens count as long beside a few
+    monkeypatch.setattr(caches, "REGROUP_ROWS", 0)
     pair, base = (pairs[family], baselines[family]) if family in pairs else more(family)
     eos = tuple(pair.tokenizer.eos_token_ids)
     long = prompt(300, 1)
@@ -226,6 +236,8 @@ def test_a_long_prompt_beside_short_ones_decodes_each_as_alone(pairs, baselines,
     layers = [c for c in dec.caches.layers if not hasattr(c, "cache")]  # the K/V layers
     assert all(isinstance(c, SequenceKV if pair.target.splits else RaggedKVCache) for c in layers)
     assert pair.target.splits is (family != "gemma4_text")
+    if pair.target.splits:
+        assert dec.caches.groups() == [[0], [1, 2, 3]]
     while len(dec):
         for c in dec.step():
             out[c.uid] += c.tokens
@@ -255,21 +267,36 @@ def test_prompts_of_different_lengths_prefill_in_one_pass_without_padding(pairs,
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
 @pytest.mark.parametrize("width", [1, 3, 8])
-def test_a_batch_held_apart_whatever_its_lengths_equals_each_prompt_alone(pairs, baselines, monkeypatch, family,
-                                                                        width):
-    """With every batch held per sequence (`SPLIT_WASTE` at 1), prompts of similar lengths joining
-    at different cycles and leaving at different times decode exactly mlx-lm's greedy tokens."""
+@pytest.mark.parametrize("part_rows", [0, 8])
+def test_a_batch_in_parts_whatever_its_lengths_equals_each_prompt_alone(pairs, baselines, monkeypatch, family,
+                                                                      width, part_rows):
+    """With parts that cost nothing (each sequence apart, but for equal lengths) or little (groups
+    of similar lengths, not next to each other in the batch), regrouped at every change, prompts
+    joining at different cycles and leaving at different times decode exactly mlx-lm's greedy
+    tokens."""
     from conftest import plain_greedy
     from test_batch import TEXTS, generate_batch
 
     from dflash_mlx.decode import caches
 
-    monkeypatch.setattr(caches, "SPLIT_WASTE", 1.0)
+    monkeypatch.setattr(caches, "PART_ROWS", part_rows)
+    monkeypatch.setattr(caches, "REGROUP_ROWS", 0)
+    seen = []
+    regroup = caches.Caches._regroup
+
+    def spy(self):
+        regroup(self)
+        seen.append(self.groups())
+
+    monkeypatch.setattr(caches.Caches, "_regroup", spy)
     pair = pairs[family]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS]
     got = generate_batch(pair, prompts, max_tokens=24, width=width, join_at={2: 1, 3: 3, 4: 3})
     eos = tuple(pair.tokenizer.eos_token_ids)
     assert [plain_greedy(baselines[family], p, 24, eos=eos) for p in prompts] == got
+    assert any(len(g) >= 2 for g in seen), seen  # the batch was held in several parts
+    if part_rows:  # a group whose sequences are not next to each other in the batch
+        assert any(len(p) > 1 and p != list(range(p[0], p[0] + len(p))) for g in seen for p in g), seen
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
@@ -308,3 +335,69 @@ def test_the_layout_follows_the_lengths_and_changes_copy_each_sequence_once(pair
         steps(1)
     want = [plain_greedy(base, p, n, eos=eos) for p, n in zip(short + [prompt(300, 5)], [40, 40, 40, 6])]
     assert [out[u] for u in sorted(out)] == want
+
+
+def test_the_best_layout_holds_a_long_prompt_apart_and_similar_lengths_together():
+    """`best_groups` is the layout of least cost over every way to split the batch (checked against
+    all partitions of small batches); a 16k-token prompt beside 512-token ones is held apart."""
+    import random
+
+    from dflash_mlx.decode.caches import PART_ROWS, best_groups, cost
+
+    assert best_groups([16384] + [512] * 7) == [[0], list(range(1, 8))]
+    assert best_groups([300, 500, 700]) == [[0, 1, 2]]
+    assert best_groups([512, 16384, 530, 16000]) == [[0, 2], [1, 3]]
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for p in partitions(rest):
+            yield [[first]] + p
+            for i in range(len(p)):
+                yield p[:i] + [[first] + p[i]] + p[i + 1 :]
+
+    rng = random.Random(0)
+    for _ in range(40):
+        lengths = [rng.choice([rng.randint(1, 3 * PART_ROWS), rng.randint(1, 200)]) for _ in range(rng.randint(1, 6))]
+        least = min(cost(p, lengths) for p in partitions(list(range(len(lengths)))))
+        assert cost(best_groups(lengths), lengths) == least, lengths
+
+
+def test_sequences_that_join_a_group_copy_none_of_its_rows(pairs, monkeypatch):
+    """A batch holding a group: a long prompt and then short ones join as parts of their own, the
+    short ones grouped among themselves (each copying its own rows once); the group's arrays are
+    never copied, until the layout costs `REGROUP_ROWS` more than the best, which regroups once."""
+    from dflash_mlx.decode import caches as layout
+    from dflash_mlx.decode.caches import Caches
+
+    monkeypatch.setattr(layout, "PART_ROWS", 16)
+    monkeypatch.setattr(layout, "REGROUP_ROWS", 64)
+    target = pairs["qwen3"].target
+    caches = Caches(split=True)
+    caches.add(*(own_caches(target, prompt(n, s)) for s, n in enumerate([40, 41, 42])))
+    assert caches.groups() == [[0, 1, 2]]
+    group = [c.keys for c in caches.layers if hasattr(c, "ends")]  # one padded array per K/V layer
+
+    def group_kept():
+        held = [c.parts[0].keys for c in caches.layers if isinstance(c, SequenceKV)]
+        return len(held) == len(group) and all(a is b for a, b in zip(held, group))
+
+    caches.add(own_caches(target, prompt(300, 3)))
+    assert caches.groups() == [[0, 1, 2], [3]] and group_kept()
+    caches.add(own_caches(target, prompt(43, 4)))
+    assert caches.groups() == [[0, 1, 2], [3], [4]] and group_kept()
+    caches.add(own_caches(target, prompt(44, 5)))
+    assert caches.groups() == [[0, 1, 2], [3], [4, 5]] and group_kept()  # the two joiners grouped
+    lengths = [40, 41, 42, 300, 43, 44]
+    while len(caches.groups()) > 2:  # more parts with each joiner, until one regroup
+        assert group_kept() and len(lengths) < 12
+        caches.add(own_caches(target, prompt(44, len(lengths))))
+        lengths.append(44)
+    B = len(lengths)
+    assert caches.groups() == [[b for b in range(B) if b != 3], [3]]  # one group of similar lengths
+    mine = [own_caches(target, prompt(n, s)) for s, n in enumerate(lengths)]
+    logits, _ = target(mx.array([[5]] * B), caches.layers)
+    for b, own in enumerate(mine):
+        assert close(logits[b], target(mx.array([[5]]), own)[0][0]), b

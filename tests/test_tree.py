@@ -433,15 +433,23 @@ def test_a_tree_pass_that_fails_its_self_check_is_never_used(pairs, baselines, m
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_trees_in_a_batch_are_lossless_and_keep_each_sequences_branch(pairs, baselines, family):
+@pytest.mark.parametrize("part_rows", [None, 0, 6])
+def test_trees_in_a_batch_are_lossless_and_keep_each_sequences_branch(pairs, baselines, monkeypatch, family,
+                                                                      part_rows):
     """Three sequences decoded together, each drafting with a drafter wrong at its own cycling depth
     (the right token its second choice): each batched drafted cycle verifies the three trees in one
     pass, each sequence accepts through its own branch and keeps its own path's rows, its drafter
-    is handed exactly its committed tokens' taps, and every output is plain greedy."""
+    is handed exactly its committed tokens' taps, and every output is plain greedy. So in each
+    layout: one padded array (None), each sequence apart (0), a group beside one apart (6)."""
+    from dflash_mlx.decode import caches
     from dflash_mlx.decode.decoder import Asks, Decoder
 
+    if part_rows is not None:
+        monkeypatch.setattr(caches, "PART_ROWS", part_rows)
+        monkeypatch.setattr(caches, "REGROUP_ROWS", 0)
+
     pair = pairs[family]
-    prompts = [pair.tokenizer.encode(PROMPTS[i]) for i in (0, 1, 2)]
+    prompts = [pair.tokenizer.encode(PROMPTS[i]) for i in (0, 2, 1)]  # a group of the first and last
     n, W = 30, 6
     refs = [greedy_ref(baselines[family], p, n) for p in prompts]
     sources = [ForkOracle(pair.target, p + r, lambda c, w, k=k: 1 + (c + k) % (w - 1) if (c + k) % W else None)
@@ -450,6 +458,8 @@ def test_trees_in_a_batch_are_lossless_and_keep_each_sequences_branch(pairs, bas
     firsts = dec.add_many(prompts, [n] * 3, sources, [Asks(tree=2)] * 3)
     out = {c.uid: list(c.tokens) for c in firsts}
     assert [s.branches for s in dec.seqs] == [2, 2, 2]
+    if part_rows is not None:
+        assert dec.caches.groups() == ([[0], [1], [2]] if part_rows == 0 else [[0, 2], [1]]), dec.caches.lengths()
     together, branched = 0, set()
     while len(dec):
         got = dec.step(W, branches=2)

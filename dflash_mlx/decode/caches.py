@@ -1,22 +1,25 @@
 """The target's caches of a decoder's sequences: one sequence's own, or several's batched
 (`target/sequences.py`, `target/ragged.py`)."""
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from mlx_lm.models.cache import ArraysCache
 
 from ..target.ragged import RaggedKVCache, add_to, batch_of
-from ..target.sequences import SequenceKV
+from ..target.sequences import SequenceKV, grouped
 
-# A batch's K/V is held per sequence (`SequenceKV`) once one array padded to its longest sequence
-# would hold SPLIT_WASTE times the rows its sequences hold: one 16k-token prompt beside seven
-# 512-token ones holds 6.7x. Below, one padded array (`RaggedKVCache`): per-sequence attention costs
-# a few small operations per sequence and layer, which a batch of similar lengths does not repay
-# (on the CPU a plain step of seven 512-token sequences takes 1.5x; benchmarks/serving.md).
-SPLIT_WASTE = 1.5
-# A batch held per sequence goes back to one padded array below this waste (a margin, so that a
-# batch near the threshold does not change layouts back and forth, each change a copy).
-SPLIT_BACK = 1.2
+# What one part of a batch costs beside the rows it attends, in rows of K/V: a part runs the
+# model's attention code once (a few small operations per layer), a padded row is attended for
+# nothing. On the CPU a part of the widened pair costs about as much as 120 columns of a plain
+# step (2 ms against 18 us a column, OpenBLAS, float32); on a GPU columns are cheaper and launches
+# dearer. A 16k-token prompt beside 512-token ones is a part of its own at any such value; prompts
+# within about a thousand tokens of each other share one padded array.
+PART_ROWS = 1024
+# A batch is laid out again (its parts' sequences regrouped, each sequence whose part changes copied
+# once) once its layout costs this many rows more than the best one. Short of that, only sequences
+# held apart are grouped among themselves (each copies its own rows once, nobody else's): a few
+# groups of similar lengths are cheaper than copying a group that holds many.
+REGROUP_ROWS = 2 * PART_ROWS
 
 
 def waste(lengths: List[int]) -> float:
@@ -24,22 +27,53 @@ def waste(lengths: List[int]) -> float:
     return len(lengths) * max(lengths) / max(1, sum(lengths))
 
 
+def cost(groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> int:
+    """A layout's cost in rows: each group padded to its longest sequence, `PART_ROWS` a part."""
+    return sum(len(g) * max(lengths[b] for b in g) + PART_ROWS for g in groups)
+
+
+def best_groups(lengths: Sequence[int], among: Optional[Sequence[int]] = None) -> List[List[int]]:
+    """The sequences (indices; `among` these, default all) in the groups of least `cost`: runs of
+    similar lengths (the best layout groups neighbours in length order, so a search over those
+    runs finds it)."""
+    order = sorted(range(len(lengths)) if among is None else among, key=lambda b: lengths[b])
+    best, cut = [0] + [None] * len(order), [0] * (len(order) + 1)
+    for i in range(1, len(order) + 1):
+        longest = lengths[order[i - 1]]
+        for j in range(i):
+            c = best[j] + (i - j) * longest + PART_ROWS
+            if best[i] is None or c < best[i]:
+                best[i], cut[i] = c, j
+    groups, i = [], len(order)
+    while i:
+        groups.append(sorted(order[cut[i] : i]))
+        i = cut[i]
+    return sorted(groups)
+
+
 class Caches:
     """The target's caches of a decoder's sequences, per layer: one sequence's own (the target's
-    kinds, on which it decodes as a request alone does), or for several a batch's: `SequenceKV`s
-    (each sequence's own K/V held side by side, where the target `splits` and one padded array would
-    waste `SPLIT_WASTE`) or `RaggedKVCache`s (one padded array), and batched `ArraysCache`s of
-    recurrent states."""
+    kinds, on which it decodes as a request alone does), or for several a batch's: K/V in parts
+    (`SequenceKV`: sequences of similar lengths in one padded array, a long one apart), or in one
+    padded array (`RaggedKVCache`: targets whose attention cannot run per part, and batches whose
+    lengths are alike), and batched `ArraysCache`s of recurrent states."""
 
     def __init__(self, split: bool = False):
         self.layers: list = []
         self.batched = False
-        self.split = split  # the target can hold a batch's K/V per sequence (`TargetAdapter.splits`)
+        self.split = split  # the target can hold a batch's K/V in parts (`TargetAdapter.splits`)
 
     @property
     def apart(self) -> bool:
-        """Whether the batch holds each sequence's K/V apart now."""
+        """Whether the batch holds its K/V in several parts now."""
         return self.batched and any(isinstance(c, SequenceKV) for c in self.layers)
+
+    def groups(self) -> List[List[int]]:
+        """The sequences each part of the batch holds (one group where its K/V is one array)."""
+        kv = self._kv()
+        if kv is None or not self.batched:
+            return [[0]] if self.layers else []
+        return [list(m) for m in kv.members] if isinstance(kv, SequenceKV) else [list(range(len(kv.ends)))]
 
     def lengths(self) -> List[int]:
         """Each sequence's rows (none where no layer holds K/V)."""
@@ -49,34 +83,43 @@ class Caches:
         return kv.ends if self.batched else [kv.offset]
 
     def add(self, *tcaches: list) -> None:
-        """Sequences' caches join: a first one alone keeps its own; later ones' are held beside the
-        others' (`SequenceKV`), or their rows copied into the batch's (`RaggedKVCache`, once for all)."""
+        """Sequences' caches join: a first one alone keeps its own; later ones' are held as parts of
+        their own (`SequenceKV`), or their rows copied into the batch's (`RaggedKVCache`, once for all)."""
         if not self.layers:
             self.layers, self.batched = list(tcaches[0]), False
             tcaches = tcaches[1:]
         if not tcaches:
             return
-        kvs = [self._kv(t) for t in tcaches]
-        self._fit_layout(self.lengths() + [kv.offset for kv in kvs if kv is not None])
+        if not self.batched:
+            self.layers, self.batched = [batch_of(c, self.split) for c in self.layers], True
+        if self.split:
+            self.layers = [_as_parts(c) for c in self.layers]
         for i, batch in enumerate(self.layers):
             add_to(batch, *(t[i] for t in tcaches))
+        self._regroup()
 
     def join(self, batched: list) -> None:
         """Several sequences' batch caches join (a prefill of several prompts')."""
         apart = next((c for c in batched if isinstance(c, SequenceKV)), None)
         if apart is not None:  # each sequence's own caches, held in the layout the lengths call for
-            self.add(*([c.extract(b) for c in batched] for b in range(len(apart.caches))))
+            self.add(*([c.extract(b) for c in batched] for b in range(len(apart))))
             return
         if not self.layers:
             self.layers, self.batched = batched, True
-            return
-        self._fit_layout(self.lengths())
-        for batch, c in zip(self.layers, batched):
-            batch.join(c)
+        else:
+            if not self.batched:
+                self.layers, self.batched = [batch_of(c, self.split) for c in self.layers], True
+            for i, c in enumerate(batched):
+                if self.split and not isinstance(c, ArraysCache):
+                    self.layers[i] = _as_parts(self.layers[i])
+                    self.layers[i].join(SequenceKV([c]))
+                else:
+                    self.layers[i].join(c)
+        self._regroup()
 
     def of(self, b: int) -> list:
-        """Sequence b's caches: its own (a batch that holds them apart hands them over), or a copy of
-        its rows from a padded batch's."""
+        """Sequence b's caches: its own (a part of its own is handed over), or a copy of its rows
+        from a padded group's."""
         return [c.extract(b) for c in self.layers] if self.batched else self.layers
 
     def keep_only(self, keep: List[int], count: int) -> None:
@@ -84,11 +127,11 @@ class Caches:
         own again (`fit`), several in the layout their lengths call for."""
         if not keep:
             self.layers, self.batched = [], False
-        elif len(keep) < count:
+        elif len(keep) < count or keep != list(range(count)):
             for c in self.layers:
                 c.filter(keep)
             if len(keep) > 1:
-                self._fit_layout(self.lengths())
+                self._regroup()
         self.fit(len(keep))
 
     def fit(self, count: int) -> None:
@@ -97,26 +140,61 @@ class Caches:
         if self.batched and count == 1:
             self.layers, self.batched = [c.extract(0) for c in self.layers], False
 
-    def _fit_layout(self, lengths: List[int]) -> None:
-        """Hold the batch (made from a sequence alone's caches where there is none yet) in the layout
-        sequences of these lengths call for, its rows copied once where it changes."""
-        apart = self.split and bool(lengths) and waste(lengths) > (SPLIT_BACK if self.apart else SPLIT_WASTE)
-        if not self.batched:
-            self.layers, self.batched = [batch_of(c, apart) for c in self.layers], True
-        elif apart != self.apart:
-            self.layers = [_relaid(c, apart) for c in self.layers]
+    def _regroup(self) -> None:
+        """Where the batch's K/V is held in parts, lay it out again in `best_groups` once its layout
+        costs `REGROUP_ROWS` more (the parts whose sequences stay together are kept as they are, the
+        others' sequences copied once); else group the sequences held apart among themselves where
+        that costs less. A layout of one group is one padded array."""
+        if not (self.split and self.batched):
+            return
+        lengths, now = self.lengths(), self.groups()
+        if not lengths:
+            return
+        best = best_groups(lengths)
+        fixed = [g for g in now if len(g) > 1]
+        light = sorted(fixed + best_groups(lengths, [g[0] for g in now if len(g) == 1]))
+        if cost(now, lengths) > cost(best, lengths) + REGROUP_ROWS:
+            want = best
+        elif cost(light, lengths) < cost(now, lengths):
+            want = light
+        else:
+            want = None
+        if want is not None:
+            self.layers = [_regrouped(c, want) if isinstance(c, SequenceKV) else c for c in self.layers]
+        self.layers = [_unwrapped(c) for c in self.layers]
 
     def _kv(self, layers: Optional[list] = None):
         """The first layer holding K/V (of `layers`, else of the decoder's), or None."""
         return next((c for c in (self.layers if layers is None else layers) if not isinstance(c, ArraysCache)), None)
 
 
-def _relaid(layer, apart: bool):
-    """A batch layer in the other layout: each sequence's rows copied once (recurrent states stay)."""
-    if apart and isinstance(layer, RaggedKVCache):
-        return SequenceKV([layer.extract(b) for b in range(len(layer.ends))])
-    if not apart and isinstance(layer, SequenceKV):
-        out = batch_of(layer.caches[0], False)
-        add_to(out, *layer.caches[1:])
-        return out
+def _as_parts(layer):
+    """A batch layer's K/V as parts (one padded array becomes one part; nothing is copied)."""
+    return SequenceKV([layer]) if isinstance(layer, RaggedKVCache) else layer
+
+
+def _unwrapped(layer):
+    """A layer held in one padded part as that array, in the batch's order."""
+    if isinstance(layer, SequenceKV) and len(layer.parts) == 1 and grouped(layer.parts[0]):
+        if layer.members[0] == list(range(len(layer))):
+            return layer.parts[0]
     return layer
+
+
+def _regrouped(layer: SequenceKV, groups: List[List[int]]) -> SequenceKV:
+    """`layer` in parts holding `groups`: a part that holds a group already is kept; each other
+    group's sequences are copied once into an array of their own (one alone keeps, or gets, its own cache)."""
+    held = {tuple(sorted(m)): (p, m) for p, m in zip(layer.parts, layer.members)}
+    parts, members = [], []
+    for g in groups:
+        if tuple(g) in held:
+            p, m = held[tuple(g)]
+        else:
+            own = [layer.extract(b) for b in g]
+            p, m = own[0], g
+            if len(g) > 1:
+                p = batch_of(own[0], False)
+                add_to(p, *own[1:])
+        parts.append(p)
+        members.append(list(m))
+    return SequenceKV(parts, members)

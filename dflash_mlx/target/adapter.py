@@ -30,7 +30,7 @@ import inspect
 from contextlib import contextmanager
 from itertools import accumulate
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -276,8 +276,9 @@ class _Grouped:
 
 @dataclass
 class _Part:
-    """One sequence's rows (or a batch's, held in one array) in a grouped attention call: rows
-    [start, start + B * L) of the pass, as [B, L], with their own mask and caches."""
+    """One sequence's rows (or a group's, held in one array) in a grouped attention call: rows
+    [start, start + B * L) of the pass, as [B, L], with their own mask and caches; or, where a
+    group's sequences are not next to each other in the batch, the rows at `index`."""
 
     start: int
     B: int
@@ -285,6 +286,7 @@ class _Part:
     mask: Any
     cache: Any
     runs: Optional[tuple] = None  # a tree's RoPE runs, where these rows are its nodes
+    index: Optional[mx.array] = None  # [B * L] the pass's rows this part holds, in its order
 
 
 class _Shared:
@@ -292,7 +294,7 @@ class _Shared:
     the part running, and each input projection's output over every row (made on first use)."""
 
     def __init__(self, x: mx.array, defer: bool):
-        self.x, self.part, self.start, self.outs = x, None, 0, {}
+        self.x, self.part, self.start, self.index, self.outs = x, None, 0, None, {}
         self.defer = defer  # the output projection hands its input back, to run once after every part
         self.deferred = None  # what it handed back last
 
@@ -318,7 +320,8 @@ class _SharedInput(_Projection):
         if full is None:
             full = s.outs[id(self)] = self.inner(s.x)
         B, L = x.shape[:2]
-        return full[:, s.start : s.start + B * L].reshape(B, L, -1)
+        rows = full[:, s.start : s.start + B * L] if s.index is None else mx.take(full, s.index, axis=1)
+        return rows.reshape(B, L, -1)
 
 
 class _SharedOutput(_Projection):
@@ -360,9 +363,10 @@ class GroupedAttention(_Wrapper):
         self._output = next((n for n in OUTPUT_PROJECTIONS if isinstance(inner.get(n), _SharedOutput)), None)
 
     def __call__(self, x, mask=None, cache=None, **kwargs):
-        parts = self._parts(x, mask, cache)
-        if parts is None:
+        found = self._parts(x, mask, cache)
+        if found is None:
             return self.inner(x, mask, cache, **kwargs)
+        parts, order = found
         if self._defer is None:
             self._defer = self._defers(x, kwargs)
         taps = self._taps
@@ -371,8 +375,9 @@ class GroupedAttention(_Wrapper):
         shared = _Shared(rows, self._defer)
         outs, runs = [], taps.tree_runs
         for p in parts:
-            part = rows[:, p.start : p.start + p.B * p.L].reshape(p.B, p.L, D)
-            shared.part, shared.start = part, p.start
+            flat = rows[:, p.start : p.start + p.B * p.L] if p.index is None else mx.take(rows, p.index, axis=1)
+            part = flat.reshape(p.B, p.L, D)
+            shared.part, shared.start, shared.index = part, p.start, p.index
             taps.shared, taps.tree_runs = shared, p.runs
             try:
                 out = self.inner(part, p.mask, p.cache, **kwargs)
@@ -380,6 +385,8 @@ class GroupedAttention(_Wrapper):
                 taps.shared, taps.tree_runs = None, runs
             outs.append(out.reshape(1, p.B * p.L, -1))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        if order is not None:  # the parts' rows back in the pass's order
+            out = mx.take(out, order, axis=1)
         if self._defer:
             out = self.inner[self._output].inner(out)
         return out.reshape(B, L, -1)
@@ -403,9 +410,11 @@ class GroupedAttention(_Wrapper):
             taps.shared, taps.tree_runs = None, runs
         return out is shared.deferred
 
-    def _parts(self, x, mask, cache) -> Optional[List[_Part]]:
-        """The pass's parts: each sequence of a `SequenceKV` batch, a batch held in one array as
-        one part, and a rider; None for a pass over one cache (the attention runs as the model's)."""
+    def _parts(self, x, mask, cache) -> Optional[Tuple[List[_Part], Optional[mx.array]]]:
+        """The pass's parts (each part of a `SequenceKV` batch, a batch held in one array as one
+        part, and a rider) and, where their rows follow each other in another order than the
+        pass's, where each of the pass's rows is among them; None for a pass over one cache (the
+        attention runs as the model's)."""
         taps = self._taps
         if taps.groups is not None:
             groups, masks, caches = taps.groups, mask, cache.caches
@@ -413,27 +422,42 @@ class GroupedAttention(_Wrapper):
             groups, masks, caches = (x.shape[:2],), (mask,), (cache,)
         else:
             return None
-        parts, start = [], 0
+        parts, order, start = [], [], 0
         for i, ((B, L), m, c) in enumerate(zip(groups, masks, caches)):
             runs = taps.tree_runs if i == 0 else None  # the pass's own rows may be a tree's nodes
             if i == 0 and taps.group_tree is not None:
                 m, runs = taps.group_tree
             if isinstance(c, SequenceKV):
-                each = m if isinstance(m, (tuple, list)) else [m] * len(c.caches)
-                parts += [_Part(start + b * L, 1, L, mb, cb, _runs_of(runs, b))
-                          for b, (mb, cb) in enumerate(zip(each, c.caches))]
+                each = m if isinstance(m, (tuple, list)) else [m] * len(c.parts)
+                for mp, cp, members in zip(each, c.parts, c.members):
+                    first, n = members[0], len(members)
+                    rows = [start + b * L + j for b in members for j in range(L)]
+                    apart = members != list(range(first, first + n))
+                    parts.append(_Part(start + first * L, n, L, mp, cp, _runs_of(runs, members),
+                                       mx.array(rows) if apart else None))
+                    order += rows
             else:
                 parts.append(_Part(start, B, L, m, c, runs))
+                order += range(start, start + B * L)
             start += B * L
-        return parts
+        if order == list(range(len(order))):
+            return parts, None
+        inverse = [0] * len(order)
+        for at, r in enumerate(order):
+            inverse[r] = at
+        return parts, mx.array(inverse)
 
 
-def _runs_of(runs: Optional[list], b: int) -> Optional[list]:
-    """Sequence b's RoPE runs of a batch's tree (`draft.tree.Tree.runs`: a branch's depth is an
-    array, each sequence's own)."""
+def _runs_of(runs: Optional[list], members: List[int]) -> Optional[list]:
+    """The RoPE runs of a batch's tree for the sequences `members` (`draft.tree.Tree.runs`: a
+    branch's depth is an array, each sequence's own)."""
     if runs is None:
         return None
-    return [(s, e, d if isinstance(d, int) else d[b : b + 1]) for s, e, d in runs]
+    first, n = members[0], len(members)
+    if members == list(range(first, first + n)):
+        return [(s, e, d if isinstance(d, int) else d[first : first + n]) for s, e, d in runs]
+    index = mx.array(members)
+    return [(s, e, d if isinstance(d, int) else mx.take(d, index, axis=0)) for s, e, d in runs]
 
 
 def _tree_mask(tree: tuple, cache) -> mx.array:
@@ -444,9 +468,8 @@ def _tree_mask(tree: tuple, cache) -> mx.array:
     mask = tree[0]
     B, N, _ = mask.shape
     c = cache[0]
-    if isinstance(c, SequenceKV):  # each sequence's own caches: a mask of its own
-        return tuple(mx.concatenate([mx.ones((1, N, e), dtype=mx.bool_), mask[b : b + 1]], axis=2)[:, None]
-                     for b, e in enumerate(c.ends))
+    if isinstance(c, SequenceKV):  # each part's own mask, from its sequences' rows of the tree's
+        return tuple(_tree_mask((mx.take(mask, mx.array(m), axis=0),), [part]) for part, m in zip(c.parts, c.members))
     if isinstance(c.offset, int):  # one sequence's own caches
         return mx.concatenate([mx.ones((B, N, c.offset), dtype=mx.bool_), mask], axis=2)[:, None]
     rel = mx.arange(max(c.ends) + N)[None, None] - c.offset[:, None, None]  # column - the sequence's end
@@ -1002,9 +1025,8 @@ class TargetAdapter:
     def keep_rows_each(self, cache, rows: Sequence[Sequence[int]], width: int):
         """`keep_rows` for a batch's caches (`target.ragged`, `target.sequences`): sequence b keeps
         rows `rows[b]`."""
-        if cache and isinstance(cache[0], SequenceKV):  # each sequence's own layers (`caches.keep_rows`)
-            for b, r in enumerate(rows):
-                keep_rows([c.caches[b] for c in cache], list(r), width)
+        if cache and isinstance(cache[0], SequenceKV):
+            cache[0].keep_rows_each(cache, rows, width, keep_rows)
             return
         for c in cache:
             c.keep_rows(rows, width)

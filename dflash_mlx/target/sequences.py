@@ -1,17 +1,16 @@
-"""K/V caches of several sequences, each sequence in a buffer of its own, for one target pass over
-all of them.
+"""K/V caches of several sequences in parts, for one target pass over all of them.
 
-Each sequence keeps the cache it decodes on alone (mlx-lm's `KVCache`, a `WindowCache` for a
-sliding-window layer), so a batch holds what its sequences hold. A sequence that joins brings its
-cache and one that leaves takes it: neither copies another's rows. A crop trims one sequence's
-cache (no copy). The target's attention runs per sequence over its own cache, while its
-projections and MLPs see every sequence's rows at once (`adapter.GroupedAttention`).
-
-`ragged.RaggedKVCache` keeps a batch in one array padded to its longest sequence instead; it
-stays for targets whose attention the adapter cannot run per sequence (layers sharing caches).
+A part is one sequence's own cache (mlx-lm's `KVCache`, a `WindowCache` for a sliding-window
+layer), the cache it decodes on alone, or a group of sequences of similar lengths held in one
+padded array (`ragged.RaggedKVCache`). A batch so holds about what its sequences hold: a long
+prompt is a part of its own, and short ones beside it are not padded to its length. A sequence
+that joins brings its cache as a part of its own, and one held apart that leaves takes it:
+neither copies another's rows. A crop moves ends back (no copy). The target's attention runs
+per part over its own cache, while its projections and MLPs see every sequence's rows at once
+(`adapter.GroupedAttention`). `decode.caches` decides which sequences share a part.
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -19,15 +18,43 @@ from ..errors import DFlashError
 from .caches import WindowCache
 
 
-class SequenceKV:
-    """One layer's caches of B sequences, sequence b's in `caches[b]`."""
+def grouped(part) -> bool:
+    """Whether a part holds several sequences in one padded array (`ragged.RaggedKVCache`)."""
+    return isinstance(getattr(part, "ends", None), list)
 
-    def __init__(self, caches: Sequence = ()):
-        self.caches: List = list(caches)
+
+def _ends(part) -> List[int]:
+    return part.ends if grouped(part) else [part.offset]
+
+
+class SequenceKV:
+    """One layer's caches of B sequences in parts: `parts[p]` holds the sequences `members[p]`
+    (indices into the batch, in the part's own order)."""
+
+    def __init__(self, parts: Sequence = (), members: Optional[Sequence[Sequence[int]]] = None):
+        self.parts: List = list(parts)
+        if members is None:
+            members, start = [], 0
+            for part in self.parts:
+                n = len(_ends(part))
+                members.append(list(range(start, start + n)))
+                start += n
+        self.members: List[List[int]] = [list(m) for m in members]
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self.members)
+
+    def where(self, b: int) -> Tuple[int, int]:
+        """(part, index within it) of sequence b."""
+        return next((p, m.index(b)) for p, m in enumerate(self.members) if b in m)
 
     @property
     def ends(self) -> List[int]:
-        return [c.offset for c in self.caches]
+        out = [0] * len(self)
+        for part, m in zip(self.parts, self.members):
+            for b, e in zip(m, _ends(part)):
+                out[b] = e
+        return out
 
     @property
     def offset(self) -> mx.array:
@@ -37,15 +64,15 @@ class SequenceKV:
     @property
     def window(self) -> Optional[int]:
         """The sliding window of the layer (None: full attention)."""
-        c = self.caches[0] if self.caches else None
-        return c.window if isinstance(c, WindowCache) else None
+        c = self.parts[0] if self.parts else None
+        return c.window if isinstance(c, WindowCache) or grouped(c) else None
 
     def make_mask(self, N: int, **kwargs) -> tuple:
-        """Each sequence's own mask for N new rows, as its cache makes it."""
-        return tuple(c.make_mask(N, **kwargs) for c in self.caches)
+        """Each part's own mask for N new rows, as its cache makes it."""
+        return tuple(c.make_mask(N, **kwargs) for c in self.parts)
 
     def update_and_fetch(self, keys, values):
-        raise DFlashError("A batch held per sequence needs the target's attention run per sequence; "
+        raise DFlashError("A batch held in parts needs the target's attention run per part; "
                           "this layer's attention was not wrapped by the adapter.")
 
     def is_trimmable(self) -> bool:
@@ -54,37 +81,73 @@ class SequenceKV:
     def trim(self, n: int) -> int:
         """Drop the last n rows of every sequence."""
         n = min(n, min(self.ends, default=0))
-        for c in self.caches:
+        for c in self.parts:
             c.trim(n)
         return n
 
     def crop(self, drops: Sequence[int]) -> None:
-        """Drop the last drops[b] rows of sequence b (no copy: its cache's end moves back)."""
-        for c, d in zip(self.caches, drops, strict=True):
-            if d:
-                c.trim(min(d, c.offset))
+        """Drop the last drops[b] rows of sequence b (no copy: its end moves back)."""
+        if len(drops) != len(self):
+            raise ValueError(f"{len(drops)} drops for {len(self)} sequences")
+        for c, m in zip(self.parts, self.members):
+            if grouped(c):
+                if any(drops[b] for b in m):
+                    c.crop([drops[b] for b in m])
+            elif drops[m[0]]:
+                c.trim(min(drops[m[0]], c.offset))
+
+    def keep_rows_each(self, layers: Sequence["SequenceKV"], rows: Sequence[Sequence[int]], width: int,
+                       keep_rows) -> None:
+        """After a tree pass over `width` tokens, sequence b keeps rows `rows[b]` of it, in every
+        layer of `layers` (this one's parts, each laid out alike): a group's rows moved in its
+        array, a sequence's own by `keep_rows` (`caches.keep_rows`)."""
+        for p, m in enumerate(self.members):
+            if grouped(self.parts[p]):
+                for layer in layers:
+                    layer.parts[p].keep_rows([rows[b] for b in m], width)
+            else:
+                keep_rows([layer.parts[p] for layer in layers], list(rows[m[0]]), width)
 
     def filter(self, keep: Sequence[int]) -> None:
-        """Keep sequences `keep` (indices, in that order); the others' caches are let go."""
-        self.caches = [self.caches[i] for i in keep]
+        """Keep sequences `keep` (indices, in that order): a part held apart is let go or kept as it
+        is; a group that loses sequences is copied once (its own rows only)."""
+        new = {b: i for i, b in enumerate(keep)}
+        parts, members = [], []
+        for c, m in zip(self.parts, self.members):
+            kept = sorted((j for j, b in enumerate(m) if b in new), key=lambda j: new[m[j]])
+            if not kept:
+                continue
+            if grouped(c) and kept != list(range(len(m))):
+                c.filter(kept)
+            parts.append(c)
+            members.append([new[m[j]] for j in kept])
+        self.parts, self.members = parts, members
 
     def extend(self, caches: Sequence) -> None:
-        """Append single-sequence caches (one layer's) as new sequences: they are held, not copied."""
-        self.caches += list(caches)
+        """Append single-sequence caches (one layer's) as new sequences, each a part of its own:
+        they are held, not copied."""
+        B = len(self)
+        self.parts += list(caches)
+        self.members += [[B + i] for i in range(len(caches))]
 
     def join(self, other: "SequenceKV") -> None:
-        """Append `other`'s sequences."""
-        self.extend(other.caches)
+        """Append `other`'s sequences, in its parts."""
+        B = len(self)
+        self.parts += other.parts
+        self.members += [[B + b for b in m] for m in other.members]
 
     def extract(self, b: int):
-        """Sequence b's own cache (the batch's, not a copy: it is handed on as the sequence leaves)."""
-        return self.caches[b]
+        """Sequence b's own cache: held apart, the batch's (not a copy: it is handed on as the
+        sequence leaves); in a group, a copy of its rows."""
+        p, j = self.where(b)
+        c = self.parts[p]
+        return c.extract(j) if grouped(c) else c
 
     @property
     def state(self) -> list:
-        """The arrays the sequences' caches hold (for `mx.eval`)."""
-        return [(c.keys, c.values) for c in self.caches if c.keys is not None]
+        """The arrays the parts hold (for `mx.eval`)."""
+        return [(c.keys, c.values) for c in self.parts if c.keys is not None]
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+        return sum(c.nbytes for c in self.parts)
