@@ -315,7 +315,7 @@ def run_streams(pair, joining, widths, join_at=None, width=8):
     class Scripted(FixedBatchWidth):
         cycle = 0
 
-        def choose(self, batch, gains=None):
+        def choose(self, batch, gains=None, columns=0):
             self.cycle += 1
             return widths[self.cycle % len(widths)]
 
@@ -657,13 +657,13 @@ def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs
         def __init__(self, choices):
             self.choices = iter(choices)
 
-        def choose(self, batch, gains=None):
+        def choose(self, batch, gains=None, columns=0):
             return next(self.choices)
 
-        def branches(self, batch, width, most):
+        def branches(self, batch, width, most, columns=0):
             return 0
 
-        def update(self, batch, width, seconds, tokens, branches=0):
+        def update(self, batch, width, seconds, tokens, branches=0, columns=0):
             pass
 
     streams = Streams(pair, 4, Script([1, 4, 1, 1, 4, 1, 1, 1]))

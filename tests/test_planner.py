@@ -150,10 +150,10 @@ class Script(FixedBatchWidth):
         self.choices = iter(choices)
         self.updates = []
 
-    def choose(self, batch, gains=None):
+    def choose(self, batch, gains=None, columns=0):
         return next(self.choices)
 
-    def update(self, batch, width, seconds, tokens, branches=0):
+    def update(self, batch, width, seconds, tokens, branches=0, columns=0):
         self.updates.append((batch, width, tokens, branches))
 
 
@@ -170,3 +170,30 @@ def test_a_batchs_width_is_chosen_a_cycle_ahead_and_capped_while_a_prompt_joins(
     assert planner.batch(three, joining=True, fits=fits).width == 2
     planner.update(capped, 0.1, 12, tree=False)
     assert policy.updates == [(3, 8, 12, 0)]
+
+
+def test_a_batchs_figures_are_kept_apart_beside_a_long_prompt_and_found_again_after_it():
+    """Widths are measured per span of the K/V rows a batch's attention reads: beside a long prompt
+    the batch tries its widths afresh (drafting costs more there), and once the prompt has left it
+    chooses from its own figures again, without trying anything."""
+    from dflash_mlx.policy.batch import COLUMN_SPAN, TRIES, BatchWidths, bucket
+
+    assert bucket(8, 4000) == bucket(8, COLUMN_SPAN) != bucket(8, COLUMN_SPAN + 1) == bucket(8, 2 * COLUMN_SPAN)
+    assert bucket(8, 2 * COLUMN_SPAN + 1) != bucket(8, 2 * COLUMN_SPAN)
+    policy, short, long = BatchWidths(8), 7 * 600, 7 * 600 + 16384
+    costs = {short: {1: 0.1, 2: 0.11, 4: 0.12, 8: 0.2}, long: {1: 0.3, 2: 0.5, 4: 0.9, 8: 1.7}}
+    tokens = {1: 8, 2: 12, 4: 16, 8: 18}
+
+    def run(columns, cycles):
+        chosen = []
+        for _ in range(cycles):
+            w = policy.choose(8, columns=columns)
+            policy.update(8, w, costs[columns][w], tokens[w], columns=columns)
+            chosen.append(w)
+        return chosen
+
+    first = run(short, 4 * TRIES)
+    assert first[: 3 * TRIES] == [1] * TRIES + [2] * TRIES + [4] * TRIES and policy.choose(8, columns=short) == 4
+    assert run(long, 2 * TRIES)[:TRIES] == [1] * TRIES  # tried afresh beside the long prompt
+    assert policy.choose(8, columns=long) == 1  # drafting does not pay there
+    assert run(short, 3) == [4, 4, 4]  # its own figures again

@@ -75,6 +75,12 @@ class Caches:
             return [[0]] if self.layers else []
         return [list(m) for m in kv.members] if isinstance(kv, SequenceKV) else [list(range(len(kv.ends)))]
 
+    def columns(self) -> int:
+        """The K/V rows the batch's attention reads for each row of a block: every sequence's, in
+        its part (padded to its group's longest)."""
+        lengths = self.lengths()
+        return sum(len(g) * max(lengths[b] for b in g) for g in self.groups()) if lengths else 0
+
     def lengths(self) -> List[int]:
         """Each sequence's rows (none where no layer holds K/V)."""
         kv = self._kv()

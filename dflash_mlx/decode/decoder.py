@@ -243,7 +243,7 @@ class Decoder:
         elif self.seqs:
             plan = None
             if width is not None or len(self.seqs) > 1:
-                plan = (self.planner.batch(self.seqs, joining, self.joins.fits) if width is None
+                plan = (self.planner.batch(self.seqs, joining, self.joins.fits, self.caches.columns()) if width is None
                         else self.planner.fixed(self.seqs, width, then, branches))
             tic = time.perf_counter()
             out = self._alone(self.seqs[0]) if plan is None else self._cycle(plan)

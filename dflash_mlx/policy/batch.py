@@ -1,4 +1,4 @@
-"""The width of a batched cycle: measured, per batch size.
+"""The width of a batched cycle: measured, per batch size (and span of the K/V rows it reads).
 
 How many rows a target pass can verify for the price of one grows with the
 hardware's spare compute, and a batch of B sequences already fills B rows, so
@@ -60,6 +60,12 @@ STALE_KEEP = 0.5  # what a figure keeps, at least, of itself when a retry after 
 # batches behind, a cost a cycle's own rate does not show (widened pair, 8 clients: widths 1-4
 # within a few percent per cycle, width 1 about 10% faster over the whole wave).
 DRAFT_MARGIN = 1.1
+# Batches whose attention reads up to this many K/V rows per row of the block (over all their
+# sequences, padding included: `decode.caches.Caches.columns`) are measured together, then each
+# doubling apart: a drafted row over a 16k-token prompt costs what its weights do many times over on
+# a CPU, so figures taken beside a long prompt say little of the batch without it, and the batch
+# goes back to its own figures when the long prompt leaves instead of learning them again.
+COLUMN_SPAN = 8192
 
 
 class BatchPolicy(Protocol):
@@ -67,20 +73,23 @@ class BatchPolicy(Protocol):
 
     widths: Sequence[int]  # the candidate widths it weighs (none for a fixed one)
 
-    def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
-        """The width of a coming cycle of `batch` sequences (`gains`: the tokens they expect per width)."""
+    def choose(self, batch: int, gains: Optional[Dict[int, float]] = None, columns: int = 0) -> int:
+        """The width of a coming cycle of `batch` sequences whose attention reads `columns` K/V rows
+        per block row (`gains`: the tokens they expect per width)."""
 
-    def branches(self, batch: int, width: int, most: int) -> int:
+    def branches(self, batch: int, width: int, most: int, columns: int = 0) -> int:
         """The tree branches a drafted cycle of `width` verifies, where each sequence allows `most`."""
 
-    def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0) -> None:
+    def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0, columns: int = 0) -> None:
         """A cycle took `seconds` and committed `tokens` in all."""
 
 
-def bucket(batch: int) -> int:
-    """Batch sizes measured together (1, 2, 3-4, 5-8, ...): neighbours cost alike, and each
-    bucket's candidates are tried before it chooses, so fewer buckets explore less."""
-    return 1 << max(batch - 1, 0).bit_length()
+def bucket(batch: int, columns: int = 0) -> tuple:
+    """Batches measured together: sizes 1, 2, 3-4, 5-8, ... (neighbours cost alike, and each
+    bucket's candidates are tried before it chooses, so fewer buckets explore less), and the K/V
+    rows their attention reads up to `COLUMN_SPAN`, then each doubling."""
+    span = (max(columns, 1) - 1) // COLUMN_SPAN
+    return 1 << max(batch - 1, 0).bit_length(), span.bit_length()
 
 
 class BatchWidths:
@@ -88,6 +97,7 @@ class BatchWidths:
 
     def __init__(self, max_width: int, widths: Sequence[int] = WIDTHS):
         self.widths: List[int] = sorted({min(w, max_width) for w in widths if w >= 1})
+        # Keyed (`bucket` of batch size and K/V rows, width), trees with their branches after.
         self.tokens: Dict[Tuple[int, int], float] = {}  # (batch size, width) -> tokens committed per cycle
         self.seconds: Dict[Tuple[int, int], float] = {}  # (batch size, width) -> seconds per cycle
         self.runs: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> cycles measured
@@ -95,24 +105,25 @@ class BatchWidths:
         self.chosen: Dict[Tuple[int, int], int] = {}  # (batch size, width) -> the cycle it was last chosen
         self.cycle = 0
 
-    def rate(self, batch: int, width: int, branches: int = 0) -> float:
+    def rate(self, batch: int, width: int, branches: int = 0, columns: int = 0) -> float:
         """Measured tokens per second of cycles of `width` (trees of `branches`) at `batch`
         sequences: averages of tokens and of seconds, so that a cycle whose work an earlier one
         did (a plain step launched ahead) neither counts as infinitely fast nor drags the figure."""
-        key = _key(batch, width, branches)
+        key = _key(batch, width, branches, columns)
         return self.tokens[key] / self.seconds[key]
 
-    def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
-        """The width of a coming cycle of `batch` sequences (a batch chooses a cycle ahead, so
+    def choose(self, batch: int, gains: Optional[Dict[int, float]] = None, columns: int = 0) -> int:
+        """The width of a coming cycle of `batch` sequences (their attention reading `columns` K/V
+        rows per block row) (a batch chooses a cycle ahead, so
         that a plain step knows whether the next one is plain too): climbing the candidates from
         the narrowest while each beats the one below it, then the best, with its neighbours
         retried the more rarely the more a retry loses (tokens per second rise with the width,
         then fall). `gains`: the tokens the batch's sequences expect each width to commit, in
         all; a width is then rated by them over its seconds per cycle."""
         self.cycle += 1
-        b, ws = bucket(batch), self.widths
+        b, ws = bucket(batch, columns), self.widths
         if gains is None:
-            rate = lambda w: self.rate(b, w)  # noqa: E731
+            rate = lambda w: self.tokens[(b, w)] / self.seconds[(b, w)]  # noqa: E731
         else:
             rate = lambda w: gains[w] / self.seconds[(b, w)]  # noqa: E731
         known = [w for w in ws if self.runs.get((b, w), 0) >= TRIES]
@@ -140,42 +151,44 @@ class BatchWidths:
         self.chosen[(b, width)] = self.cycle
         return width
 
-    def branches(self, batch: int, width: int, most: int) -> int:
+    def branches(self, batch: int, width: int, most: int, columns: int = 0) -> int:
         """The branches of the trees a drafted cycle of `width` at `batch` sequences verifies,
         where each sequence allows up to `most` (0: linear): each shape tried `TRIES` times once
         the width has been, then the faster (measured tokens per second), the other retried the
         more rarely the more a retry loses."""
-        linear, tree = _key(batch, width), _key(batch, width, most)
-        if width < 2 or not most or self.runs.get(linear, 0) < TRIES or not self._rows_cheap(batch, width, most):
+        linear, tree = _key(batch, width, 0, columns), _key(batch, width, most, columns)
+        if width < 2 or not most or self.runs.get(linear, 0) < TRIES or not self._rows_cheap(batch, width, most,
+                                                                                             columns):
             return 0
         if self.runs.get(tree, 0) < TRIES:
             return most
-        rates = {0: self.rate(batch, width), most: self.rate(batch, width, most)}
+        rates = {0: self.rate(batch, width, 0, columns), most: self.rate(batch, width, most, columns)}
         best = max(rates, key=rates.get)
         other = most - best
-        key = _key(batch, width, other)
-        lost = self.seconds[key] * max(0.0, 1 - rates[other] / rates[best]) / self.seconds[_key(batch, width, best)]
+        key = _key(batch, width, other, columns)
+        lost = self.seconds[key] * max(0.0, 1 - rates[other] / rates[best]) / self.seconds[_key(batch, width, best,
+                                                                                                 columns)]
         interval = min(max(TREE_RETRY, RETRY_BUDGET * lost), MAX_RETRY)
         return other if self.cycle - self.last.get(key, 0) >= interval else best
 
-    def _rows_cheap(self, batch: int, width: int, branches: int) -> bool:
+    def _rows_cheap(self, batch: int, width: int, branches: int, columns: int = 0) -> bool:
         """Whether a tree's extra rows could cost less than `TREE_GAIN` of the linear cycle of
         `width` at `batch` sequences, at what a row costs between the narrower measured width
         and this one (none measured: not known to be cheap)."""
-        below = [w for w in self.widths if w < width and self.runs.get(_key(batch, w), 0) >= TRIES]
+        below = [w for w in self.widths if w < width and self.runs.get(_key(batch, w, 0, columns), 0) >= TRIES]
         if not below:
             return False
         w0 = max(below)
-        at, under = self.seconds[_key(batch, width)], self.seconds[_key(batch, w0)]
+        at, under = self.seconds[_key(batch, width, 0, columns)], self.seconds[_key(batch, w0, 0, columns)]
         per_row = max(0.0, at - under) / (width - w0)  # a block row of every sequence
         return per_row * (tree_rows(width, branches) - width) < TREE_GAIN * at
 
-    def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0) -> None:
-        """A cycle of `batch` sequences at `width` (trees of `branches`) took `seconds` and
-        committed `tokens` in all."""
+    def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0, columns: int = 0) -> None:
+        """A cycle of `batch` sequences at `width` (trees of `branches`; their attention reading
+        `columns` K/V rows per block row) took `seconds` and committed `tokens` in all."""
         if seconds <= 0:
             return
-        key = _key(batch, width, branches)
+        key = _key(batch, width, branches, columns)
         n = self.runs.get(key, 0)
         # The first tries count alike, then recent cycles more: the figure so far keeps `DECAY` per
         # run, or per `RETRY` cycles since its last where that is less, so that a retry after a long
@@ -188,9 +201,9 @@ class BatchWidths:
         self.last[key] = self.cycle
 
 
-def _key(batch: int, width: int, branches: int = 0) -> tuple:
+def _key(batch: int, width: int, branches: int = 0, columns: int = 0) -> tuple:
     """Where a shape's figures are kept: linear cycles per (batch bucket, width), trees apart."""
-    return (bucket(batch), width) + ((branches,) if branches else ())
+    return (bucket(batch, columns), width) + ((branches,) if branches else ())
 
 
 class FixedBatchWidth:
@@ -201,12 +214,12 @@ class FixedBatchWidth:
     def __init__(self, width: int):
         self.width = width
 
-    def choose(self, batch: int, gains: Optional[Dict[int, float]] = None) -> int:
+    def choose(self, batch: int, gains: Optional[Dict[int, float]] = None, columns: int = 0) -> int:
         return self.width
 
-    def branches(self, batch: int, width: int, most: int) -> int:
+    def branches(self, batch: int, width: int, most: int, columns: int = 0) -> int:
         """Trees wherever the sequences ask for them (`tree=n` with a fixed size)."""
         return most if width > 1 else 0
 
-    def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0) -> None:
+    def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0, columns: int = 0) -> None:
         pass

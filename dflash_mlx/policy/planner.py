@@ -59,6 +59,7 @@ class CyclePlan:
     forced: List[int]
     then: Optional[int] = None  # the next cycle's width, where chosen: a plain step launches it ahead if plain
     alternatives: bool = False  # fetch the drafter's 2nd and 3rd choices (`plan.Run.learns_branches`)
+    columns: int = 0  # the K/V rows the batch's attention reads per block row, where the batch's policy chose it
 
     @property
     def width(self) -> int:
@@ -130,24 +131,27 @@ class Planner:
         return False
 
     def batch(self, seqs: Sequence[Planned], joining: bool = False,
-              fits: Optional[Callable[[Hashable], bool]] = None) -> CyclePlan:
+              fits: Optional[Callable[[Hashable], bool]] = None, columns: int = 0) -> CyclePlan:
         """A cycle of several sequences, as the batch's policy chooses it. Widths are chosen a cycle
         ahead, so that a plain step launches the next one only where it will run; where the batch
         has changed, this cycle runs what is chosen now. While a prompt joins (`joining`), a policy
         weighing widths runs cycles cheap enough (`fits`: a cycle's shape, (batch, width) or
         (batch, width, branches)) to leave the prompt's chunks, and its first cycle, their share
-        (a fixed one runs what it was given)."""
+        (a fixed one runs what it was given). `columns`: the K/V rows the batch's attention reads per
+        block row (`decode.caches.Caches.columns`): the policy's figures are kept per such span."""
         B, widths = len(seqs), self.policy.widths
-        then = self.policy.choose(B, self.gains(seqs, widths))
+        then = self.policy.choose(B, self.gains(seqs, widths), columns)
         capped = joining and bool(widths) and fits is not None
         if capped:
             then = max((w for w in widths if w <= then and fits((B, w))), default=min(widths))
         width = self._then[1] if self._then is not None and self._then[0] == B else then
         self._then = (B, then)
-        branches = self.policy.branches(B, width, min(s.branches for s in seqs))
+        branches = self.policy.branches(B, width, min(s.branches for s in seqs), columns)
         if capped and branches and not fits((B, width, branches)):
             branches = 0
-        return self.fixed(seqs, width, then, branches)
+        plan = self.fixed(seqs, width, then, branches)
+        plan.columns = columns
+        return plan
 
     def fixed(self, seqs: Sequence[Planned], width: int, then: Optional[int] = None, branches: int = 0) -> CyclePlan:
         """A cycle of `width` (at most the planner's) for every sequence: plain where one keeps no
@@ -184,4 +188,4 @@ class Planner:
 
     def update(self, plan: CyclePlan, seconds: float, tokens: int, tree: bool) -> None:
         """A batch's cycle run as `plan` (as a tree where `tree`) took `seconds` and committed `tokens` in all."""
-        self.policy.update(len(plan.plans), plan.width, seconds, tokens, plan.branches if tree else 0)
+        self.policy.update(len(plan.plans), plan.width, seconds, tokens, plan.branches if tree else 0, plan.columns)
