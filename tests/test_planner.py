@@ -197,3 +197,32 @@ def test_a_batchs_figures_are_kept_apart_beside_a_long_prompt_and_found_again_af
     assert run(long, 2 * TRIES)[:TRIES] == [1] * TRIES  # tried afresh beside the long prompt
     assert policy.choose(8, columns=long) == 1  # drafting does not pay there
     assert run(short, 3) == [4, 4, 4]  # its own figures again
+
+
+def test_a_long_sequence_held_apart_verifies_its_last_token_alone_where_drafting_it_does_not_pay():
+    """`narrow`: the attention a sequence's draft rows read at its length, against the tokens they are
+    expected to add decoded plainly: a 16k-token sequence steps plainly in a cycle whose short
+    sequences draft, and a batch whose sequences all step plainly runs a plain step."""
+    from dflash_mlx.policy.planner import narrow
+
+    class Curve:
+        contexts = [64, 1024, 4096]
+
+        def cost(self, w, n):
+            return 1 + 0.1 * w + 1e-4 * w * n  # each block row attends every column
+
+    class Run(Sizer):
+        curve = Curve()
+
+        def expected_tokens(self, w):
+            return 2.0
+
+    long, short = Seq(sizer=Run(), history=[1] * 16384), Seq(sizer=Run(), history=[1] * 512)
+    assert narrow(long, 8) == 1 and narrow(short, 8) == 8
+    assert narrow(Seq(sizer=None, history=[1] * 16384), 8) == 8  # no statistics to weigh
+    assert narrow(Seq(sizer=Run(), history=[1] * 16384, constraint=Grammar([])), 8) == 8
+    planner = Planner(8)
+    plan = planner.fixed([long, short], 8, apart=[True, True])
+    assert [p.width for p in plan.plans] == [1, 8] and plan.width == 8
+    assert planner.fixed([long, short], 8, apart=[True, False]).plans[1].width == 8
+    assert planner.fixed([long, Seq(sizer=Run(), history=[1] * 9000)], 8, apart=[True, True]).plans == [PLAIN] * 2

@@ -253,6 +253,38 @@ def test_batched_draws_follow_the_target_distribution(small_pair, seeded):
     assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sequences_verifying_fewer_rows_than_the_batch_follow_the_target_distribution(small_pair, monkeypatch,
+                                                                                      seeded):
+    """Half the sequences of each batch held apart and verifying only their last token in every
+    drafted cycle (`policy.planner.narrow`) beside the others' whole blocks: every text follows the
+    target's exact distribution, seeded or unseeded (rejection sampling over the drafts it verifies)."""
+    from dflash_mlx.decode import caches
+    from dflash_mlx.decode.decoder import Asks, Decoder
+    from dflash_mlx.policy import planner
+
+    monkeypatch.setattr(caches, "best_groups", lambda lengths, among=None: [[b] for b in sorted(
+        range(len(lengths)) if among is None else among)])
+    monkeypatch.setattr(planner, "narrow", lambda s, w: 1 if s.uid % 2 else w)
+    pair, model = small_pair
+    params = SamplingParams(temp=1.0, top_k=4)
+    seqs, probs = exact_distribution(model, params)
+    counts, n = {}, 125
+    mx.random.seed(40_000)
+    for start in range(50_000, 50_000 + SAMPLES, n):
+        asks = [Asks(dataclasses.replace(params, seed=s) if seeded else params) for s in range(start, start + n)]
+        dec = Decoder(pair, BLOCK)
+        out = {f.uid: list(f.tokens) for f in dec.add_many([PROMPT] * n, [N_TOKENS] * n, asks=asks)}
+        assert len(dec.caches.groups()) == n
+        while len(dec):
+            for c in dec.step():
+                out[c.uid] += c.tokens
+        for toks in out.values():
+            counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    assert sum(counts.values()) == SAMPLES and all(len(t) == N_TOKENS for t in counts)
+    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+
 def test_an_unseeded_request_joined_mid_stream_follows_the_target_distribution(small_pair):
     """A request sampling alone (its own policy's cycles, on its own caches) that another joins
     after its first token, or after its first cycle, goes on beside it in one batch: its texts

@@ -401,3 +401,35 @@ def test_sequences_that_join_a_group_copy_none_of_its_rows(pairs, monkeypatch):
     logits, _ = target(mx.array([[5]] * B), caches.layers)
     for b, own in enumerate(mine):
         assert close(logits[b], target(mx.array([[5]]), own)[0][0]), b
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5", "gpt_oss"])
+@pytest.mark.parametrize("width", [3, 8])
+def test_sequences_that_verify_fewer_rows_than_the_batch_decode_each_as_alone(pairs, baselines, more, monkeypatch,
+                                                                             family, width):
+    """A sequence held apart may verify fewer rows than the batch's width (`planner.narrow`, here
+    whenever its length is even): its other rows neither attend nor stay cached, a recurrent
+    state is rolled back over them, and every sequence still decodes exactly mlx-lm's greedy
+    tokens, joining and leaving at different cycles."""
+    from conftest import plain_greedy
+    from test_batch import TEXTS, generate_batch
+
+    from dflash_mlx.decode import caches, cycle
+    from dflash_mlx.policy import planner
+
+    monkeypatch.setattr(caches, "PART_ROWS", 0)  # every sequence apart
+    monkeypatch.setattr(planner, "narrow", lambda s, w: 1 + (len(s.history) % 3 == 1) if len(s.history) % 2 else w)
+    narrowed = []
+    init = cycle.LinearCycle.__init__
+
+    def spy(self, rows, block):
+        narrowed.append(block.widths)
+        init(self, rows, block)
+
+    monkeypatch.setattr(cycle.LinearCycle, "__init__", spy)
+    pair, base = (pairs[family], baselines[family]) if family in pairs else more(family)
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS]
+    got = generate_batch(pair, prompts, max_tokens=24, width=width, join_at={2: 1, 3: 3, 4: 3})
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    assert [plain_greedy(base, p, 24, eos=eos) for p in prompts] == got
+    assert sum(w is not None and min(w) < max(w) for w in narrowed) >= 3, narrowed

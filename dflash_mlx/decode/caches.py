@@ -81,6 +81,16 @@ class Caches:
         lengths = self.lengths()
         return sum(len(g) * max(lengths[b] for b in g) for g in self.groups()) if lengths else 0
 
+    def alone(self) -> List[bool]:
+        """Per sequence, whether its K/V is a part of its own in a batch held in parts."""
+        if not self.apart:
+            return [False] * len(self.lengths())
+        out = [False] * len(self.lengths())
+        for g in self.groups():
+            if len(g) == 1:
+                out[g[0]] = True
+        return out
+
     def lengths(self) -> List[int]:
         """Each sequence's rows (none where no layer holds K/V)."""
         kv = self._kv()

@@ -154,6 +154,7 @@ class Block:
     alternatives: Optional[mx.array] = None  # one sequence: the drafter's 2nd and 3rd choices [width - 1, 2]
     masks: Any = None  # each row's grammar mask, filled once the verify pass is launched (`constrained.BlockMasks`)
     refused: Optional[list] = None  # per sequence, a forbidden draft cut off and its proposal row, or None
+    widths: Optional[List[int]] = None  # per sequence, the rows it verifies (the rest pad its block), where some differ
 
     @property
     def width(self) -> int:
@@ -169,7 +170,8 @@ class LinearCycle:
         self.rows, self.block = rows, block
         self.width = block.width
         tokens = mx.concatenate([block.lasts[:, None], block.drafts], axis=1)
-        logits, self.hidden = rows.target(tokens, rows.cache, record=True, rider=rows.rider)
+        narrow = {"narrow": block.widths} if block.widths is not None else {}
+        logits, self.hidden = rows.target(tokens, rows.cache, record=True, rider=rows.rider, **narrow)
         if block.masks is not None:
             mx.async_eval(logits)  # the pass runs while the host fills the grammars' masks
             logits = allowed(logits, block.masks.fill())
@@ -178,10 +180,14 @@ class LinearCycle:
         if len(seqs) > 1 and all(s.params.greedy and not s.proc and s.top is None for s in seqs):
             self.picks = mx.argmax(greedy_log_probs(logits), axis=-1).astype(mx.uint32)  # one op for all
             self.accepted, self.logprobs = agreeing(block.drafts, self.picks), [None] * len(seqs)
+            if block.widths is not None:  # a narrow sequence accepts none of the drafts it did not verify
+                self.accepted = mx.minimum(self.accepted, mx.array([w - 1 for w in block.widths], dtype=mx.uint32))
         else:
-            each = [accept(block.drafts[b], logits[b], s.params, block.q_lps[b], s.top, s.proc or None,
-                           block.noises[b], block.refused and block.refused[b]) for b, s in enumerate(seqs)]
-            self.picks = mx.stack([a.picks.astype(mx.uint32) for a in each])
+            W = self.width
+            each = [accept(block.drafts[b, : w - 1], logits[b, :w], s.params, _cut(block.q_lps[b], w - 1), s.top,
+                           s.proc or None, _cut(block.noises[b], w), block.refused and block.refused[b])
+                    for b, (s, w) in enumerate(zip(seqs, block.widths or [W] * len(seqs)))]
+            self.picks = mx.stack([_padded(a.picks.astype(mx.uint32), W) for a in each])
             self.accepted = mx.stack([a.accepted for a in each]).astype(mx.uint32)
             self.logprobs = [a.logprobs for a in each]
             self.processed = [a.logits if s.rejection else None for a, s in zip(each, seqs)]
@@ -212,11 +218,21 @@ class LinearCycle:
 
     def cut(self, keeps: Sequence[int]) -> None:
         """Sequence b's caches keep the first keeps[b] rows of its block (no copy)."""
-        self.rows.crop(keeps, self.width)
+        self.rows.crop(keeps, self.block.widths or self.width)
 
     def drop(self) -> None:
         """Undo the cycle, launched and not wanted after all: every row of its block is cropped."""
         self.cut([0] * len(self.rows.seqs))
+
+
+def _cut(rows: Optional[mx.array], n: int) -> Optional[mx.array]:
+    """The first n rows (None stays None)."""
+    return rows if rows is None or rows.shape[0] == n else rows[:n]
+
+
+def _padded(picks: mx.array, n: int) -> mx.array:
+    """A narrow sequence's picks, padded to the block's n rows (never read past its own)."""
+    return picks if picks.shape[0] == n else mx.concatenate([picks, mx.zeros((n - picks.shape[0],), picks.dtype)])
 
 
 class TreeCycle:

@@ -73,7 +73,7 @@ class Launched:
 
     @property
     def plain(self) -> bool:
-        return self.plans[0].width == 1
+        return max(p.width for p in self.plans) == 1
 
 
 class Decoder:
@@ -243,7 +243,8 @@ class Decoder:
         elif self.seqs:
             plan = None
             if width is not None or len(self.seqs) > 1:
-                plan = (self.planner.batch(self.seqs, joining, self.joins.fits, self.caches.columns()) if width is None
+                plan = (self.planner.batch(self.seqs, joining, self.joins.fits, self.caches.columns(),
+                                           self.caches.alone()) if width is None
                         else self.planner.fixed(self.seqs, width, then, branches))
             tic = time.perf_counter()
             out = self._alone(self.seqs[0]) if plan is None else self._cycle(plan)
@@ -293,9 +294,12 @@ class Decoder:
         p = self.drafting.propose(self.seqs, plan.width, plan.copies, plan.alternatives)
         p.block = checked(self.seqs, p.block)
         width = p.block.width
-        p.copies = [c[: width - 1] for c in p.copies]
-        return Launched(LinearCycle(self._rows(), p.block), [Plan(width, len(c)) for c in p.copies], p,
-                        [min(f, width - 1) for f in plan.forced])
+        widths = [min(x.width, width) for x in plan.plans]
+        if min(widths) < width:  # some sequences verify fewer rows (`policy.planner.narrow`)
+            p.block.widths = widths
+        p.copies = [c[: x - 1] for c, x in zip(p.copies, widths)]
+        return Launched(LinearCycle(self._rows(), p.block), [Plan(x, len(c)) for x, c in zip(widths, p.copies)], p,
+                        [min(f, x - 1) for f, x in zip(plan.forced, widths)])
 
     def _tree(self, plan: Plan) -> "Launched":
         """A tree cycle of the plan's width and branches for every sequence, launched."""

@@ -13,7 +13,7 @@ from ..kernels import verify_accept
 from ..draft.lookup import point_masses
 from ..policy.proposal import rescale_rows
 from ..target.adapter import Rider
-from ..sampling import Processed, SamplingParams, agreeing, choose, greedy_log_probs, log_probs
+from ..sampling import Processed, SamplingParams, agreeing, choose, greedy_log_probs, log_probs, pick
 
 
 PREFILL_STEP = 2048  # prompt tokens per prefill chunk: mlx-lm's prefill_step_size
@@ -232,6 +232,8 @@ def accept(tokens: mx.array, logits: mx.array, params: SamplingParams, q_lp: Opt
         # Its target row is never read: the draft has probability 0 there, so it is rejected first.
         accepted, token = verify_accept(mx.concatenate([tokens, refused[0]]), mx.concatenate([logits, logits[-1:]]),
                                         params, mx.concatenate([q_lp, refused[1]]))
+    elif noise is None and tokens.shape[0] == 0:  # nothing to verify: the target's own token, a plain step's
+        accepted, token = mx.array(0, dtype=mx.uint32), pick(logits, params)
     elif noise is None:
         accepted, token = verify_accept(tokens, logits, params, q_lp)
     else:

@@ -70,6 +70,24 @@ class CyclePlan:
         return max(p.branches for p in self.plans)
 
 
+def narrow(seq: Planned, width: int) -> int:
+    """The rows a sequence held apart verifies in a batch's cycle of `width`: all of them, or its
+    last token alone (1) where the attention its draft rows read at its length (the cost curve's
+    growth with context of a cycle of `width` beyond a plain step's) would take longer than
+    decoding the tokens they are expected to add plainly, alone at its length. A long prompt then
+    steps plainly in a batch whose short sequences draft. Sequences under a grammar, and those
+    without a sizer run's statistics, verify every row."""
+    run = seq.sizer
+    if run is None or seq.constraint is not None or width < 2:
+        return width
+    curve, n = run.curve, len(seq.history)
+    low = curve.contexts[0]
+    if n <= low:
+        return width
+    rows = (curve.cost(width, n) - curve.cost(1, n)) - (curve.cost(width, low) - curve.cost(1, low))
+    return 1 if rows > (run.expected_tokens(width) - 1) * curve.cost(1, n) else width
+
+
 def plain(batch: int, then: Optional[int] = None) -> CyclePlan:
     """A plain step of `batch` sequences."""
     return CyclePlan([PLAIN] * batch, [[] for _ in range(batch)], [0] * batch, then)
@@ -131,14 +149,16 @@ class Planner:
         return False
 
     def batch(self, seqs: Sequence[Planned], joining: bool = False,
-              fits: Optional[Callable[[Hashable], bool]] = None, columns: int = 0) -> CyclePlan:
+              fits: Optional[Callable[[Hashable], bool]] = None, columns: int = 0,
+              apart: Optional[Sequence[bool]] = None) -> CyclePlan:
         """A cycle of several sequences, as the batch's policy chooses it. Widths are chosen a cycle
         ahead, so that a plain step launches the next one only where it will run; where the batch
         has changed, this cycle runs what is chosen now. While a prompt joins (`joining`), a policy
         weighing widths runs cycles cheap enough (`fits`: a cycle's shape, (batch, width) or
         (batch, width, branches)) to leave the prompt's chunks, and its first cycle, their share
         (a fixed one runs what it was given). `columns`: the K/V rows the batch's attention reads per
-        block row (`decode.caches.Caches.columns`): the policy's figures are kept per such span."""
+        block row (`decode.caches.Caches.columns`): the policy's figures are kept per such span.
+        `apart`: per sequence, whether its K/V is a part of its own (`fixed` may narrow it)."""
         B, widths = len(seqs), self.policy.widths
         then = self.policy.choose(B, self.gains(seqs, widths), columns)
         capped = joining and bool(widths) and fits is not None
@@ -149,15 +169,17 @@ class Planner:
         branches = self.policy.branches(B, width, min(s.branches for s in seqs), columns)
         if capped and branches and not fits((B, width, branches)):
             branches = 0
-        plan = self.fixed(seqs, width, then, branches)
+        plan = self.fixed(seqs, width, then, branches, apart)
         plan.columns = columns
         return plan
 
-    def fixed(self, seqs: Sequence[Planned], width: int, then: Optional[int] = None, branches: int = 0) -> CyclePlan:
+    def fixed(self, seqs: Sequence[Planned], width: int, then: Optional[int] = None, branches: int = 0,
+              apart: Optional[Sequence[bool]] = None) -> CyclePlan:
         """A cycle of `width` (at most the planner's) for every sequence: plain where one keeps no
         drafter's context; a tree of `branches` where every sequence allows that many; else a
         linear cycle, each sequence's forced tokens copied first, else what its sizer run expects
-        to pay of its lookup's offer."""
+        to pay of its lookup's offer. A sequence held `apart` verifies its last token alone where
+        drafting it does not pay at its length (`narrow`)."""
         B = len(seqs)
         w = max(1, min(width, self.width))
         if w == 1 or not all(s.tapped for s in seqs):  # a sequence without a drafter's context cannot draft
@@ -165,10 +187,15 @@ class Planner:
         branches = min([branches] + [s.branches for s in seqs])
         if branches:
             return CyclePlan([Plan(w, 0, branches)] * B, [[] for _ in seqs], [0] * B, then)
-        offers = [self.offer(s, w - 1, lookup=w - 1 if s.sizer is not None else 0) for s in seqs]
-        copies = [list(o.tokens) if o.forced else list(o.tokens[: s.sizer.copies(o.tokens, w)]) if o.tokens else []
-                  for s, o in zip(seqs, offers)]
-        return CyclePlan([Plan(w, len(c)) for c in copies], copies, [o.forced for o in offers], then)
+        widths = [narrow(s, w) if apart is not None and apart[b] else w for b, s in enumerate(seqs)]
+        if max(widths) < w:  # no sequence verifies the block's last rows
+            if max(widths) == 1:
+                return plain(B, then)
+            widths = [min(x, max(widths)) for x in widths]
+        offers = [self.offer(s, x - 1, lookup=x - 1 if s.sizer is not None else 0) for s, x in zip(seqs, widths)]
+        copies = [list(o.tokens) if o.forced else list(o.tokens[: s.sizer.copies(o.tokens, x)]) if o.tokens else []
+                  for s, o, x in zip(seqs, offers, widths)]
+        return CyclePlan([Plan(x, len(c)) for x, c in zip(widths, copies)], copies, [o.forced for o in offers], then)
 
     def gains(self, seqs: Sequence[Planned], widths: Sequence[int]) -> Optional[Dict[int, float]]:
         """The tokens the sequences expect a cycle of each width to commit, in all, from their sizer

@@ -186,6 +186,7 @@ class _Taps:
         self.head_rows = None  # during a pass with a rider: the flat rows that reach the LM head
         self.group_tree = None  # during a tree pass with a rider: the tree's (mask, runs), its own rows'
         self.shared = None  # during a grouped attention call: what its parts share (`_Shared`)
+        self.narrow = None  # during a pass over a batch in parts: each sequence's rows that attend (the rest pad)
 
 
 class _Wrapper(nn.Module):
@@ -287,6 +288,7 @@ class _Part:
     cache: Any
     runs: Optional[tuple] = None  # a tree's RoPE runs, where these rows are its nodes
     index: Optional[mx.array] = None  # [B * L] the pass's rows this part holds, in its order
+    rows: Optional[int] = None  # a sequence's first rows that attend and are cached (the others pad)
 
 
 class _Shared:
@@ -375,15 +377,19 @@ class GroupedAttention(_Wrapper):
         shared = _Shared(rows, self._defer)
         outs, runs = [], taps.tree_runs
         for p in parts:
-            flat = rows[:, p.start : p.start + p.B * p.L] if p.index is None else mx.take(rows, p.index, axis=1)
-            part = flat.reshape(p.B, p.L, D)
+            n = p.L if p.rows is None else p.rows
+            flat = rows[:, p.start : p.start + p.B * n] if p.index is None else mx.take(rows, p.index, axis=1)
+            part = flat.reshape(p.B, n, D)
             shared.part, shared.start, shared.index = part, p.start, p.index
             taps.shared, taps.tree_runs = shared, p.runs
             try:
                 out = self.inner(part, p.mask, p.cache, **kwargs)
             finally:
                 taps.shared, taps.tree_runs = None, runs
-            outs.append(out.reshape(1, p.B * p.L, -1))
+            out = out.reshape(1, p.B * n, -1)
+            if n < p.L:  # rows that do not attend: zeros, never read
+                out = mx.concatenate([out, mx.zeros((1, p.L - n, out.shape[-1]), out.dtype)], axis=1)
+            outs.append(out)
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
         if order is not None:  # the parts' rows back in the pass's order
             out = mx.take(out, order, axis=1)
@@ -429,12 +435,16 @@ class GroupedAttention(_Wrapper):
                 m, runs = taps.group_tree
             if isinstance(c, SequenceKV):
                 each = m if isinstance(m, (tuple, list)) else [m] * len(c.parts)
+                narrow = taps.narrow if i == 0 else None
                 for mp, cp, members in zip(each, c.parts, c.members):
                     first, n = members[0], len(members)
                     rows = [start + b * L + j for b in members for j in range(L)]
                     apart = members != list(range(first, first + n))
+                    w = narrow[first] if narrow is not None and n == 1 and narrow[first] < L else None
+                    if w is not None:  # its own mask for the rows that attend
+                        mp = cp.make_mask(w, **getattr(m, "kwargs", {}))
                     parts.append(_Part(start + first * L, n, L, mp, cp, _runs_of(runs, members),
-                                       mx.array(rows) if apart else None))
+                                       mx.array(rows) if apart else None, w))
                     order += rows
             else:
                 parts.append(_Part(start, B, L, m, c, runs))
@@ -831,7 +841,19 @@ class TargetAdapter:
 
     def __call__(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False,
                  tree: Optional[tuple] = None, taps: Union[bool, str] = True, rows: Optional[mx.array] = None,
-                 rider: Optional[Rider] = None):
+                 rider: Optional[Rider] = None, narrow: Optional[Sequence[int]] = None):
+        """`_pass`; with `narrow`, over a batch in parts (`target.sequences`), only the first
+        narrow[b] rows of a sequence held apart attend and are cached (its other rows pad the
+        block: their logits and taps are never read; `crop_each` takes the rows each holds)."""
+        self._taps.narrow = narrow
+        try:
+            return self._pass(tokens, cache, last_only, record, tree, taps, rows, rider)
+        finally:
+            self._taps.narrow = None
+
+    def _pass(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False,
+              tree: Optional[tuple] = None, taps: Union[bool, str] = True, rows: Optional[mx.array] = None,
+              rider: Optional[Rider] = None):
         """Logits (all positions, or the last only) and the concatenated taps
         (None with `taps=False`: a plain step that no drafter will read; with
         `taps="layers"`, the tapped outputs as a tuple, for the caller to join
@@ -971,24 +993,29 @@ class TargetAdapter:
                 c.cache = list(before[i])
         self._taps.tape.clear()
 
-    def crop_each(self, cache, keeps: Sequence[int], width: int, before: Optional[dict] = None):
+    def crop_each(self, cache, keeps: Sequence[int], width: Union[int, Sequence[int]], before: Optional[dict] = None):
         """`crop` for a batch (`target.ragged.RaggedKVCache` and batched recurrent states):
-        sequence b keeps the first `keeps[b]` of the last `width` positions. A pass that was
-        not recorded can only keep them all, or, given the recurrent states from before it
-        (`states`, taken before a plain step), none."""
-        drops = [width - k for k in keeps]
-        if any(drops):
-            for i, c in enumerate(cache):
-                if i not in self._gdn:
+        sequence b keeps the first `keeps[b]` of the last `width` positions (per sequence, where
+        a pass was `narrow`: the rows its K/V holds). A pass that was not recorded can only keep
+        them all, or, given the recurrent states from before it (`states`, taken before a plain
+        step), none."""
+        widths = [width] * len(keeps) if isinstance(width, int) else width
+        drops = [w - k for w, k in zip(widths, keeps)]
+        undone = [max(widths) - k for k in keeps]  # a recurrent state ran every row of the block
+        for i, c in enumerate(cache):
+            if i not in self._gdn:
+                if any(drops):
                     c.crop(drops)
-                elif before is None:
-                    self._gdn[i].rollback_each(c, keeps)
-                elif all(drops):
-                    c.cache = list(before[i])
-                else:
-                    back = mx.array(drops) > 0
-                    c.cache = [mx.where(back.reshape(-1, *[1] * (now.ndim - 1)), old, now)
-                               for old, now in zip(before[i], c.cache)]
+            elif not any(undone):
+                continue
+            elif before is None:
+                self._gdn[i].rollback_each(c, keeps)
+            elif all(undone):
+                c.cache = list(before[i])
+            else:
+                back = mx.array(undone) > 0
+                c.cache = [mx.where(back.reshape(-1, *[1] * (now.ndim - 1)), old, now)
+                           for old, now in zip(before[i], c.cache)]
         self._taps.tape.clear()
 
     def states(self, cache) -> Optional[dict]:

@@ -27,6 +27,15 @@ def _ends(part) -> List[int]:
     return part.ends if grouped(part) else [part.offset]
 
 
+class PartMasks(tuple):
+    """Each part's mask, and how the model asked for them (a part that attends fewer rows makes its own)."""
+
+    def __new__(cls, masks, kwargs: dict):
+        out = super().__new__(cls, masks)
+        out.kwargs = kwargs
+        return out
+
+
 class SequenceKV:
     """One layer's caches of B sequences in parts: `parts[p]` holds the sequences `members[p]`
     (indices into the batch, in the part's own order)."""
@@ -67,9 +76,9 @@ class SequenceKV:
         c = self.parts[0] if self.parts else None
         return c.window if isinstance(c, WindowCache) or grouped(c) else None
 
-    def make_mask(self, N: int, **kwargs) -> tuple:
+    def make_mask(self, N: int, **kwargs) -> "PartMasks":
         """Each part's own mask for N new rows, as its cache makes it."""
-        return tuple(c.make_mask(N, **kwargs) for c in self.parts)
+        return PartMasks((c.make_mask(N, **kwargs) for c in self.parts), kwargs)
 
     def update_and_fetch(self, keys, values):
         raise DFlashError("A batch held in parts needs the target's attention run per part; "
