@@ -4,7 +4,8 @@
         [--long 16384] [--short 512] [--streams 7] [--steps 24] [--before REV] [--out FILE]
 
 On a RoPE-scaled stand-in of the pair's target (its positions scaled into the window it was trained
-on, `--long` tokens past it), in greedy decoding through `decode.decoder.Decoder`:
+on, `--long` tokens past it), in greedy decoding through `decode.decoder.Decoder` (every batched cycle
+at `--width`; each sequence with the adaptive sizer's statistics, as the server runs them):
 - memory: the long prompt and `--streams` short ones decode in one batch; the memory the batch
   holds past the weights (`mx.get_active_memory` after each cycle, at its largest) against the sum of
   what each sequence holds decoding alone, and the same for the caches' own byte counts (the
@@ -101,7 +102,7 @@ def measure(target: str, drafter: str, long: int, short: int, streams: int, step
     def decode(ps, n_steps, count=None):
         """Decode `ps` in one batch for `n_steps` cycles: (peak held bytes, cache bytes, tokens of the
         sequences `count` per second, K/V bytes of the others the joins replaced)."""
-        dec = Decoder(pair, width)
+        dec = Decoder(pair, width, block_size="auto")  # each sequence weighs its own rows, as served
         firsts = dec.add_many(ps[:1], [n_steps * width + 8])
         copied = 0
         for p in ps[1:]:
