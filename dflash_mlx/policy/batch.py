@@ -211,15 +211,16 @@ class FixedBatchWidth:
 
     widths: Tuple[int, ...] = ()  # no candidates to weigh
 
-    def __init__(self, width: int):
-        self.width = width
+    def __init__(self, width: int, trees: bool = True):
+        """`trees`: a drafted cycle verifies trees wherever the sequences allow them."""
+        self.width, self.trees = width, trees
 
     def choose(self, batch: int, gains: Optional[Dict[int, float]] = None, columns: int = 0) -> int:
         return self.width
 
     def branches(self, batch: int, width: int, most: int, columns: int = 0) -> int:
-        """Trees wherever the sequences ask for them (`tree=n` with a fixed size)."""
-        return most if width > 1 else 0
+        """Trees wherever the sequences allow them (`tree=n` with a fixed size), unless told not to."""
+        return most if width > 1 and self.trees else 0
 
     def update(self, batch: int, width: int, seconds: float, tokens: int, branches: int = 0, columns: int = 0) -> None:
         pass

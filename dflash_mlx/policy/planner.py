@@ -98,10 +98,10 @@ class Planner:
 
     def __init__(self, width: int, policy: Optional[BatchPolicy] = None, forced_run: int = FORCED_RUN):
         """`width`: the widest cycle of several sequences; `policy` chooses each such cycle's
-        (default: always `width`); `forced_run`: the most forced tokens one cycle copies (0: a
+        (default: always `width`, linear); `forced_run`: the most forced tokens one cycle copies (0: a
         grammar's forced tokens are decoded as any others)."""
         self.width = width
-        self.policy: BatchPolicy = policy or FixedBatchWidth(width)
+        self.policy: BatchPolicy = policy or FixedBatchWidth(width, trees=False)
         self.forced_run = forced_run
         self._then: Optional[Tuple[int, int]] = None  # (batch size, width) chosen for the next cycle
 
