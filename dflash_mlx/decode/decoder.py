@@ -291,7 +291,8 @@ class Decoder:
     def _linear(self, plan: CyclePlan) -> "Launched":
         """A drafted cycle of the plan's width for every sequence, its copies first, launched; cut
         where the sequences' grammars forbid every draft after (`checked`)."""
-        p = self.drafting.propose(self.seqs, plan.width, plan.copies, plan.alternatives)
+        p = self.drafting.propose(self.seqs, plan.width, plan.copies, plan.alternatives,
+                                  [x.width for x in plan.plans] if len({x.width for x in plan.plans}) > 1 else None)
         p.block = checked(self.seqs, p.block)
         width = p.block.width
         widths = [min(x.width, width) for x in plan.plans]

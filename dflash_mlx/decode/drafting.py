@@ -28,16 +28,20 @@ class Drafting:
         self.pool: Optional[DraftBatch] = None
 
     def propose(self, seqs: List[Running], width: int, copies: List[List[int]],
-                alternatives: bool = False) -> Proposal:
+                alternatives: bool = False, widths: Optional[List[int]] = None) -> Proposal:
         """Every sequence's block for a cycle of `width`: its last token, then its drafts (its
-        `copies` first); with `alternatives`, a sequence alone's drafter's 2nd and 3rd choices."""
+        `copies` first); with `alternatives`, a sequence alone's drafter's 2nd and 3rd choices.
+        A sequence whose `widths` entry is 1 verifies its last token alone: it is not drafted (its
+        drafts pad the block, and its drafter's context waits for its next drafted cycle)."""
         lasts = mx.concatenate([s.last for s in seqs])
         noises = [s.noise(width) for s in seqs]
         scales = [None if s.scaler is None else s.scaler.choose(width - 1) for s in seqs]
+        skip = set() if widths is None else {b for b, w in enumerate(widths) if w == 1}
         if self._pooling(seqs):
-            drawn = self._pooled(seqs, lasts, width, noises, copies, scales)
+            drawn = self._pooled(seqs, lasts, width, noises, copies, scales, skip)
         else:
-            drawn = [self._own(s, width, n, c, sc, alternatives) for s, n, c, sc in zip(seqs, noises, copies, scales)]
+            drawn = [_padding(width) if b in skip else self._own(s, width, n, c, sc, alternatives)
+                     for b, (s, n, c, sc) in enumerate(zip(seqs, noises, copies, scales))]
         alts = drawn[0].alternatives if len(drawn) == 1 else None
         return Proposal(Block(lasts, mx.stack([d.tokens for d in drawn]), [d.q_lp for d in drawn], noises, alts),
                         scales, copies)
@@ -61,7 +65,8 @@ class Drafting:
                 s.scaler.update(*s.lesson)
                 s.lesson = None
             copied, rows = len(p.copies[b]), cycle.processed[b]
-            drafted = copied < p.block.drafts.shape[1]  # the drafter filled positions: its scales were used
+            width = p.block.width if p.block.widths is None else p.block.widths[b]
+            drafted = copied < width - 1  # the drafter filled positions it verified: its scales were used
             # A grammar's masks are not the drafter's: what they reject teaches the scales nothing.
             if rows is not None and drafted and s.constraint is None and s.scaler.learning() and accepted[b] >= copied:
                 s.lesson = reached_gains(rows, p.block.q_lps[b], copied, accepted[b], p.scales[b], s.params)
@@ -110,17 +115,24 @@ class Drafting:
         return True
 
     def _pooled(self, seqs: List[Running], lasts: mx.array, width: int, noises: list, copies: List[List[int]],
-                scales: list) -> List[Draft]:
-        """Every sequence's drafts from one drafter pass, each sequence's `copies` in its first
-        positions (point masses, for rejection sampling)."""
-        hiddens = [joined(s.take_taps()) if s.taps else None for s in seqs]
-        logits = self.pool.propose(lasts, hiddens, width)
-        if all(s.params.greedy and not s.proc for s in seqs):
+                scales: list, skip=frozenset()) -> List[Draft]:
+        """Every sequence's drafts from one drafter pass (but those in `skip`: padding), each
+        sequence's `copies` in its first positions (point masses, for rejection sampling)."""
+        which = [b for b in range(len(seqs)) if b not in skip]
+        if not which:
+            return [_padding(width) for _ in seqs]
+        hiddens = [joined(seqs[b].take_taps()) if seqs[b].taps else None for b in which]
+        some = lasts if not skip else mx.take(lasts, mx.array(which), axis=0)
+        logits = self.pool.propose(some, hiddens, width, None if not skip else which)
+        drawn: List[Draft] = [_padding(width)] * len(seqs)
+        if all(seqs[b].params.greedy and not seqs[b].proc for b in which):
             tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            drawn = [Draft(tokens[b], None, None) for b in range(len(seqs))]
+            for i, b in enumerate(which):
+                drawn[b] = Draft(tokens[i], None, None)
         else:
-            drawn = [pick_drafts(logits[b], s.params, s.proc or None, None if n is None else n[:-1], sc)
-                     for b, (s, n, sc) in enumerate(zip(seqs, noises, scales))]
+            for i, b in enumerate(which):
+                s, n = seqs[b], noises[b]
+                drawn[b] = pick_drafts(logits[i], s.params, s.proc or None, None if n is None else n[:-1], scales[b])
         return [d if not c else _copied(d, c) for d, c in zip(drawn, copies)]
 
     @staticmethod
@@ -133,6 +145,11 @@ class Drafting:
         return draft(seq.source, seq.dstate, seq.last, _caught_up(seq), width, seq.params, copies,
                      proc=seq.proc or None, alternatives=alternatives, scales=scales,
                      noise=None if noise is None else noise[:-1])
+
+
+def _padding(width: int) -> Draft:
+    """Drafts that only pad a block, for a sequence that verifies its last token alone."""
+    return Draft(mx.zeros((width - 1,), dtype=mx.uint32), None, None)
 
 
 def _caught_up(seq: Running) -> Optional[mx.array]:

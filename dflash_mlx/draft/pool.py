@@ -60,15 +60,23 @@ class DraftBatch:
         if hidden is not None:
             self.drafter.ragged(None, hidden, counts, self.cache)
 
-    def propose(self, lasts: mx.array, hiddens: Sequence[Optional[mx.array]], width: int) -> mx.array:
+    def propose(self, lasts: mx.array, hiddens: Sequence[Optional[mx.array]], width: int,
+                which: Optional[Sequence[int]] = None) -> mx.array:
         """Draft logits [B, width - 1, V]: each sequence's new context rows committed, then its
-        block [last, MASK, ...] of the source's `block_rows(width)` rows."""
+        block [last, MASK, ...] of the source's `block_rows(width)` rows. With `which`, only
+        those sequences (their `lasts` and `hiddens`, in that order): the others' contexts wait."""
         hidden, counts = self._padded(hiddens)
+        if which is not None:
+            cache = [DraftCaches([c.caches[b] for b in which]) for c in self.cache]
+            return self._propose(lasts, hidden, counts, width, cache)
+        return self._propose(lasts, hidden, counts, width, self.cache)
+
+    def _propose(self, lasts, hidden, counts, width: int, cache) -> mx.array:
         n = self.source.block_rows(width)
         block = mx.concatenate([lasts[:, None], mx.full((lasts.shape[0], n - 1), self.source.mask_token_id,
                                                           lasts.dtype)], axis=1)
         emb = self.target.embed(block)
         if self.source.scale != 1.0:
             emb = emb * self.source.scale
-        h = self.drafter.ragged(emb, hidden, counts, self.cache)[:, 1:width]
+        h = self.drafter.ragged(emb, hidden, counts, cache)[:, 1:width]
         return self.drafter.finish_logits(self.target.head(h))
