@@ -227,23 +227,21 @@ def test_seeded_draws_follow_the_target_distribution_and_couple_the_drafts(small
     assert accept_rate > indep + 4 * sigma
 
 
-@pytest.mark.parametrize("seeded", [True, False])
-def test_batched_draws_follow_the_target_distribution(small_pair, seeded):
-    """Sequences sampled together (`decode.decoder.Decoder`: one drafter pass and one verify pass
-    for 250 of them) follow the target's exact distribution: each with its own seed (checked
-    against its draws), or unseeded (rejection sampling against the proposal its drafts were
-    drawn from, learned scales included)."""
+def batched_draws_fit(small_pair, seeded: bool, n: int, first_seed: int, check=lambda dec: None) -> None:
+    """`SAMPLES` texts sampled `n` at a time in one decoder (each with its own seed from `first_seed`, or
+    unseeded) follow the target's exact distribution; `check(dec)` once each batch has joined."""
     from dflash_mlx.decode.decoder import Asks, Decoder
 
     pair, model = small_pair
     params = SamplingParams(temp=1.0, top_k=4)
     seqs, probs = exact_distribution(model, params)
-    counts, n = {}, 250
-    mx.random.seed(20_000)
-    for start in range(10_000, 10_000 + SAMPLES, n):  # seeds the tests above do not use
+    counts = {}
+    mx.random.seed(first_seed * 2)
+    for start in range(first_seed, first_seed + SAMPLES, n):
         asks = [Asks(dataclasses.replace(params, seed=s) if seeded else params) for s in range(start, start + n)]
         dec = Decoder(pair, BLOCK)
         out = {f.uid: list(f.tokens) for f in dec.add_many([PROMPT] * n, [N_TOKENS] * n, asks=asks)}
+        check(dec)
         while len(dec):
             for c in dec.step():
                 out[c.uid] += c.tokens
@@ -251,6 +249,15 @@ def test_batched_draws_follow_the_target_distribution(small_pair, seeded):
             counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
     assert sum(counts.values()) == SAMPLES and all(len(t) == N_TOKENS for t in counts)
     assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_batched_draws_follow_the_target_distribution(small_pair, seeded):
+    """Sequences sampled together (`decode.decoder.Decoder`: one drafter pass and one verify pass
+    for 250 of them) follow the target's exact distribution: each with its own seed (checked
+    against its draws), or unseeded (rejection sampling against the proposal its drafts were
+    drawn from, learned scales included)."""
+    batched_draws_fit(small_pair, seeded, 250, 10_000)  # seeds the tests above do not use
 
 
 @pytest.mark.parametrize("seeded", [True, False])
@@ -260,29 +267,16 @@ def test_sequences_verifying_fewer_rows_than_the_batch_follow_the_target_distrib
     drafted cycle (`policy.planner.narrow`) beside the others' whole blocks: every text follows the
     target's exact distribution, seeded or unseeded (rejection sampling over the drafts it verifies)."""
     from dflash_mlx.decode import caches
-    from dflash_mlx.decode.decoder import Asks, Decoder
     from dflash_mlx.policy import planner
 
     monkeypatch.setattr(caches, "best_groups", lambda lengths, among=None: [[b] for b in sorted(
         range(len(lengths)) if among is None else among)])
     monkeypatch.setattr(planner, "narrow", lambda s, w: 1 if s.uid % 2 else w)
-    pair, model = small_pair
-    params = SamplingParams(temp=1.0, top_k=4)
-    seqs, probs = exact_distribution(model, params)
-    counts, n = {}, 125
-    mx.random.seed(40_000)
-    for start in range(50_000, 50_000 + SAMPLES, n):
-        asks = [Asks(dataclasses.replace(params, seed=s) if seeded else params) for s in range(start, start + n)]
-        dec = Decoder(pair, BLOCK)
-        out = {f.uid: list(f.tokens) for f in dec.add_many([PROMPT] * n, [N_TOKENS] * n, asks=asks)}
-        assert len(dec.caches.groups()) == n
-        while len(dec):
-            for c in dec.step():
-                out[c.uid] += c.tokens
-        for toks in out.values():
-            counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
-    assert sum(counts.values()) == SAMPLES and all(len(t) == N_TOKENS for t in counts)
-    assert gof_pvalue(counts, seqs, probs, SAMPLES) > ALPHA
+
+    def apart(dec):
+        assert len(dec.caches.groups()) == 125
+
+    batched_draws_fit(small_pair, seeded, 125, 50_000, apart)
 
 
 def test_an_unseeded_request_joined_mid_stream_follows_the_target_distribution(small_pair):
