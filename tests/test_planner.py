@@ -226,3 +226,26 @@ def test_a_long_sequence_held_apart_verifies_its_last_token_alone_where_drafting
     assert [p.width for p in plan.plans] == [1, 8] and plan.width == 8
     assert planner.fixed([long, short], 8, apart=[True, False]).plans[1].width == 8
     assert planner.fixed([long, Seq(sizer=Run(), history=[1] * 9000)], 8, apart=[True, True]).plans == [PLAIN] * 2
+
+
+def test_a_curve_timed_at_one_context_weighs_a_columns_bytes_against_the_weights():
+    """A cost curve that timed one context shows no growth with it: a draft row reading a column of
+    K/V then costs `column_share` of a plain step, the bytes it reads against the weights'."""
+    from dflash_mlx.policy.planner import narrow
+
+    class Flat:
+        contexts = [64]
+
+        def cost(self, w, n):
+            return 1 + 0.1 * w
+
+    class Run(Sizer):
+        curve = Flat()
+
+        def expected_tokens(self, w):
+            return 2.0
+
+    long = Seq(sizer=Run(), history=[1] * 16384)
+    assert narrow(long, 8) == 8  # nothing known of a column's cost
+    assert narrow(long, 8, column_share=1e-4) == 1  # 7 rows x 16k columns x 1e-4 of a step: 12 steps' worth
+    assert narrow(Seq(sizer=Run(), history=[1] * 512), 8, column_share=1e-4) == 8

@@ -271,7 +271,7 @@ def test_sequences_verifying_fewer_rows_than_the_batch_follow_the_target_distrib
 
     monkeypatch.setattr(caches, "best_groups", lambda lengths, among=None: [[b] for b in sorted(
         range(len(lengths)) if among is None else among)])
-    monkeypatch.setattr(planner, "narrow", lambda s, w: 1 if s.uid % 2 else w)
+    monkeypatch.setattr(planner, "narrow", lambda s, w, share=0.0: 1 if s.uid % 2 else w)
 
     def apart(dec):
         assert len(dec.caches.groups()) == 125

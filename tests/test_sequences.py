@@ -418,7 +418,8 @@ def test_sequences_that_verify_fewer_rows_than_the_batch_decode_each_as_alone(pa
     from dflash_mlx.policy import planner
 
     monkeypatch.setattr(caches, "PART_ROWS", 0)  # every sequence apart
-    monkeypatch.setattr(planner, "narrow", lambda s, w: 1 + (len(s.history) % 3 == 1) if len(s.history) % 2 else w)
+    monkeypatch.setattr(planner, "narrow",
+                        lambda s, w, share=0.0: 1 + (len(s.history) % 3 == 1) if len(s.history) % 2 else w)
     narrowed = []
     init = cycle.LinearCycle.__init__
 

@@ -3,6 +3,7 @@
 
 from typing import List, Optional, Sequence
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..target.ragged import RaggedKVCache, add_to, batch_of
@@ -20,6 +21,16 @@ PART_ROWS = 1024
 # held apart are grouped among themselves (each copies its own rows once, nobody else's): a few
 # groups of similar lengths are cheaper than copying a group that holds many.
 REGROUP_ROWS = 2 * PART_ROWS
+
+
+def kv_bytes_per_token(layers: list) -> int:
+    """Bytes of keys and values one token holds over one sequence's caches (`layers`, per layer)."""
+    total = 0
+    for c in layers:
+        k, v = getattr(c, "keys", None), getattr(c, "values", None)
+        if isinstance(k, mx.array) and isinstance(v, mx.array):
+            total += k.shape[1] * k.shape[3] * k.dtype.size + v.shape[1] * v.shape[3] * v.dtype.size
+    return total
 
 
 def waste(lengths: List[int]) -> float:
@@ -74,6 +85,10 @@ class Caches:
         if kv is None or not self.batched:
             return [[0]] if self.layers else []
         return [list(m) for m in kv.members] if isinstance(kv, SequenceKV) else [list(range(len(kv.ends)))]
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values a token holds over every layer."""
+        return kv_bytes_per_token([c.parts[0] if isinstance(c, SequenceKV) else c for c in self.layers])
 
     def columns(self) -> int:
         """The K/V rows the batch's attention reads for each row of a block: every sequence's, in

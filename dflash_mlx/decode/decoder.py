@@ -25,6 +25,7 @@ from itertools import count
 from typing import Any, Generator, List, Optional, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from ..cache.prompt_cache import can_trim, snapshot
 from ..errors import DFlashError
@@ -243,6 +244,9 @@ class Decoder:
         elif self.seqs:
             plan = None
             if width is not None or len(self.seqs) > 1:
+                if not self.planner.column_share:  # what a column of K/V costs beside the weights (`planner.narrow`)
+                    weights = sum(v.nbytes for _, v in tree_flatten(self.target.model.parameters()))
+                    self.planner.column_share = self.caches.kv_bytes_per_token() / max(weights, 1)
                 plan = (self.planner.batch(self.seqs, joining, self.joins.fits, self.caches.columns(),
                                            self.caches.alone()) if width is None
                         else self.planner.fixed(self.seqs, width, then, branches))

@@ -70,13 +70,15 @@ class CyclePlan:
         return max(p.branches for p in self.plans)
 
 
-def narrow(seq: Planned, width: int) -> int:
+def narrow(seq: Planned, width: int, column_share: float = 0.0) -> int:
     """The rows a sequence held apart verifies in a batch's cycle of `width`: all of them, or its
-    last token alone (1) where the attention its draft rows read at its length (the cost curve's
-    growth with context of a cycle of `width` beyond a plain step's) would take longer than
-    decoding the tokens they are expected to add plainly, alone at its length. A long prompt then
-    steps plainly in a batch whose short sequences draft. Sequences under a grammar, and those
-    without a sizer run's statistics, verify every row."""
+    last token alone (1) where the attention its draft rows read at its length would take longer
+    than decoding the tokens they are expected to add plainly, alone at its length. What the draft
+    rows' attention costs is the cost curve's growth with context of a cycle of `width` beyond a
+    plain step's; a curve timed at one context only shows none, and then a row reading a column
+    costs what reading its K/V does, `column_share` (K/V bytes of a token over the weights' bytes)
+    of a plain step. A long prompt then steps plainly in a batch whose short sequences draft.
+    Sequences under a grammar, and those without a sizer run's statistics, verify every row."""
     run = seq.sizer
     if run is None or seq.constraint is not None or width < 2:
         return width
@@ -84,7 +86,10 @@ def narrow(seq: Planned, width: int) -> int:
     low = curve.contexts[0]
     if n <= low:
         return width
-    rows = (curve.cost(width, n) - curve.cost(1, n)) - (curve.cost(width, low) - curve.cost(1, low))
+    if len(curve.contexts) > 1:
+        rows = (curve.cost(width, n) - curve.cost(1, n)) - (curve.cost(width, low) - curve.cost(1, low))
+    else:
+        rows = (width - 1) * (n - low) * column_share * curve.cost(1, low)
     return 1 if rows > (run.expected_tokens(width) - 1) * curve.cost(1, n) else width
 
 
@@ -104,6 +109,7 @@ class Planner:
         self.policy: BatchPolicy = policy or FixedBatchWidth(width, trees=False)
         self.forced_run = forced_run
         self._then: Optional[Tuple[int, int]] = None  # (batch size, width) chosen for the next cycle
+        self.column_share = 0.0  # K/V bytes of a token over the target's weight bytes (`narrow`), once known
 
     def offer(self, seq: Planned, room: int, lookup: Optional[int] = None) -> Offer:
         """At most `room` tokens `seq`'s grammar forces next; where it forces none, at most
@@ -187,7 +193,8 @@ class Planner:
         branches = min([branches] + [s.branches for s in seqs])
         if branches:
             return CyclePlan([Plan(w, 0, branches)] * B, [[] for _ in seqs], [0] * B, then)
-        widths = [narrow(s, w) if apart is not None and apart[b] else w for b, s in enumerate(seqs)]
+        widths = [narrow(s, w, self.column_share) if apart is not None and apart[b] else w
+                  for b, s in enumerate(seqs)]
         if max(widths) < w:  # no sequence verifies the block's last rows
             if max(widths) == 1:
                 return plain(B, then)
