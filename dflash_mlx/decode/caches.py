@@ -98,10 +98,8 @@ class Caches:
 
     def alone(self) -> List[bool]:
         """Per sequence, whether its K/V is a part of its own in a batch held in parts."""
-        if not self.apart:
-            return [False] * len(self.lengths())
         out = [False] * len(self.lengths())
-        for g in self.groups():
+        for g in self.groups() if self.apart else []:
             if len(g) == 1:
                 out[g[0]] = True
         return out

@@ -105,6 +105,7 @@ class Decoder:
         self.caches = Caches(split=pair.target.splits)
         self.drafting = Drafting(self.source.pooled() if self.width > 1 else None)
         self.planner = Planner(self.width, policy, forced_run)
+        self._weight_bytes = max(1, sum(v.nbytes for _, v in tree_flatten(self.target.model.parameters())))
         self.seqs: List[Running] = []
         self.filling = Fillings()  # prompts prefilled a chunk per step while others decode
         # The next cycle, launched before the host read the last one's tokens.
@@ -245,8 +246,7 @@ class Decoder:
             plan = None
             if width is not None or len(self.seqs) > 1:
                 if not self.planner.column_share:  # what a column of K/V costs beside the weights (`planner.narrow`)
-                    weights = sum(v.nbytes for _, v in tree_flatten(self.target.model.parameters()))
-                    self.planner.column_share = self.caches.kv_bytes_per_token() / max(weights, 1)
+                    self.planner.column_share = self.caches.kv_bytes_per_token() / self._weight_bytes
                 plan = (self.planner.batch(self.seqs, joining, self.joins.fits, self.caches.columns(),
                                            self.caches.alone()) if width is None
                         else self.planner.fixed(self.seqs, width, then, branches))
