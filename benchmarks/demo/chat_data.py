@@ -294,14 +294,16 @@ class Conversation:
 
 # How often each request shell is drawn.
 KINDS = {"claude": 25, "codex": 20, "agents": 15, "synthetic": 40}
+# How often each task is drawn.
+TASKS = {"list": 25, "list_read_one": 25, "list_read": 12, "read": 20, "read_missing": 5, "chat": 13}
 
 
-def one(rng: random.Random, corpus: List[str], kinds: Dict[str, float] = KINDS) -> Example:
-    """One random conversation, its request shell drawn with the weights `kinds`."""
+def one(rng: random.Random, corpus: List[str], kinds: Dict[str, float] = KINDS,
+        tasks: Dict[str, float] = TASKS) -> Example:
+    """One random conversation, its request shell drawn with the weights `kinds`, its task with `tasks`."""
     files = folder(rng)
     names = list(files)
-    kind = rng.choices(["list", "list_read_one", "list_read", "read", "read_missing", "chat"],
-                       [25, 25, 12, 20, 5, 13])[0]
+    kind = rng.choices(list(tasks), list(tasks.values()))[0]
     target = rng.choice(names) if kind in ("list_read", "read") else None
     if kind == "read_missing":
         target = rng.choice([n for n in NAMES if n not in names])
@@ -357,10 +359,10 @@ def one(rng: random.Random, corpus: List[str], kinds: Dict[str, float] = KINDS) 
     return conv_example
 
 
-def examples(n: int, seed: int = 0, kinds: Dict[str, float] = KINDS) -> List[Example]:
+def examples(n: int, seed: int = 0, kinds: Dict[str, float] = KINDS, tasks: Dict[str, float] = TASKS) -> List[Example]:
     rng = random.Random(seed)
     corpus = docstrings()
-    return [one(rng, corpus, kinds) for _ in range(n)]
+    return [one(rng, corpus, kinds, tasks) for _ in range(n)]
 
 
 @dataclass

@@ -172,6 +172,8 @@ def main():
     ap.add_argument("--init", help="go on from this model folder (its weights and tokenizer)")
     ap.add_argument("--kinds", default=",".join(f"{k}={v}" for k, v in chat_data.KINDS.items()),
                     help="request shells and their weights, e.g. agents=1,synthetic=1")
+    ap.add_argument("--tasks", default=",".join(f"{k}={v}" for k, v in chat_data.TASKS.items()),
+                    help="tasks and their weights, e.g. list_read_one=2,list=1")
     ap.add_argument("--summary", default=str(HERE / "chat_target_training.json"))
     args = ap.parse_args()
 
@@ -179,11 +181,13 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(args.seed)
     tic = time.time()
-    kinds = {k: float(v) for k, v in (part.split("=") for part in args.kinds.split(","))}
-    unknown = sorted(set(kinds) - set(chat_data.KINDS))
-    if unknown:
-        ap.error(f"--kinds: unknown shell {', '.join(unknown)}; choose from {', '.join(chat_data.KINDS)}")
-    examples = chat_data.examples(args.conversations, args.seed, kinds)
+    weights = {}
+    for name, known in (("kinds", chat_data.KINDS), ("tasks", chat_data.TASKS)):
+        weights[name] = {k: float(v) for k, v in (part.split("=") for part in getattr(args, name).split(","))}
+        unknown = sorted(set(weights[name]) - set(known))
+        if unknown:
+            ap.error(f"--{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    examples = chat_data.examples(args.conversations, args.seed, weights["kinds"], weights["tasks"])
     held = chat_data.examples(40, args.seed + 1000)
     if args.init:
         from transformers import AutoTokenizer
