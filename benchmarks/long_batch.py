@@ -11,7 +11,8 @@ at `--width`; each sequence with the adaptive sizer's statistics, as the server 
   what each sequence holds decoding alone, and the same for the caches' own byte counts (the
   target's K/V and the drafter's context);
 - speed: the short streams' tokens per second decoding beside the long one against the same
-  streams decoding without it;
+  streams decoding without it, once the batch has formed: the first `WARMUP` cycles after the last
+  join (the drafter reading the prompts' held taps, the batch policy's first widths) are timed apart;
 - joins: the K/V bytes of the sequences decoding already that a joining prompt's caches copy
   (arrays of theirs replaced by the join).
 With `--before REV`, the same measurements run first on the package from that commit (a temporary
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+WARMUP = 2  # cycles after the last join before the speed is timed: the join's own cost is `join_stall.py`'s
 
 
 def stand_in(pair: Path, long: int, out: Path) -> Path:
@@ -100,30 +102,33 @@ def measure(target: str, drafter: str, long: int, short: int, streams: int, step
     weights = mx.get_active_memory()
 
     def decode(ps, n_steps, count=None):
-        """Decode `ps` in one batch for `n_steps` cycles: (peak held bytes, cache bytes, tokens of the
-        sequences `count` per second, K/V bytes of the others the joins replaced)."""
+        """Decode `ps` in one batch for `WARMUP` + `n_steps` cycles: (peak held bytes, cache bytes,
+        tokens of the sequences `count` per second past the warm-up, K/V bytes of the others the joins
+        replaced, seconds of the warm-up cycles)."""
         dec = Decoder(pair, width, block_size="auto")  # each sequence weighs its own rows, as served
-        firsts = dec.add_many(ps[:1], [n_steps * width + 8])
+        firsts = dec.add_many(ps[:1], [(WARMUP + n_steps) * width + 8])
         copied = 0
         for p in ps[1:]:
             before = kv_arrays(dec)
-            firsts += dec.add_many([p], [n_steps * width + 8])
+            firsts += dec.add_many([p], [(WARMUP + n_steps) * width + 8])
             after = kv_arrays(dec)
             copied += sum(n for i, n in before.items() if i not in after)
         uids = [f.uid for f in firsts]
         counted = set(uids if count is None else [uids[i] for i in count])
         mx.synchronize()
-        peak, tokens, tic = 0, 0, time.perf_counter()
-        for _ in range(n_steps):
+        peak, tokens, tic, warm = 0, 0, time.perf_counter(), 0.0
+        for i in range(WARMUP + n_steps):
+            if i == WARMUP:
+                tokens, warm, tic = 0, time.perf_counter() - tic, time.perf_counter()
             for c in dec.step():
                 tokens += len(c.tokens) if c.uid in counted else 0
             mx.synchronize()
             peak = max(peak, mx.get_active_memory() - weights)
         seconds = time.perf_counter() - tic
-        return peak, held(dec), tokens / seconds, copied
+        return peak, held(dec), tokens / seconds, copied, warm
 
     print(f"{target}: the long prompt and one short one alone", file=sys.stderr, flush=True)
-    alone = [decode([p], 4) for p in [long_p] + short_p[:1]]
+    alone = [decode([p], steps) for p in [long_p] + short_p[:1]]
     print(f"{target}: the long prompt beside {streams} short ones", file=sys.stderr, flush=True)
     together = decode([long_p] + short_p, steps, count=list(range(1, streams + 1)))
     print(f"{target}: the short ones without it", file=sys.stderr, flush=True)
@@ -134,7 +139,8 @@ def measure(target: str, drafter: str, long: int, short: int, streams: int, step
             "held_ratio": together[0] / own, "cache_bytes_alone_sum": own_bytes, "cache_bytes_batch": together[1],
             "cache_ratio": together[1] / own_bytes, "short_tps_beside_long": together[2],
             "short_tps_without": without[2], "speed_ratio": together[2] / without[2],
-            "kv_bytes_copied_by_joins": together[3]}
+            "kv_bytes_copied_by_joins": together[3], "warmup_seconds_beside_long": together[4],
+            "warmup_seconds_without": without[4]}
 
 
 def run(root: Path, args, target: Path) -> dict:
@@ -156,7 +162,7 @@ def main(argv=None):
     ap.add_argument("--long", type=int, default=16384)
     ap.add_argument("--short", type=int, default=512)
     ap.add_argument("--streams", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=24, help="cycles decoded per measurement")
+    ap.add_argument("--steps", type=int, default=24, help="cycles timed per measurement, after WARMUP")
     ap.add_argument("--width", type=int, default=8, help="the batch's block width")
     ap.add_argument("--before", help="also measure the package at this git revision first")
     ap.add_argument("--out")
