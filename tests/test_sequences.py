@@ -434,3 +434,22 @@ def test_sequences_that_verify_fewer_rows_than_the_batch_decode_each_as_alone(pa
     eos = tuple(pair.tokenizer.eos_token_ids)
     assert [plain_greedy(base, p, 24, eos=eos) for p in prompts] == got
     assert sum(w is not None and min(w) < max(w) for w in narrowed) >= 3, narrowed
+
+
+def test_a_decoder_prices_a_column_of_kv_against_the_weights_once_the_batch_holds_kv(pairs):
+    """`Planner.column_share` (what `narrow` charges a draft row per column where the cost curve timed one
+    context) is set when sequences join, by either path: a token's K/V bytes over every layer, over the
+    target's weight bytes."""
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.decode.decoder import Decoder
+
+    pair = pairs["qwen3"]
+    args = pair.target.model.args
+    kv = args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 4  # float32 keys and values
+    weights = sum(v.nbytes for _, v in tree_flatten(pair.target.model.parameters()))
+    for add in (lambda d: d.add(prompt(9, 1), 4), lambda d: d.add_many([prompt(9, 1), prompt(5, 2)], [4, 4])):
+        dec = Decoder(pair, 4)
+        assert dec.planner.column_share == 0.0
+        add(dec)
+        assert dec.planner.column_share == pytest.approx(kv / weights)

@@ -174,19 +174,22 @@ def main():
                     help="request shells and their weights, e.g. agents=1,synthetic=1")
     ap.add_argument("--tasks", default=",".join(f"{k}={v}" for k, v in chat_data.TASKS.items()),
                     help="tasks and their weights, e.g. list_read_one=2,list=1")
-    ap.add_argument("--summary", default=str(HERE / "chat_target_training.json"))
+    ap.add_argument("--summary", help="write the run's figures here (default: training.json in --out)")
     args = ap.parse_args()
+    weights = {}
+    for name, known in (("kinds", chat_data.KINDS), ("tasks", chat_data.TASKS)):
+        try:
+            weights[name] = {k: float(v) for k, v in (part.split("=") for part in getattr(args, name).split(","))}
+        except ValueError:
+            ap.error(f"--{name}: write NAME=WEIGHT pairs joined by commas, e.g. {next(iter(known))}=1")
+        unknown = sorted(set(weights[name]) - set(known))
+        if unknown:
+            ap.error(f"--{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(args.seed)
     tic = time.time()
-    weights = {}
-    for name, known in (("kinds", chat_data.KINDS), ("tasks", chat_data.TASKS)):
-        weights[name] = {k: float(v) for k, v in (part.split("=") for part in getattr(args, name).split(","))}
-        unknown = sorted(set(weights[name]) - set(known))
-        if unknown:
-            ap.error(f"--{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     examples = chat_data.examples(args.conversations, args.seed, weights["kinds"], weights["tasks"])
     held = chat_data.examples(40, args.seed + 1000)
     if args.init:
@@ -247,7 +250,7 @@ def main():
                 final_loss=round(float(np.mean(losses[-50:])), 3), wall_seconds=round(wall),
                 heldout_turns_exact=round(exact, 3),
                 parameters=sum(v.size for _, v in tree_flatten(model.parameters())))
-    Path(args.summary).write_text(json.dumps(info, indent=2) + "\n")
+    Path(args.summary or out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info, indent=2))
 
 

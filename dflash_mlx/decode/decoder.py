@@ -212,6 +212,7 @@ class Decoder:
             self.caches.join(cache)
             self.seqs += [seqs[b] for b in keep]
             self.caches.fit(len(self.seqs))
+            self._price_columns()
         return out
 
     def _running(self, prompt, max_tokens: int, source, dstate, tcache: list, asks: Asks) -> Running:
@@ -227,6 +228,12 @@ class Decoder:
         self._settle_ahead()
         self.caches.add(tcache)
         self.seqs.append(seq)
+        self._price_columns()
+
+    def _price_columns(self) -> None:
+        """Once the batch holds K/V: what a column of it costs beside the weights (`planner.narrow`)."""
+        if not self.planner.column_share:
+            self.planner.column_share = self.caches.kv_bytes_per_token() / self._weight_bytes
 
     def step(self, width: Optional[int] = None, then: Optional[int] = None, branches: int = 0) -> List[Committed]:
         """One cycle for every sequence in the batch, as the planner plans it (`policy.planner`: a
@@ -245,8 +252,6 @@ class Decoder:
         elif self.seqs:
             plan = None
             if width is not None or len(self.seqs) > 1:
-                if not self.planner.column_share:  # what a column of K/V costs beside the weights (`planner.narrow`)
-                    self.planner.column_share = self.caches.kv_bytes_per_token() / self._weight_bytes
                 plan = (self.planner.batch(self.seqs, joining, self.joins.fits, self.caches.columns(),
                                            self.caches.alone()) if width is None
                         else self.planner.fixed(self.seqs, width, then, branches))
