@@ -436,17 +436,21 @@ def test_sequences_that_verify_fewer_rows_than_the_batch_decode_each_as_alone(pa
     assert sum(w is not None and min(w) < max(w) for w in narrowed) >= 3, narrowed
 
 
-def test_a_decoder_prices_a_column_of_kv_against_the_weights_once_the_batch_holds_kv(pairs):
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_a_decoder_prices_a_column_of_kv_against_the_weights_once_the_batch_holds_kv(pairs, more, family):
     """`Planner.column_share` (what `narrow` charges a draft row per column where the cost curve timed one
-    context) is set when sequences join, by either path: a token's K/V bytes over every layer, over the
-    target's weight bytes."""
+    context) is set when sequences join, by either path: a token's K/V bytes over the full-attention layers
+    (a sliding-window layer reads its window at any length), over the target's weight bytes."""
     from mlx.utils import tree_flatten
 
     from dflash_mlx.decode.decoder import Decoder
 
-    pair = pairs["qwen3"]
+    pair = pairs[family] if family in pairs else more(family)[0]
     args = pair.target.model.args
-    kv = args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 4  # float32 keys and values
+    full = [t == "full_attention" for t in getattr(args, "layer_types", None) or ["full_attention"] * args.num_hidden_layers]
+    assert (family == "gpt_oss") == (0 < sum(full) < len(full))
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    kv = sum(full) * 2 * args.num_key_value_heads * head_dim * 4  # float32 keys and values
     weights = sum(v.nbytes for _, v in tree_flatten(pair.target.model.parameters()))
     for add in (lambda d: d.add(prompt(9, 1), 4), lambda d: d.add_many([prompt(9, 1), prompt(5, 2)], [4, 4])):
         dec = Decoder(pair, 4)

@@ -24,11 +24,13 @@ REGROUP_ROWS = 2 * PART_ROWS
 
 
 def kv_bytes_per_token(layers: list) -> int:
-    """Bytes of keys and values one token holds over one sequence's caches (`layers`, per layer)."""
+    """Bytes of keys and values a token beyond a sliding window adds to what attention reads, over one
+    sequence's caches (`layers`, per layer): its full-attention layers' (a sliding-window layer reads
+    its window whatever the length)."""
     total = 0
     for c in layers:
         k, v = getattr(c, "keys", None), getattr(c, "values", None)
-        if isinstance(k, mx.array) and isinstance(v, mx.array):
+        if getattr(c, "window", None) is None and isinstance(k, mx.array) and isinstance(v, mx.array):
             total += k.shape[1] * k.shape[3] * k.dtype.size + v.shape[1] * v.shape[3] * v.dtype.size
     return total
 
@@ -87,7 +89,8 @@ class Caches:
         return [list(m) for m in kv.members] if isinstance(kv, SequenceKV) else [list(range(len(kv.ends)))]
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values a token holds over every layer."""
+        """Bytes of keys and values a long sequence's token adds to what attention reads (its
+        full-attention layers')."""
         return kv_bytes_per_token([c.parts[0] if isinstance(c, SequenceKV) else c for c in self.layers])
 
     def columns(self) -> int:
