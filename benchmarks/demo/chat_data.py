@@ -15,10 +15,11 @@ answer, and the answer's text.
 import copy
 import json
 import random
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = ROOT / "tests" / "fixtures" / "clients"
@@ -205,12 +206,20 @@ def synthetic_client(rng: random.Random, request: str, corpus: List[str]) -> Cli
     return Client("synthetic", messages, tools, shell=shell, shell_arg=arg, lister=lister, reader=reader)
 
 
-def folder(rng: random.Random) -> dict:
+def prose_words(corpus: List[str]) -> List[str]:
+    """The lowercase words of 3-10 letters in `corpus`, each once (a few thousand from the docstrings)."""
+    return sorted({w for p in corpus for w in re.findall(r"\b[a-z]{3,10}\b", p)})
+
+
+def folder(rng: random.Random, words: Sequence[str] = WORDS) -> dict:
+    """A few files and their contents, written with `words`: from the short list the model can learn by
+    heart, or from thousands (`prose_words`), so that answering about a file means copying what it read."""
     files = {}
     for name in rng.sample(NAMES, rng.randint(1, 6)):
-        w = rng.sample(WORDS, 3)
+        w = rng.sample(words, 3)
         if name.endswith(".md"):
-            text = f"# {w[0].title()} {w[1]}\nA {w[2]} project."
+            title = w[0].title() if words is not WORDS and rng.random() < 0.5 else f"{w[0].title()} {w[1]}"
+            text = f"# {title}\nA {w[2]} project."
         elif name.endswith(".py"):
             text = rng.choice([f'print("{w[0]}")', f"def {w[0]}():\n    return {rng.randint(0, 99)}"])
         elif name.endswith((".txt", "LICENSE")):
@@ -299,9 +308,10 @@ TASKS = {"list": 25, "list_read_one": 25, "list_read": 12, "read": 20, "read_mis
 
 
 def one(rng: random.Random, corpus: List[str], kinds: Dict[str, float] = KINDS,
-        tasks: Dict[str, float] = TASKS) -> Example:
-    """One random conversation, its request shell drawn with the weights `kinds`, its task with `tasks`."""
-    files = folder(rng)
+        tasks: Dict[str, float] = TASKS, words: Sequence[str] = WORDS) -> Example:
+    """One random conversation, its request shell drawn with the weights `kinds`, its task with `tasks`, its
+    files written with `words`."""
+    files = folder(rng, words)
     names = list(files)
     kind = rng.choices(list(tasks), list(tasks.values()))[0]
     target = rng.choice(names) if kind in ("list_read", "read") else None
@@ -359,10 +369,16 @@ def one(rng: random.Random, corpus: List[str], kinds: Dict[str, float] = KINDS,
     return conv_example
 
 
-def examples(n: int, seed: int = 0, kinds: Dict[str, float] = KINDS, tasks: Dict[str, float] = TASKS) -> List[Example]:
+# What the files' contents are written with: the short word list, or the docstrings' words.
+CONTENTS = ("words", "prose")
+
+
+def examples(n: int, seed: int = 0, kinds: Dict[str, float] = KINDS, tasks: Dict[str, float] = TASKS,
+             contents: str = "words") -> List[Example]:
     rng = random.Random(seed)
     corpus = docstrings()
-    return [one(rng, corpus, kinds, tasks) for _ in range(n)]
+    words = WORDS if contents == "words" else prose_words(corpus)
+    return [one(rng, corpus, kinds, tasks, words) for _ in range(n)]
 
 
 @dataclass
@@ -407,11 +423,12 @@ if __name__ == "__main__":
     ap.add_argument("-n", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tail", type=int, default=2048, help="keep the last TAIL tokens of each prompt")
+    ap.add_argument("--contents", choices=CONTENTS, default="words", help="what the files are written with")
     args = ap.parse_args()
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = []
-    for ex in examples(args.n, args.seed):
+    for ex in examples(args.n, args.seed, contents=args.contents):
         if args.prompts:
             for p in prompts(tok, ex):
                 rows.append({"prompt": tok.decode(tok.encode(p, add_special_tokens=False)[-args.tail:])})
