@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serve_load import free_port, wait_ready  # noqa: E402
+from serve_load import checkout_cli, free_port, wait_ready  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STREAM_PROMPTS = ("Write a long Python module with many small utility functions.",
@@ -54,11 +54,10 @@ def long_prompt(pair: Path, tokens: int, ask: str = "Summarise this document in 
 def start(pair: Path, root: Path, log):
     """`dflash-mlx serve` from the package under `root` (this checkout, or a worktree)."""
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(root))
-    code = "from dflash_mlx.cli.main import app; app()"
-    cmd = [sys.executable, "-c", code, "serve", "--model", str(pair / "target"), "--draft", str(pair / "drafter"),
-           "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=root)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = checkout_cli(root) + ["serve", "--model", str(pair / "target"), "--draft", str(pair / "drafter"),
+                                "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd="/")
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc)
     return proc, url

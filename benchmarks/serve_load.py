@@ -59,15 +59,34 @@ def wait_ready(url: str, proc, seconds: float = 600) -> None:
     raise RuntimeError("the server did not come up")
 
 
+# `dflash-mlx` from a checkout (argv[1]): its package first on the path, and its `cli/` and `convert/` folders,
+# which the wheel maps into the package, as `dflash_mlx.cli` and `dflash_mlx.convert` (an editable install of
+# this checkout would map them to its own).
+CHECKOUT_CLI = """import importlib.util, sys
+root = sys.argv.pop(1)
+sys.path.insert(0, root)
+for name, folder in (("dflash_mlx.cli", "cli"), ("dflash_mlx.convert", "convert")):
+    spec = importlib.util.spec_from_file_location(name, f"{root}/{folder}/__init__.py",
+                                                  submodule_search_locations=[f"{root}/{folder}"])
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[name])
+from dflash_mlx.cli.main import app
+app()"""
+
+
+def checkout_cli(root: Path) -> list:
+    """The command line of `dflash-mlx` as the checkout at `root` has it (run from outside it)."""
+    return [sys.executable, "-c", CHECKOUT_CLI, str(root)]
+
+
 def start(kind: str, pair: Path, log, before: Optional[Path] = None):
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     serve = ["serve", "--model", str(pair / "target"), "--draft", str(pair / "drafter"), "--port", str(port)]
     if kind == "dflash-mlx":
         cmd = [str(Path(sys.executable).parent / "dflash-mlx")] + serve
-    elif kind == "before":  # the other checkout's package first on the path
-        env["PYTHONPATH"] = str(before)
-        cmd = [sys.executable, "-c", "from dflash_mlx.cli.main import app; app()"] + serve
+    elif kind == "before":
+        cmd = checkout_cli(before) + serve
     else:
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(pair / "target"), "--port", str(port)]
     # Not from this checkout's folder: Python puts the working directory first on the path.
