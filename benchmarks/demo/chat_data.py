@@ -369,16 +369,17 @@ def one(rng: random.Random, corpus: List[str], kinds: Dict[str, float] = KINDS,
     return conv_example
 
 
-# What the files' contents are written with: the short word list, or the docstrings' words.
-CONTENTS = ("words", "prose")
-
-
 def examples(n: int, seed: int = 0, kinds: Dict[str, float] = KINDS, tasks: Dict[str, float] = TASKS,
-             contents: str = "words") -> List[Example]:
+             prose: float = 0.0) -> List[Example]:
+    """`n` conversations; a share `prose` of them have files written with the docstrings' words."""
     rng = random.Random(seed)
     corpus = docstrings()
-    words = WORDS if contents == "words" else prose_words(corpus)
-    return [one(rng, corpus, kinds, tasks, words) for _ in range(n)]
+    many = prose_words(corpus)
+
+    def words() -> Sequence[str]:  # no draw at 0 or 1: a stage's conversations stay as they were
+        return many if prose >= 1 or (prose > 0 and rng.random() < prose) else WORDS
+
+    return [one(rng, corpus, kinds, tasks, words()) for _ in range(n)]
 
 
 @dataclass
@@ -423,12 +424,13 @@ if __name__ == "__main__":
     ap.add_argument("-n", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tail", type=int, default=2048, help="keep the last TAIL tokens of each prompt")
-    ap.add_argument("--contents", choices=CONTENTS, default="words", help="what the files are written with")
+    ap.add_argument("--prose", type=float, default=0.0, help="share of conversations whose files are written "
+                                                             "with the docstrings' words")
     args = ap.parse_args()
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = []
-    for ex in examples(args.n, args.seed, contents=args.contents):
+    for ex in examples(args.n, args.seed, prose=args.prose):
         if args.prompts:
             for p in prompts(tok, ex):
                 rows.append({"prompt": tok.decode(tok.encode(p, add_special_tokens=False)[-args.tail:])})

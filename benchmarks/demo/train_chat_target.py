@@ -174,8 +174,9 @@ def main():
                     help="request shells and their weights, e.g. agents=1,synthetic=1")
     ap.add_argument("--tasks", default=",".join(f"{k}={v}" for k, v in chat_data.TASKS.items()),
                     help="tasks and their weights, e.g. list_read_one=2,list=1")
-    ap.add_argument("--contents", choices=chat_data.CONTENTS, default="words",
-                    help="the files' contents: a short word list, or the docstrings' words (to learn copying)")
+    ap.add_argument("--prose", type=float, default=0.0,
+                    help="share of conversations whose files are written with the docstrings' thousands of words, "
+                         "not the short list (so that answering about a file means copying it)")
     ap.add_argument("--summary", help="write the run's figures here (default: training.json in --out)")
     args = ap.parse_args()
     weights = {}
@@ -188,13 +189,15 @@ def main():
         if unknown:
             ap.error(f"--{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
 
+    if not 0 <= args.prose <= 1:
+        ap.error(f"--prose {args.prose}: give a share from 0 to 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(args.seed)
     tic = time.time()
     examples = chat_data.examples(args.conversations, args.seed, weights["kinds"], weights["tasks"],
-                                  args.contents)
-    held = chat_data.examples(40, args.seed + 1000, contents=args.contents)
+                                  args.prose)
+    held = chat_data.examples(40, args.seed + 1000, prose=args.prose)
     if args.init:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(args.init)
