@@ -374,7 +374,7 @@ def examples(n: int, seed: int = 0, kinds: Dict[str, float] = KINDS, tasks: Dict
     """`n` conversations; a share `prose` of them have files written with the docstrings' words."""
     rng = random.Random(seed)
     corpus = docstrings()
-    many = prose_words(corpus)
+    many = prose_words(corpus) if prose > 0 else WORDS
 
     def words() -> Sequence[str]:  # no draw at 0 or 1: a stage's conversations stay as they were
         return many if prose >= 1 or (prose > 0 and rng.random() < prose) else WORDS
@@ -427,6 +427,8 @@ if __name__ == "__main__":
     ap.add_argument("--prose", type=float, default=0.0, help="share of conversations whose files are written "
                                                              "with the docstrings' words")
     args = ap.parse_args()
+    if not 0 <= args.prose <= 1:
+        ap.error(f"--prose {args.prose}: give a share from 0 to 1")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = []
