@@ -211,6 +211,16 @@ def prose_words(corpus: List[str]) -> List[str]:
     return sorted({w for p in corpus for w in re.findall(r"\b[a-z]{3,10}\b", p)})
 
 
+CONSONANTS, VOWELS = "bcdfghjklmnprstvwz", "aeiouy"
+
+
+def invented_words(rng: random.Random, n: int = 24) -> List[str]:
+    """`n` made-up words of one to three syllables, new for each conversation, so that they can only be copied."""
+    def syllable() -> str:
+        return rng.choice(CONSONANTS) + rng.choice(VOWELS) + (rng.choice(CONSONANTS) if rng.random() < 0.4 else "")
+    return ["".join(syllable() for _ in range(rng.randint(1, 3))) for _ in range(n)]
+
+
 def folder(rng: random.Random, words: Sequence[str] = WORDS) -> dict:
     """A few files and their contents, written with `words`: from the short list the model can learn by
     heart, or from thousands (`prose_words`), so that answering about a file means copying what it read."""
@@ -370,14 +380,20 @@ def one(rng: random.Random, corpus: List[str], kinds: Dict[str, float] = KINDS,
 
 
 def examples(n: int, seed: int = 0, kinds: Dict[str, float] = KINDS, tasks: Dict[str, float] = TASKS,
-             prose: float = 0.0) -> List[Example]:
-    """`n` conversations; a share `prose` of them have files written with the docstrings' words."""
+             prose: float = 0.0, invented: float = 0.0) -> List[Example]:
+    """`n` conversations; a share `prose` of them have files written with the docstrings' words, a share
+    `invented` with words made up for each conversation."""
     rng = random.Random(seed)
     corpus = docstrings()
     many = prose_words(corpus) if prose > 0 else WORDS
 
-    def words() -> Sequence[str]:  # no draw at 0 or 1: a stage's conversations stay as they were
-        return many if prose >= 1 or (prose > 0 and rng.random() < prose) else WORDS
+    def words() -> Sequence[str]:  # no draw at shares of 0 or 1: a stage's conversations stay as they were
+        if invented >= 1:
+            return invented_words(rng)
+        if prose >= 1:
+            return many
+        draw = rng.random() if prose > 0 or invented > 0 else 1.0
+        return invented_words(rng) if draw < invented else many if draw < invented + prose else WORDS
 
     return [one(rng, corpus, kinds, tasks, words()) for _ in range(n)]
 
@@ -426,13 +442,15 @@ if __name__ == "__main__":
     ap.add_argument("--tail", type=int, default=2048, help="keep the last TAIL tokens of each prompt")
     ap.add_argument("--prose", type=float, default=0.0, help="share of conversations whose files are written "
                                                              "with the docstrings' words")
+    ap.add_argument("--invented", type=float, default=0.0, help="share of conversations whose files are "
+                                                                "written with made-up words")
     args = ap.parse_args()
-    if not 0 <= args.prose <= 1:
-        ap.error(f"--prose {args.prose}: give a share from 0 to 1")
+    if not (0 <= args.prose and 0 <= args.invented and args.prose + args.invented <= 1):
+        ap.error(f"--prose {args.prose} --invented {args.invented}: give shares from 0 to 1 that add up to at most 1")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = []
-    for ex in examples(args.n, args.seed, prose=args.prose):
+    for ex in examples(args.n, args.seed, prose=args.prose, invented=args.invented):
         if args.prompts:
             for p in prompts(tok, ex):
                 rows.append({"prompt": tok.decode(tok.encode(p, add_special_tokens=False)[-args.tail:])})

@@ -177,6 +177,8 @@ def main():
     ap.add_argument("--prose", type=float, default=0.0,
                     help="share of conversations whose files are written with the docstrings' thousands of words, "
                          "not the short list (so that answering about a file means copying it)")
+    ap.add_argument("--invented", type=float, default=0.0,
+                    help="share of conversations whose files are written with words made up for each one")
     ap.add_argument("--summary", help="write the run's figures here (default: training.json in --out)")
     args = ap.parse_args()
     weights = {}
@@ -189,15 +191,15 @@ def main():
         if unknown:
             ap.error(f"--{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
 
-    if not 0 <= args.prose <= 1:
-        ap.error(f"--prose {args.prose}: give a share from 0 to 1")
+    if not (0 <= args.prose and 0 <= args.invented and args.prose + args.invented <= 1):
+        ap.error(f"--prose {args.prose} --invented {args.invented}: give shares from 0 to 1 that add up to at most 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(args.seed)
     tic = time.time()
     examples = chat_data.examples(args.conversations, args.seed, weights["kinds"], weights["tasks"],
-                                  args.prose)
-    held = chat_data.examples(40, args.seed + 1000, prose=args.prose)
+                                  args.prose, args.invented)
+    held = chat_data.examples(40, args.seed + 1000, prose=args.prose, invented=args.invented)
     if args.init:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(args.init)
