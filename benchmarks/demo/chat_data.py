@@ -214,6 +214,12 @@ def prose_words(corpus: List[str]) -> List[str]:
 CONSONANTS, VOWELS = "bcdfghjklmnprstvwz", "aeiouy"
 
 
+def check_shares(prose: float, invented: float) -> None:
+    """Raise ValueError (a one-line message naming both options) unless the two shares are a valid split."""
+    if not (0 <= prose and 0 <= invented and prose + invented <= 1):
+        raise ValueError(f"--prose {prose} --invented {invented}: give shares from 0 to 1 that add up to at most 1")
+
+
 def invented_words(rng: random.Random, n: int = 24) -> List[str]:
     """`n` made-up words of one to three syllables, new for each conversation, so that they can only be copied."""
     def syllable() -> str:
@@ -223,7 +229,8 @@ def invented_words(rng: random.Random, n: int = 24) -> List[str]:
 
 def folder(rng: random.Random, words: Sequence[str] = WORDS) -> dict:
     """A few files and their contents, written with `words`: from the short list the model can learn by
-    heart, or from thousands (`prose_words`), so that answering about a file means copying what it read."""
+    heart, or from thousands (`prose_words`) or made up (`invented_words`), so that answering about a file
+    means copying what it read."""
     files = {}
     for name in rng.sample(NAMES, rng.randint(1, 6)):
         w = rng.sample(words, 3)
@@ -383,6 +390,7 @@ def examples(n: int, seed: int = 0, kinds: Dict[str, float] = KINDS, tasks: Dict
              prose: float = 0.0, invented: float = 0.0) -> List[Example]:
     """`n` conversations; a share `prose` of them have files written with the docstrings' words, a share
     `invented` with words made up for each conversation."""
+    check_shares(prose, invented)
     rng = random.Random(seed)
     corpus = docstrings()
     many = prose_words(corpus) if prose > 0 else WORDS
@@ -445,8 +453,10 @@ if __name__ == "__main__":
     ap.add_argument("--invented", type=float, default=0.0, help="share of conversations whose files are "
                                                                 "written with made-up words")
     args = ap.parse_args()
-    if not (0 <= args.prose and 0 <= args.invented and args.prose + args.invented <= 1):
-        ap.error(f"--prose {args.prose} --invented {args.invented}: give shares from 0 to 1 that add up to at most 1")
+    try:
+        check_shares(args.prose, args.invented)
+    except ValueError as e:
+        ap.error(str(e))
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = []

@@ -191,8 +191,10 @@ def main():
         if unknown:
             ap.error(f"--{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
 
-    if not (0 <= args.prose and 0 <= args.invented and args.prose + args.invented <= 1):
-        ap.error(f"--prose {args.prose} --invented {args.invented}: give shares from 0 to 1 that add up to at most 1")
+    try:
+        chat_data.check_shares(args.prose, args.invented)
+    except ValueError as e:
+        ap.error(str(e))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(args.seed)
