@@ -623,6 +623,61 @@ def test_plain_steps_run_one_ahead_and_drop_it_when_the_batch_changes(pairs, bas
     assert out == want
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
+def test_a_plain_step_in_flight_runs_on_for_those_left_when_sequences_finish(pairs, baselines, family):
+    """Sequences ending one after another at each step (budgets, a stand-in EOS) or removed while a
+    plain step is in flight: only their rows of it are cropped, it runs for the others, so no
+    target pass is computed to be dropped until one sequence is left (it then decodes alone).
+    Every output is plain greedy decoding, and an ended sequence's caches continue its
+    conversation as plain decoding does."""
+    from conftest import plain_greedy
+
+    import dflash_mlx
+    from dflash_mlx.decode.decoder import Decoder
+
+    pair, base = pairs[family], baselines[family]
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS] + [pair.tokenizer.encode(TEXTS[0] + " return")]
+    budgets = [3, 4, 5, 6, 7, 24]
+    alone = plain_greedy(base, prompts[1], 24, eos=())
+    stop = next(t for i, t in enumerate(alone) if i >= 2 and t not in alone[:i])  # ends prompt 1 early
+    eos = tuple(pair.tokenizer.eos_token_ids) + (stop,)
+    cache = dflash_mlx.PromptCache(pair)
+    dec = Decoder(pair, 4, prompt_cache=cache)
+    dec.eos = set(eos)
+    firsts = dec.add_many(prompts, budgets)
+    dec.target = counted = Counted(dec.target)
+    out = {f.uid: list(f.tokens) for f in firsts}
+    removed = firsts[4].uid
+    counted.passes, steps, left = 0, 0, []
+    while len(dec) > 1:
+        if steps == 2:
+            dec.remove(removed)
+            out.pop(removed)
+        for c in dec.step(1):
+            out[c.uid] += c.tokens
+        dec.keep()
+        steps += 1
+        left.append(len(dec))
+    assert len(set(left)) >= 4, left  # they left at different steps
+    assert counted.passes == steps + 1  # each step launched ahead ran: only the last, as one was left, dropped
+    while len(dec):
+        for c in dec.step(1):
+            out[c.uid] += c.tokens
+        dec.keep()
+    want = {f.uid: plain_greedy(base, p, n, eos=eos) for f, p, n in zip(firsts, prompts, budgets) if f.uid != removed}
+    assert out == want
+    assert len(out[firsts[1].uid]) < budgets[1]  # it ended at the stand-in EOS
+    later = prompts[1] + out[firsts[1].uid] + pair.tokenizer.encode(" and then")
+    again = Decoder(pair, 4, prompt_cache=cache)
+    again.eos = set(eos)
+    first = again.add(later, 8)
+    tokens = list(first.tokens)
+    while len(again):
+        tokens += [t for c in again.step(1) for t in c.tokens]
+    assert tokens == plain_greedy(base, later, 8, eos=eos)
+    assert cache.hits >= 1
+
+
 def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs, baselines):
     """Told the next cycle's width (`then`), a plain step launches the next plain step ahead only
     where it will run: a batch whose plain steps and drafted cycles alternate runs one target

@@ -142,6 +142,20 @@ class PlainStep:
         """Undo the step: every sequence's row of it is cropped."""
         self.rows.crop([0] * len(self.rows.seqs), 1, self.before)
 
+    def narrow(self, keep: Sequence[int], rows: Rows) -> None:
+        """The step for the sequences at indices `keep` only, now held by `rows`: the batch
+        without those that left, whose rows of it were cropped first (`cut`)."""
+        idx = mx.array(keep)
+        self.rows = rows
+        self.logits = self.logits[idx]
+        if self._tokens is not None:
+            self._tokens = self._tokens[idx]
+        self.logprobs = [self.logprobs[b] for b in keep] if self.logprobs else []
+        if self.hidden is not None:
+            self.hidden = self.hidden[idx]
+        if self.before is not None:
+            self.before = {i: [None if a is None else a[idx] for a in s] for i, s in self.before.items()}
+
 
 @dataclass
 class Block:

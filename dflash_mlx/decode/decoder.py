@@ -71,6 +71,7 @@ class Launched:
     plans: List[Plan]  # per sequence
     proposal: Optional[Proposal] = None  # a drafted cycle's drafts, which proposal scales learn from
     forced: Optional[List[int]] = None  # per sequence, the first drafts its grammar forced
+    narrowing: bool = False  # a plain step whose leaving sequences' rows are cropped, to run for the others
 
     @property
     def plain(self) -> bool:
@@ -364,14 +365,25 @@ class Decoder:
                           grammar_seconds=0.0 if seq.constraint is None else seq.constraint.take_seconds())
             c.finish = seq.finish(c, self.eos)
             out.append(c)
-        if any(c.finish for c in out):
-            self._drop_ahead()
+        self._let_go([c.finish is not None for c in out])
         cycle.cut([len(c.tokens) for c in out])
         for b, (seq, c, o) in enumerate(zip(self.seqs, out, outcomes)):
             if seq.advance(c, o):  # a long plain run: its drafter reads the taps it holds in one pass
                 self.drafting.read_held(self.seqs, b)
         self._leave([b for b, c in enumerate(out) if c.finish is None])
         return out
+
+    def _let_go(self, gone: List[bool]) -> None:
+        """Sequences `gone` leave the batch: their rows of the plain step launched ahead are
+        cropped, and the others' kept to run as it is (`_keep_only` narrows it). Where one
+        sequence would be left, it decodes alone: the step is dropped."""
+        if self._ahead is None or not any(gone):
+            return
+        if len(gone) - sum(gone) < 2 or not self._ahead.plain:
+            self._drop_ahead()
+        else:
+            self._ahead.cycle.cut([0 if g else 1 for g in gone])
+            self._ahead.narrowing = True
 
     def _drop_ahead(self) -> None:
         """Undo the cycle launched ahead, if any: every sequence's rows of it are cropped."""
@@ -409,17 +421,22 @@ class Decoder:
         seq = next((s for s in self.seqs if s.uid == uid), None)
         self.filling.remove(uid)
         self.early = [c for c in self.early if c.uid != uid]
-        self._drop_ahead()  # its caches then hold every committed token but the last
+        self._let_go([s.uid == uid for s in self.seqs])  # its caches then hold every committed token but the last
         self._leave([b for b, s in enumerate(self.seqs) if s.uid != uid])
         return None if seq is None or seq.scaler is None else seq.scaler.describe()
 
     def _keep_only(self, keep: List[int]) -> None:
         """Keep the sequences at indices `keep`; the others' rows are dropped."""
-        if len(keep) < len(self.seqs):
+        ahead = self._ahead
+        if len(keep) < len(self.seqs) and not (ahead is not None and ahead.narrowing):
             self._drop_ahead()
         self.drafting.keep_only(keep)
         self.caches.keep_only(keep, len(self.seqs))
         self.seqs = [self.seqs[b] for b in keep]
+        if self._ahead is not None and self._ahead.narrowing:
+            self._ahead.cycle.narrow(keep, Rows(self.target, self.caches.layers, self.seqs, taps=ahead.cycle.rows.taps,
+                                                batched=self.caches.batched))
+            self._ahead.plans, self._ahead.narrowing = [PLAIN] * len(keep), False
 
 
 def prefill(target, seq: Running, prompt: Sequence[int], tcache: list, reused: int, step, kept: bool,
