@@ -732,6 +732,39 @@ def test_a_plain_step_launches_the_next_only_where_the_next_cycle_is_plain(pairs
     assert ran == [(1, 1), (1, 4), (4, 1), (1, 1), (1, 4), (4, 1), (1, 1)]
 
 
+def test_the_policy_learns_a_plain_step_only_from_the_seconds_of_its_own_pass(pairs):
+    """A plain run's first step launches the next before its own tokens are read (on a CPU, both
+    passes run within it) and its last finds its pass already done: the batch policy learns plain
+    steps from the steady ones between (launched ahead, launching the next) and from a lone plain
+    step between drafted cycles, and every drafted cycle."""
+    from dflash_mlx.decode.decoder import Decoder
+
+    class Script:
+        widths = (1, 4)
+
+        def __init__(self, choices):
+            self.choices, self.updates = iter(choices), []
+
+        def choose(self, batch, gains=None, columns=0):
+            return next(self.choices)
+
+        def branches(self, batch, width, most, columns=0):
+            return 0
+
+        def update(self, batch, width, seconds, tokens, branches=0, columns=0):
+            self.updates.append(width)
+
+    pair = pairs["qwen3"]
+    # Widths are chosen a cycle ahead (the first cycle runs the first choice): 1 1 1 1 1 4 1 4 4 1.
+    script = Script([1, 1, 1, 1, 4, 1, 4, 4, 1, 1, 1])
+    dec = Decoder(pair, 4, policy=script)
+    dec.add_many([pair.tokenizer.encode(t) for t in TEXTS[:3]], [60] * 3)
+    for _ in range(10):
+        dec.step()
+    # Counted: the run's 2nd to 4th steps, the drafted cycles, the lone plain step; not a run's first or last.
+    assert script.updates == [1, 1, 1, 4, 1, 4, 4], script.updates
+
+
 def test_a_width_is_rated_by_its_tokens_over_its_seconds_pooled():
     """A width's measured rate pools its cycles' tokens and seconds: the last plain step of a
     run, whose work the step before launched, takes almost no time, and does not make plain

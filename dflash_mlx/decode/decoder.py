@@ -256,14 +256,18 @@ class Decoder:
                 plan = (self.planner.batch(self.seqs, joining, self.joins.fits, self.caches.columns(),
                                            self.caches.alone()) if width is None
                         else self.planner.fixed(self.seqs, width, then, branches))
-            tic = time.perf_counter()
+            was_ahead, tic = self._ahead is not None, time.perf_counter()
             out = self._alone(self.seqs[0]) if plan is None else self._cycle(plan)
             seconds = time.perf_counter() - tic
             if self.filling.rode:  # a cycle that carried a prompt's chunk says nothing of its width
                 self.joins.rode(self.filling.rode, seconds, self._shape)
             else:
                 self.joins.cycle(seconds, self._shape)
-                if width is None and plan is not None:
+                # A plain step's seconds are one pass's where it was launched ahead as it launches the
+                # next (or neither): where the device does not overlap them (a CPU), a run's first step
+                # also computes the one it launches, and its last finds its pass done.
+                steady = plan is not None and (plan.width > 1 or was_ahead == (self._ahead is not None))
+                if width is None and steady:
                     self.planner.update(plan, seconds, sum(c.accepted + 1 for c in out), out[0].plan.branches > 0)
         else:
             out = []
