@@ -437,6 +437,36 @@ def test_sequences_that_verify_fewer_rows_than_the_batch_decode_each_as_alone(pa
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_a_narrow_pass_packs_its_rows_flat_and_each_sequence_gets_its_own_pass(pairs, more, monkeypatch, family):
+    """Where a long sequence held apart verifies one row of a block the others verify whole, the
+    pass runs only the rows that are verified, packed flat (no padding rows through the
+    projections and MLPs): each sequence's verified rows' logits and taps are its own pass's,
+    and its caches grow by those rows only."""
+    from dflash_mlx.decode import caches as layout
+    from dflash_mlx.decode.caches import Caches
+
+    monkeypatch.setattr(layout, "PART_ROWS", 64)
+    target = (pairs[family] if family in pairs else more(family)[0]).target
+    lengths, L = [300, 40, 41, 42], 4
+    prompts = [prompt(n, s) for s, n in enumerate(lengths)]
+    caches = Caches(split=True)
+    caches.add(*(own_caches(target, p) for p in prompts))
+    assert sorted(caches.groups()) == [[0], [1, 2, 3]]  # the long one apart, the short ones one part
+    alone = [own_caches(target, p) for p in prompts]
+    rows = []
+    flat = type(target)._flat
+    monkeypatch.setattr(type(target), "_flat", lambda self, x, *a: rows.append(x.shape[1]) or flat(self, x, *a))
+    blocks = mx.array([prompt(L, 10 + b) for b in range(len(lengths))])
+    narrow = [1, L, L, L]
+    logits, taps = target(blocks, caches.layers, record=True, narrow=narrow)
+    assert rows == [1 + 3 * L]  # one flat pass over the verified rows only
+    for b, w in enumerate(narrow):
+        own_logits, own_taps = target(blocks[b : b + 1, :w], alone[b])
+        assert close(logits[b, :w], own_logits[0]) and close(taps[b, :w], own_taps[0]), b
+    assert caches.lengths() == [300 + 1, 40 + L, 41 + L, 42 + L]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 def test_a_decoder_prices_a_column_of_kv_against_the_weights_once_the_batch_holds_kv(pairs, more, family):
     """`Planner.column_share` (what `narrow` charges a draft row per column where the cost curve timed one
     context) is set when sequences join, by either path: a token's K/V bytes over the full-attention layers

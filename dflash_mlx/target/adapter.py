@@ -845,11 +845,47 @@ class TargetAdapter:
         """`_pass`; with `narrow`, over a batch in parts (`target.sequences`), only the first
         narrow[b] rows of a sequence held apart attend and are cached (its other rows pad the
         block: their logits and taps are never read; `crop_each` takes the rows each holds)."""
+        if narrow is not None and rider is None and tree is None and rows is None and not last_only:
+            packed = self._packed(tokens, cache, narrow, record, taps)
+            if packed is not None:
+                return packed
         self._taps.narrow = narrow
         try:
             return self._pass(tokens, cache, last_only, record, tree, taps, rows, rider)
         finally:
             self._taps.narrow = None
+
+    def _packed(self, tokens: mx.array, cache, narrow: Sequence[int], record: bool, wanted):
+        """`__call__` with `narrow` over a batch whose every layer is K/V in parts (`SequenceKV`):
+        each part's rows packed into one flat pass with no padding (a narrow sequence's own rows
+        only), each part a group over its own caches (as a rider's), so that the rows a narrow
+        sequence does not verify skip the projections and MLPs too. The logits [B, L, V] and taps
+        come back in the batch's order, a narrow sequence's rows past its own repeating its last
+        (never read). None where there is nothing to pack or the layout does not allow it."""
+        if not all(isinstance(c, SequenceKV) for c in cache):
+            return None
+        B, L = tokens.shape
+        members = cache[0].members
+        widths = [narrow[m[0]] if len(m) == 1 and narrow[m[0]] < L else L for m in members]
+        if min(widths) == L:
+            return None
+        where, pieces, start = [0] * (B * L), [], 0
+        for m, w in zip(members, widths):
+            for i, b in enumerate(m):
+                where[b * L : (b + 1) * L] = [start + i * w + min(j, w - 1) for j in range(L)]
+            rows = tokens[m[0] : m[0] + 1] if len(m) == 1 else mx.take(tokens, mx.array(m), axis=0)
+            pieces.append(rows[:, :w].reshape(1, -1))
+            start += len(m) * w
+        groups = tuple((len(m), w) for m, w in zip(members, widths))
+        flat, index = mx.concatenate(pieces, axis=1), mx.array(where)
+        layers = [_Grouped(tuple(c.parts), groups) for c in cache]
+        logits, feats = self._flat(flat, groups, layers, index, record, None)
+        if not self._checked:
+            self._check(flat, logits, feats)
+        logits = logits.reshape(B, L, -1)
+        if wanted == "layers":
+            return logits, tuple(mx.take(f, index, axis=1).reshape(B, L, -1) for f in feats)
+        return logits, mx.take(mx.concatenate(feats, axis=-1), index, axis=1).reshape(B, L, -1) if wanted else None
 
     def _pass(self, tokens: mx.array, cache, last_only: bool = False, record: bool = False,
               tree: Optional[tuple] = None, taps: Union[bool, str] = True, rows: Optional[mx.array] = None,
