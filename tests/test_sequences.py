@@ -300,6 +300,47 @@ def test_a_batch_in_parts_whatever_its_lengths_equals_each_prompt_alone(pairs, b
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_cached_prompts_that_would_share_a_part_join_in_one_padded_pass(pairs, baselines, more, monkeypatch, family):
+    """Prompts joining from the prompt cache with a few tokens each left to prefill: where their
+    lengths would share one part of the batch, the rests run as one padded pass (one attention
+    call per layer); where one is much longer, or the padding would outweigh the rests, each runs
+    over its own caches (`TargetAdapter.apart`). Either way each decodes mlx-lm's greedy tokens."""
+    from conftest import plain_greedy
+
+    import dflash_mlx
+    from dflash_mlx.decode import caches
+    from dflash_mlx.decode.decoder import Decoder
+
+    monkeypatch.setattr(caches, "PART_ROWS", 64)
+    pair, base = (pairs[family], baselines[family]) if family in pairs else more(family)
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    apart = []
+    run_apart = type(pair.target).apart
+    monkeypatch.setattr(type(pair.target), "apart", lambda self, *a, **k: apart.append(len(a[0])) or run_apart(self, *a, **k))
+    cache = dflash_mlx.PromptCache(pair)
+
+    def turn(prompts, n=6):
+        dec = Decoder(pair, 4, prompt_cache=cache)
+        out = {c.uid: list(c.tokens) for c in dec.add_many(prompts, [n] * len(prompts))}
+        while len(dec):
+            for c in dec.step():
+                out[c.uid] += c.tokens
+            dec.keep()
+        return [out[u] for u in sorted(out)]
+
+    firsts = [prompt(40 + s, s) for s in range(4)] + [prompt(200, 9)]
+    answers = [turn([p]) for p in firsts]  # each in the cache alone
+    nexts = [p + a[0] + prompt(2 + b % 3, 20 + b) for b, (p, a) in enumerate(zip(firsts, answers))]
+    hits = cache.hits
+    alike = nexts[:4]
+    assert turn(alike) == [plain_greedy(base, p, 6, eos=eos) for p in alike]
+    assert cache.hits == hits + 4 and apart == []  # one padded pass
+    mixed = nexts[2:]
+    assert turn(mixed) == [plain_greedy(base, p, 6, eos=eos) for p in mixed]
+    assert apart == [3]  # the 200-token prompt would be a part of its own: each over its own caches
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 def test_the_layout_follows_the_lengths_and_changes_copy_each_sequence_once(pairs, baselines, more, family):
     """Similar lengths share one padded array; a long prompt joining makes the batch hold each
     sequence apart, and its leaving makes it padded again; every sequence decodes mlx-lm's greedy
