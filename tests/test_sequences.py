@@ -284,8 +284,8 @@ def test_a_batch_in_parts_whatever_its_lengths_equals_each_prompt_alone(pairs, b
     seen = []
     regroup = caches.Caches._regroup
 
-    def spy(self):
-        regroup(self)
+    def spy(self, *fresh):
+        regroup(self, *fresh)
         seen.append(self.groups())
 
     monkeypatch.setattr(caches.Caches, "_regroup", spy)
@@ -297,6 +297,38 @@ def test_a_batch_in_parts_whatever_its_lengths_equals_each_prompt_alone(pairs, b
     assert any(len(g) >= 2 for g in seen), seen  # the batch was held in several parts
     if part_rows:  # a group whose sequences are not next to each other in the batch
         assert any(len(p) > 1 and p != list(range(p[0], p[0] + len(p))) for g in seen for p in g), seen
+
+
+def test_a_group_joining_takes_in_the_sequences_held_apart_that_would_share_its_part(pairs, monkeypatch):
+    """A padded group made for a join (prompts prefilled together) and a sequence held apart of a
+    similar length become one group, one padded array: no step pays a part more for it. Beside a
+    sequence of a very different length the group is kept as it was made (nothing copied)."""
+    from dflash_mlx.decode import caches as layout
+    from dflash_mlx.decode.caches import Caches
+    from dflash_mlx.target.ragged import RaggedKVCache, add_to, batch_of
+
+    monkeypatch.setattr(layout, "PART_ROWS", 64)
+    target = pairs["qwen3"].target
+
+    def group(lengths, seed):
+        own = [own_caches(target, prompt(n, seed + s)) for s, n in enumerate(lengths)]
+        out = [batch_of(c, False) for c in own[0]]
+        for i, g in enumerate(out):
+            add_to(g, *(c[i] for c in own[1:]))
+        return out
+
+    for first, want in ((40, [[0, 1, 2, 3]]), (300, [[0], [1, 2, 3]])):
+        caches = Caches(split=True)
+        caches.add(own_caches(target, prompt(first, 1)))
+        joining = group([41, 42, 43], 5)
+        caches.join(joining)
+        assert caches.groups() == want
+        kv = [c for c in caches.layers if not hasattr(c, "cache")]
+        if len(want) == 1:
+            assert all(isinstance(c, RaggedKVCache) for c in kv)
+        else:
+            assert all(c.parts[1] is j for c, j in zip(kv, joining))
+        assert caches.lengths() == [first, 41, 42, 43]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])

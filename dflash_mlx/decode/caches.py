@@ -136,6 +136,7 @@ class Caches:
         if apart is not None:  # each sequence's own caches, held in the layout the lengths call for
             self.add(*([c.extract(b) for c in batched] for b in range(len(apart))))
             return
+        fresh = range(len(self.lengths()), len(self.lengths()) + len(self._kv(batched).ends)) if self.layers else ()
         if not self.layers:
             self.layers, self.batched = batched, True
         else:
@@ -147,7 +148,7 @@ class Caches:
                     self.layers[i].join(SequenceKV([c]))
                 else:
                     self.layers[i].join(c)
-        self._regroup()
+        self._regroup(fresh)
 
     def of(self, b: int) -> list:
         """Sequence b's caches: its own (a part of its own is handed over), or a copy of its rows
@@ -172,19 +173,22 @@ class Caches:
         if self.batched and count == 1:
             self.layers, self.batched = [c.extract(0) for c in self.layers], False
 
-    def _regroup(self) -> None:
+    def _regroup(self, fresh: Sequence[int] = ()) -> None:
         """Where the batch's K/V is held in parts, lay it out again in `best_groups` once its layout
         costs `REGROUP_ROWS` more (the parts whose sequences stay together are kept as they are, the
-        others' sequences copied once); else group the sequences held apart among themselves where
-        that costs less. A layout of one group is one padded array."""
+        others' sequences copied once); else group the sequences held apart, and those of a group
+        that has just joined (`fresh`: its array was made for the join), among themselves where that
+        costs less. A layout of one group is one padded array."""
         if not (self.split and self.batched):
             return
         lengths, now = self.lengths(), self.groups()
         if not lengths:
             return
         best = best_groups(lengths)
-        fixed = [g for g in now if len(g) > 1]
-        light = sorted(fixed + best_groups(lengths, [g[0] for g in now if len(g) == 1]))
+        fresh = set(fresh)
+        fixed = [g for g in now if len(g) > 1 and not set(g) <= fresh]
+        loose = [b for g in now if len(g) == 1 or set(g) <= fresh for b in g]
+        light = sorted(fixed + best_groups(lengths, loose))
         if cost(now, lengths) > cost(best, lengths) + REGROUP_ROWS:
             want = best
         elif cost(light, lengths) < cost(now, lengths):
