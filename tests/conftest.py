@@ -137,6 +137,24 @@ class Counted:
         return self._target(*args, **kwargs)
 
 
+def decode_turn(pair, prompts, max_tokens, prompt_cache=None, eos=None, width=None):
+    """Each prompt's tokens, decoded together by one `Decoder` of width 4 until all have ended (each
+    step at `width`, default the batch policy's); with `prompt_cache`, each starts from it and what
+    it computed is kept there as it ends. `eos`: the ids that end a sequence (default the tokenizer's)."""
+    from dflash_mlx.decode.decoder import Decoder
+
+    dec = Decoder(pair, 4, prompt_cache=prompt_cache)
+    if eos is not None:
+        dec.eos = set(eos)
+    firsts = dec.add_many(prompts, [max_tokens] * len(prompts))
+    out = {f.uid: list(f.tokens) for f in firsts}
+    while len(dec):
+        for c in dec.step(width):
+            out[c.uid] += c.tokens
+        dec.keep()
+    return [out[f.uid] for f in firsts]
+
+
 def plain_greedy(model, prompt, max_tokens, eos=(0,), processors=None):
     """Greedy tokens from mlx-lm's own generate_step (with its `logits_processors`), stopping after EOS."""
     from mlx_lm.generate import generate_step

@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 import pytest
-from conftest import Counted
+from conftest import Counted, decode_turn
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.target.ragged import RaggedKVCache
@@ -267,21 +267,13 @@ def test_batched_requests_start_from_and_feed_the_prompt_cache(pairs, baselines,
     from conftest import plain_greedy
 
     import dflash_mlx
-    from dflash_mlx.decode.decoder import Decoder
 
     pair, base = pairs[family], baselines[family]
     eos = tuple(pair.tokenizer.eos_token_ids)
     cache = dflash_mlx.PromptCache(pair)
 
     def run(prompts, n):
-        dec = Decoder(pair, 4, prompt_cache=cache)
-        firsts = dec.add_many(prompts, [n] * len(prompts))
-        out = {f.uid: list(f.tokens) for f in firsts}
-        while len(dec):
-            for c in dec.step():
-                out[c.uid] += c.tokens
-            dec.keep()
-        return [out[f.uid] for f in firsts]
+        return decode_turn(pair, prompts, n, cache)
 
     first = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
     answers = run(first, 20)
@@ -786,7 +778,6 @@ def test_a_sequence_ending_while_a_plain_step_is_in_flight_keeps_its_own_state(p
     from conftest import plain_greedy
 
     import dflash_mlx
-    from dflash_mlx.decode.decoder import Decoder
 
     pair, base = pairs[family], baselines[family]
     prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
@@ -796,15 +787,7 @@ def test_a_sequence_ending_while_a_plain_step_is_in_flight_keeps_its_own_state(p
     cache = dflash_mlx.PromptCache(pair)
 
     def run(prompts, n):
-        dec = Decoder(pair, 4, prompt_cache=cache)
-        dec.eos = set(eos)
-        firsts = dec.add_many(prompts, [n] * len(prompts))
-        out = {f.uid: list(f.tokens) for f in firsts}
-        while len(dec):
-            for c in dec.step(1):
-                out[c.uid] += c.tokens
-            dec.keep()
-        return [out[f.uid] for f in firsts]
+        return decode_turn(pair, prompts, n, cache, eos=eos, width=1)
 
     answers = run(prompts, 16)
     assert answers == [plain_greedy(base, p, 16, eos=eos) for p in prompts]

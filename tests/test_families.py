@@ -9,7 +9,8 @@ import json
 
 import mlx.core as mx
 import pytest
-from conftest import ScriptedWidths, check_rollback_at_every_position, greedy_ref, joined_mid_stream, plain_greedy
+from conftest import (ScriptedWidths, check_rollback_at_every_position, decode_turn, greedy_ref, joined_mid_stream,
+                      plain_greedy)
 from test_lossless import PROMPTS
 
 import dflash_mlx
@@ -184,7 +185,6 @@ def test_sliding_windows_batch_with_the_prompt_cache_and_joins_mid_stream(fams):
     (a later batch's requests start from them), and a request running alone on its own window
     cache is joined by another and goes on in a batch with its window's rows: every output is
     the target's greedy decoding."""
-    from dflash_mlx.decode.decoder import Decoder
     from dflash_mlx.decode.streams import Streams
 
     pair, base = fams.pair("gpt_oss"), fams.baseline("gpt_oss")
@@ -192,13 +192,7 @@ def test_sliding_windows_batch_with_the_prompt_cache_and_joins_mid_stream(fams):
     first = [pair.tokenizer.encode(t) for t in PROMPTS[:2]]
 
     def run(prompts, n):
-        dec = Decoder(pair, 4, prompt_cache=cache)
-        out = {f.uid: list(f.tokens) for f in dec.add_many(prompts, [n] * len(prompts))}
-        while len(dec):
-            for c in dec.step():
-                out[c.uid] += c.tokens
-            dec.keep()
-        return [out[uid] for uid in sorted(out)]
+        return decode_turn(pair, prompts, n, cache)
 
     answers = run(first, 20)
     assert answers == [greedy_ref(base, p, 20) for p in first]

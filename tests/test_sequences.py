@@ -337,11 +337,10 @@ def test_cached_prompts_that_would_share_a_part_join_in_one_padded_pass(pairs, b
     lengths would share one part of the batch, the rests run as one padded pass (one attention
     call per layer); where one is much longer, or the padding would outweigh the rests, each runs
     over its own caches (`TargetAdapter.apart`). Either way each decodes mlx-lm's greedy tokens."""
-    from conftest import plain_greedy
+    from conftest import decode_turn, plain_greedy
 
     import dflash_mlx
     from dflash_mlx.decode import caches
-    from dflash_mlx.decode.decoder import Decoder
 
     monkeypatch.setattr(caches, "PART_ROWS", 64)
     pair, base = (pairs[family], baselines[family]) if family in pairs else more(family)
@@ -352,13 +351,7 @@ def test_cached_prompts_that_would_share_a_part_join_in_one_padded_pass(pairs, b
     cache = dflash_mlx.PromptCache(pair)
 
     def turn(prompts, n=6):
-        dec = Decoder(pair, 4, prompt_cache=cache)
-        out = {c.uid: list(c.tokens) for c in dec.add_many(prompts, [n] * len(prompts))}
-        while len(dec):
-            for c in dec.step():
-                out[c.uid] += c.tokens
-            dec.keep()
-        return [out[u] for u in sorted(out)]
+        return decode_turn(pair, prompts, n, cache)
 
     firsts = [prompt(40 + s, s) for s in range(4)] + [prompt(200, 9)]
     answers = [turn([p]) for p in firsts]  # each in the cache alone

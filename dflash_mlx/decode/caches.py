@@ -64,6 +64,11 @@ def best_groups(lengths: Sequence[int], among: Optional[Sequence[int]] = None) -
     return sorted(groups)
 
 
+def one_part(lengths: Sequence[int]) -> bool:
+    """Whether sequences of `lengths` are best held in one part (`best_groups`): one padded array."""
+    return len(best_groups(lengths)) == 1
+
+
 class Caches:
     """The target's caches of a decoder's sequences, per layer: one sequence's own (the target's
     kinds, on which it decodes as a request alone does), or for several a batch's: K/V in parts

@@ -34,7 +34,7 @@ from ..policy.join import JoinChunks
 from ..policy.plan import PLAIN, Plan
 from ..policy.planner import FORCED_RUN, CyclePlan, Planner
 from ..target.ragged import add_to, batch_of
-from .caches import Caches, best_groups, waste
+from .caches import Caches, one_part, waste
 from .constrained import checked, tree_masks
 from .cycle import LinearCycle, PlainStep, Rows, TreeCycle
 from .drafting import Drafting
@@ -47,7 +47,7 @@ from .running import Asks, Committed, Proposal, Running, new_sequence
 # Prompts joining together are prefilled in one padded pass up to this many tokens in all;
 # beyond, each is prefilled alone in mlx-lm's chunks, so a long prompt holds memory as it does alone.
 BATCH_PREFILL = 2048
-# Where the joining sequences would share one part of a batch in parts anyway (`caches.best_groups`),
+# Where the joining sequences would share one part of a batch in parts anyway (`caches.one_part`),
 # their rests run as one padded pass (one attention call per layer, their cached rows copied into one
 # array once) instead of one attention call each per layer, while the padding adds at most this
 # many times the rests' own rows (a few tokens each from the prompt cache, 15 joining: one padded
@@ -474,7 +474,7 @@ def prefill_together(target, prompts: Sequence[Sequence[int]], starts: list, seq
     the padding would cost more than `PAD_REST_WASTE`."""
     rest = [len(p) - reused for p, (_, _, reused) in zip(prompts, starts)]
     tapped = any(s.tapped for s in seqs)
-    apart = target.splits and (len(best_groups([len(p) for p in prompts])) > 1 or waste(rest) > PAD_REST_WASTE)
+    apart = target.splits and (not one_part([len(p) for p in prompts]) or waste(rest) > PAD_REST_WASTE)
     if apart:
         logits, hiddens = target.apart([mx.array(p[len(p) - r :]) for p, r in zip(prompts, rest)],
                                        [tcache for tcache, _, _ in starts], taps=tapped)
