@@ -3,7 +3,8 @@
     LD_PRELOAD=... python benchmarks/batch_wave.py --pair ~/.cache/dflash-mlx/peers/pairs/widened \
         --clients 16 --rounds 2 --checkout /tmp/before-0279c43 --out results/batch-wave-....json
 
-N prompts of the `code` suite (with the target's chat template) join a `Streams` batch as
+N prompts of the `code` suite (with the target's chat template; `--suite json`: the `json` suite's, each
+keeping to its strict schema, as `serve_load.py --suite json` asks the server) join a `Streams` batch as
 `serve.worker` lets them in when they come at once: the first alone, then the rest together, and
 decode greedily to `--max-tokens` each, with a prompt cache and the batch policy the server uses
 (both outlive the rounds, as in a server). A warm-up round runs first (it fills the prompt cache, so
@@ -27,6 +28,7 @@ def main(argv=None):
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--suite", default="code", choices=["code", "json"])
     ap.add_argument("--checkout", help="measure the package of this checkout (default: this one)")
     ap.add_argument("--out", help="write the rounds here (JSON)")
     args = ap.parse_args(argv)
@@ -40,7 +42,8 @@ def main(argv=None):
     import dflash_mlx
     from dflash_mlx.bench import load_prompts, machine_info
     from dflash_mlx.cache.prompt_cache import PromptCache
-    from dflash_mlx.decode.decoder import batch_width
+    from dflash_mlx.constrain.grammar import Grammar
+    from dflash_mlx.decode.decoder import Asks, batch_width
     from dflash_mlx.decode.streams import Joining, Streams
     from dflash_mlx.machine import blas_name
     from dflash_mlx.policy.batch import BatchWidths
@@ -48,18 +51,25 @@ def main(argv=None):
 
     pair_dir = Path(args.pair).expanduser()
     pair = dflash_mlx.load(str(pair_dir / "target"), draft=str(pair_dir / "drafter"))
-    texts = [p if isinstance(p, str) else p["prompt"] for p in load_prompts("code")["code"]]
+    suite = load_prompts(args.suite)[args.suite]
+    texts = [p if isinstance(p, str) else p["prompt"] for p in suite]
+    schemas = [p["schema"] if isinstance(p, dict) and "schema" in p else None for p in suite]
     prompts = [build_prompt(pair.tokenizer, t) for t in texts]
     prompts = (prompts * -(-args.clients // len(prompts)))[: args.clients]
+    schemas = (schemas * -(-args.clients // len(schemas)))[: args.clients]
+
+    def asks(schema):
+        return Asks(grammar=Grammar.json_schema(schema)) if schema is not None else Asks()
     width = batch_width(pair, None)
     policy, cache = BatchWidths(width), PromptCache(pair)
 
     def wave() -> dict:
         batch = Streams(pair, width, policy, cache, block_size=pair.draft_source.block_size)
         tic, first, joins = time.perf_counter(), {}, []
-        for group in (prompts[:1], prompts[1:]):
+        for group in ((0, 1), (1, len(prompts))):
             t = time.perf_counter()
-            started = batch.add_many([Joining(list(p), args.max_tokens) for p in group])
+            started = batch.add_many([Joining(list(prompts[i]), args.max_tokens, asks=asks(schemas[i]))
+                                      for i in range(*group)])
             joins.append(time.perf_counter() - t)
             for uid, event in started:
                 if event is not None:
