@@ -13,6 +13,7 @@ at `--width`; each sequence with the adaptive sizer's statistics, as the server 
 - speed: the short streams' tokens per second decoding beside the long one against the same
   streams decoding without it, once the batch has formed: the first `WARMUP` cycles after the last
   join (the drafter reading the prompts' held taps, the batch policy's first widths) are timed apart;
+  split into the short streams' tokens per cycle and the seconds per cycle;
 - joins: the K/V bytes of the sequences decoding already that a joining prompt's caches copy
   (arrays of theirs replaced by the join).
 With `--before REV`, the same measurements run first on the package from that commit (a temporary
@@ -125,7 +126,7 @@ def measure(target: str, drafter: str, long: int, short: int, streams: int, step
             mx.synchronize()
             peak = max(peak, mx.get_active_memory() - weights)
         seconds = time.perf_counter() - tic
-        return peak, held(dec), tokens / seconds, copied, warm
+        return peak, held(dec), tokens / seconds, copied, warm, tokens / n_steps, seconds / n_steps
 
     print(f"{target}: the long prompt and one short one alone", file=sys.stderr, flush=True)
     alone = [decode([p], steps) for p in [long_p] + short_p[:1]]
@@ -140,7 +141,9 @@ def measure(target: str, drafter: str, long: int, short: int, streams: int, step
             "cache_ratio": together[1] / own_bytes, "short_tps_beside_long": together[2],
             "short_tps_without": without[2], "speed_ratio": together[2] / without[2],
             "kv_bytes_copied_by_joins": together[3], "warmup_seconds_beside_long": together[4],
-            "warmup_seconds_without": without[4]}
+            "warmup_seconds_without": without[4],
+            "short_tokens_per_cycle_beside_long": together[5], "short_tokens_per_cycle_without": without[5],
+            "cycle_seconds_beside_long": together[6], "cycle_seconds_without": without[6]}
 
 
 def run(root: Path, args, target: Path) -> dict:
