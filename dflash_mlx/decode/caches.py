@@ -141,7 +141,8 @@ class Caches:
         if apart is not None:  # each sequence's own caches, held in the layout the lengths call for
             self.add(*([c.extract(b) for c in batched] for b in range(len(apart))))
             return
-        fresh = range(len(self.lengths()), len(self.lengths()) + len(self._kv(batched).ends)) if self.layers else ()
+        held = len(self.lengths())
+        fresh = range(held, held + len(self._kv(batched).ends)) if self.layers else ()
         if not self.layers:
             self.layers, self.batched = batched, True
         else:

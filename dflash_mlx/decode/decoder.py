@@ -50,8 +50,9 @@ BATCH_PREFILL = 2048
 # Where the joining sequences would share one part of a batch in parts anyway (`caches.one_part`),
 # their rests run as one padded pass (one attention call per layer, their cached rows copied into one
 # array once) instead of one attention call each per layer, while the padding adds at most this
-# many times the rests' own rows (a few tokens each from the prompt cache, 15 joining: one padded
-# call 0.15 s against fifteen 0.20 s, widened pair on a CPU).
+# many times the rests' own rows: padding rows go through every projection, and the calls saved are
+# worth a few rows each (fifteen prompts from the cache, a few tokens each, join in about two thirds
+# of the time: `benchmarks/serving.md#many-clients-at-once`).
 PAD_REST_WASTE = 2.0
 
 
@@ -77,7 +78,6 @@ class Launched:
     plans: List[Plan]  # per sequence
     proposal: Optional[Proposal] = None  # a drafted cycle's drafts, which proposal scales learn from
     forced: Optional[List[int]] = None  # per sequence, the first drafts its grammar forced
-    narrowing: bool = False  # a plain step whose leaving sequences' rows are cropped, to run for the others
 
     @property
     def plain(self) -> bool:
@@ -384,16 +384,15 @@ class Decoder:
         return out
 
     def _let_go(self, gone: List[bool]) -> None:
-        """Sequences `gone` leave the batch: their rows of the plain step launched ahead are
-        cropped, and the others' kept to run as it is (`_keep_only` narrows it). Where one
-        sequence would be left, it decodes alone: the step is dropped."""
+        """Sequences `gone` are about to leave the batch (`_leave`): their rows of the plain step
+        launched ahead are cropped, and the others' kept to run as it is (`_keep_only` narrows it).
+        Where one sequence would be left, it decodes alone: the step is dropped."""
         if self._ahead is None or not any(gone):
             return
         if len(gone) - sum(gone) < 2 or not self._ahead.plain:
             self._drop_ahead()
         else:
             self._ahead.cycle.cut([0 if g else 1 for g in gone])
-            self._ahead.narrowing = True
 
     def _drop_ahead(self) -> None:
         """Undo the cycle launched ahead, if any: every sequence's rows of it are cropped."""
@@ -436,17 +435,17 @@ class Decoder:
         return None if seq is None or seq.scaler is None else seq.scaler.describe()
 
     def _keep_only(self, keep: List[int]) -> None:
-        """Keep the sequences at indices `keep`; the others' rows are dropped."""
-        ahead = self._ahead
-        if len(keep) < len(self.seqs) and not (ahead is not None and ahead.narrowing):
-            self._drop_ahead()
+        """Keep the sequences at indices `keep`; the others' rows are dropped. Those leaving were let
+        go first (`_let_go`): a plain step still launched ahead runs on for those kept."""
+        shrinks = len(keep) < len(self.seqs)
         self.drafting.keep_only(keep)
         self.caches.keep_only(keep, len(self.seqs))
         self.seqs = [self.seqs[b] for b in keep]
-        if self._ahead is not None and self._ahead.narrowing:
-            self._ahead.cycle.narrow(keep, Rows(self.target, self.caches.layers, self.seqs, taps=ahead.cycle.rows.taps,
-                                                batched=self.caches.batched))
-            self._ahead.plans, self._ahead.narrowing = [PLAIN] * len(keep), False
+        ahead = self._ahead
+        if ahead is not None and shrinks:
+            ahead.cycle.narrow(keep, Rows(self.target, self.caches.layers, self.seqs, taps=ahead.cycle.rows.taps,
+                                          batched=self.caches.batched))
+            ahead.plans = [PLAIN] * len(keep)
 
 
 def prefill(target, seq: Running, prompt: Sequence[int], tcache: list, reused: int, step, kept: bool,
