@@ -125,6 +125,56 @@ def test_batched_greedy_equals_each_prompt_alone(pairs, baselines, family, width
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
+@pytest.mark.parametrize("apart", [False, True])
+@pytest.mark.parametrize("oracle", [False, True])
+def test_a_sequence_that_keeps_no_drafter_context_steps_plainly_while_the_others_draft(pairs, baselines, family,
+                                                                                         apart, oracle, monkeypatch):
+    """A request whose policy never drafts (`block_size=1`: no drafter context kept, as a long
+    prompt whose drafted cycles cannot pay) verifies its last token alone in the batch's drafted
+    cycles, in a padded array with the others (its other rows pad the block and are cropped) or
+    held `apart` (its one row only); the others draft at the batch's width, with the pooled drafter
+    or (`oracle`) sources of their own whose drafts are accepted up to a rejection that moves through
+    the block. Every output is mlx-lm's greedy decoding, every accepted count the oracle's."""
+    from conftest import OracleSource, greedy_ref, plain_greedy
+
+    from dflash_mlx.decode import caches
+    from dflash_mlx.decode.decoder import Decoder
+    from dflash_mlx.decode.running import Asks
+
+    if apart:
+        monkeypatch.setattr(caches, "PART_ROWS", 0)  # every sequence a part of its own
+    pair, base, n = pairs[family], baselines[family], 40  # the rejection moves through every position
+    prompts = [pair.tokenizer.encode(t) for t in TEXTS[:3]]
+    refs = [plain_greedy(base, p, n, eos=tuple(pair.tokenizer.eos_token_ids)) for p in prompts]
+    sources = [None] * 3
+    if oracle:
+        feature_dim = len(pair.target.tap_ids) * pair.target.hidden_size
+        sources[0], sources[2] = (OracleSource(p + greedy_ref(base, p, n), pair.target.vocab_size, feature_dim,
+                                               lambda c, w: c % w if c % w < w - 1 else None)
+                                  for p in (prompts[0], prompts[2]))
+    dec = Decoder(pair, 8)
+    firsts = [dec.add(p, n, s, asks=a) for p, s, a in zip(prompts, sources, [Asks(), Asks(block_size=1), Asks()])]
+    assert [s.tapped for s in dec.seqs] == [True, False, True]
+    assert dec.caches.alone()[1] == (apart and dec.target.splits)
+    out = {f.uid: list(f.tokens) for f in firsts}
+    plain_uid, plain_widths, drafting_widths, accepted = firsts[1].uid, [], [], {0: [], 2: []}
+    while len(dec):
+        committed = dec.step()
+        for c in committed:
+            out[c.uid] += c.tokens
+            if len(committed) > 1:
+                (plain_widths if c.uid == plain_uid else drafting_widths).append(c.plan.width)
+            if c.uid != plain_uid and c.finish is None:
+                accepted[c.uid].append(c.accepted)
+    assert plain_widths and set(plain_widths) == {1}
+    assert set(drafting_widths) == {8}
+    if oracle:
+        for b in (0, 2):
+            assert accepted[b] == sources[b].expected[: len(accepted[b])] and max(accepted[b]) == 7
+    assert [out[f.uid] for f in firsts] == refs
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
 @pytest.mark.parametrize("width", [4, 8])
 def test_each_sequence_is_cropped_at_its_own_rejection(pairs, baselines, family, width):
     """Drafts of the target's own continuation, each sequence corrupted on its own schedule

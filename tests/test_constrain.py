@@ -350,6 +350,35 @@ def test_a_batch_of_constrained_and_free_sequences_equals_each_alone(demo, sampl
 
 
 @pytest.mark.parametrize("sampled", [False, True])
+def test_a_constrained_sequence_without_a_drafter_verifies_its_forced_tokens_beside_drafting_ones(demo, sampled):
+    """A constrained request that keeps no drafter context (`block_size=1`) verifies what its grammar
+    forces in the batch's drafted cycles (its copies alone, no drafts after them) while a free one
+    drafts; each answer equals its answer alone."""
+    from dflash_mlx.decode.decoder import Decoder
+
+    prompts = [demo.tokenizer.encode(p) for p in (PROMPT, "def parse_args(argv):")]
+    params = SamplingParams(temp=0.9, seed=3) if sampled else SamplingParams()
+    alone = [run(demo, prompts[0], WEATHER, max_tokens=40, block_size=1, sampling=params)[0],
+             run(demo, prompts[1], None, max_tokens=40, block_size=4, sampling=params)[0]]
+    dec = Decoder(demo, 4)
+    firsts = dec.add_many(prompts, [40] * 2, asks=[Asks(params, grammar=WEATHER, block_size=1), Asks(params)])
+    assert [s.tapped for s in dec.seqs] == [False, True]
+    out = {f.uid: list(f.tokens) for f in firsts}
+    bound, plans = firsts[0].uid, []
+    while len(dec):
+        committed = dec.step()
+        for c in committed:
+            out[c.uid] += c.tokens
+            if len(committed) > 1:
+                plans.append((c.uid == bound, c.plan, c.forced))
+    assert {plan.width for mine, plan, _ in plans if not mine} == {4}  # the free one drafts every cycle
+    forced = [(plan, f) for mine, plan, f in plans if mine]
+    assert all(plan.width == plan.copied + 1 == f + 1 for plan, f in forced)  # its forced tokens, nothing drafted
+    assert any(plan.width > 1 for plan, _ in forced)
+    assert [out[f.uid] for f in firsts] == alone
+
+
+@pytest.mark.parametrize("sampled", [False, True])
 def test_constrained_plain_steps_in_a_batch_run_one_ahead(demo, sampled):
     """A batch's plain steps launch the next step's target pass before the host reads the current
     one's tokens, constrained sequences too: the pass in flight is picked from once its mask is

@@ -127,10 +127,18 @@ def test_a_batch_copies_what_each_sizer_expects_to_pay_forced_tokens_whole():
     plan = planner.fixed(seqs, 6)
     assert plan.copies == [[7, 8], [1, 2, 3, 4], []] and plan.forced == [0, 4, 0]
     assert plan.plans == [Plan(6, 2), Plan(6, 4), Plan(6, 0)]
-    assert planner.fixed(seqs + [Seq(tapped=False)], 6).plans == [PLAIN] * 4  # one cannot draft
+    # one that keeps no drafter's context verifies its last token alone, the others draft
+    assert planner.fixed(seqs + [Seq(tapped=False)], 6).plans == [Plan(6, 2), Plan(6, 4), Plan(6, 0), PLAIN]
+    assert planner.fixed([Seq(tapped=False)] * 2, 6).plans == [PLAIN] * 2
+    # it still verifies what its grammar forces (no drafter is needed for those), and the block is no wider
+    assert planner.fixed([Seq(tapped=False, constraint=Grammar([1, 2])), Seq(tapped=False)], 6).plans == [
+        Plan(3, 2), PLAIN]
+    mixed = planner.fixed([Seq(tapped=False, constraint=Grammar([1, 2, 3])), Seq()], 6)
+    assert mixed.plans == [Plan(4, 3), Plan(6, 0)] and mixed.copies == [[1, 2, 3], []] and mixed.forced == [3, 0]
     assert planner.fixed(seqs, 16).width == 8
     trees = [Seq(branches=2), Seq(branches=3)]
     assert planner.fixed(trees, 4, branches=3).plans == [Plan(4, 0, 2)] * 2
+    assert planner.fixed(trees + [Seq(tapped=False)], 4, branches=3).plans == [Plan(4), Plan(4), PLAIN]  # linear
 
 
 def test_forced_tokens_count_as_certain_in_what_a_batch_expects():
@@ -140,6 +148,10 @@ def test_forced_tokens_count_as_certain_in_what_a_batch_expects():
     for w in (1, 4, 8):
         assert gains[w] == pytest.approx(alone[w] + w)
     assert planner.gains([free, Seq()], [1, 4]) is None  # a sequence without a sizer run
+    untapped = planner.gains([free, Seq(sizer=Sizer(), tapped=False)], [1, 4, 8])
+    assert untapped == {w: pytest.approx(alone[w] + 1) for w in (1, 4, 8)}  # no drafts: its own token alone
+    untapped = planner.gains([free, Seq(sizer=Sizer(), tapped=False, constraint=Grammar(range(10)))], [1, 4, 8])
+    assert untapped == {w: pytest.approx(alone[w] + w) for w in (1, 4, 8)}  # but its forced tokens
 
 
 class Script(FixedBatchWidth):

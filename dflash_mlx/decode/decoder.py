@@ -311,13 +311,13 @@ class Decoder:
     def _linear(self, plan: CyclePlan) -> "Launched":
         """A drafted cycle of the plan's width for every sequence, its copies first, launched; cut
         where the sequences' grammars forbid every draft after (`checked`)."""
-        p = self.drafting.propose(self.seqs, plan.width, plan.copies, plan.alternatives,
-                                  [x.width for x in plan.plans] if len({x.width for x in plan.plans}) > 1 else None)
+        p = self.drafting.propose(self.seqs, plan.width, plan.copies, plan.alternatives, [x.width for x in plan.plans])
         p.block = checked(self.seqs, p.block)
         width = p.block.width
         widths = [min(x.width, width) for x in plan.plans]
-        if min(widths) < width:  # some sequences verify fewer rows (`policy.planner.narrow`)
+        if min(widths) < width:  # some sequences verify fewer rows (`policy.planner.fixed`)
             p.block.widths = widths
+            p.block.held = [x if alone else width for x, alone in zip(widths, self.caches.alone())]
         p.copies = [c[: x - 1] for c, x in zip(p.copies, widths)]
         return Launched(LinearCycle(self._rows(), p.block), [Plan(x, len(c)) for x, c in zip(widths, p.copies)], p,
                         [min(f, x - 1) for f, x in zip(plan.forced, widths)])

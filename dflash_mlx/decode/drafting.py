@@ -31,17 +31,19 @@ class Drafting:
                 alternatives: bool = False, widths: Optional[List[int]] = None) -> Proposal:
         """Every sequence's block for a cycle of `width`: its last token, then its drafts (its
         `copies` first); with `alternatives`, a sequence alone's drafter's 2nd and 3rd choices.
-        A sequence whose `widths` entry is 1 verifies its last token alone: it is not drafted (its
-        drafts pad the block, and its drafter's context waits for its next drafted cycle)."""
+        A sequence whose `widths` entry is 1 verifies its last token alone, and one that keeps no
+        drafter's context its copies alone: neither is drafted (padding fills its block after its
+        copies, and a drafter's context waits for its next drafted cycle)."""
         lasts = mx.concatenate([s.last for s in seqs])
         noises = [s.noise(width) for s in seqs]
         scales = [None if s.scaler is None else s.scaler.choose(width - 1) for s in seqs]
-        skip = set() if widths is None else {b for b, w in enumerate(widths) if w == 1}
+        skip = set() if widths is None else {b for b, w in enumerate(widths) if w == 1 or not seqs[b].tapped}
         if self._pooling(seqs):
             drawn = self._pooled(seqs, lasts, width, noises, copies, scales, skip)
         else:
-            drawn = [_padding(width) if b in skip else self._own(s, width, n, c, sc, alternatives)
+            drawn = [None if b in skip else self._own(s, width, n, c, sc, alternatives)
                      for b, (s, n, c, sc) in enumerate(zip(seqs, noises, copies, scales))]
+        drawn = [_copies_alone(s, width, c) if b in skip else d for b, (s, d, c) in enumerate(zip(seqs, drawn, copies))]
         alts = drawn[0].alternatives if len(drawn) == 1 else None
         return Proposal(Block(lasts, mx.stack([d.tokens for d in drawn]), [d.q_lp for d in drawn], noises, alts),
                         scales, copies)
@@ -150,6 +152,16 @@ class Drafting:
 def _padding(width: int) -> Draft:
     """Drafts that only pad a block, for a sequence that verifies its last token alone."""
     return Draft(mx.zeros((width - 1,), dtype=mx.uint32), None, None)
+
+
+def _copies_alone(seq: Running, width: int, copies: List[int]) -> Draft:
+    """A block of `copies` and padding after, for a sequence that verifies its copies alone (point
+    masses for rejection sampling)."""
+    if not copies:
+        return _padding(width)
+    tokens = mx.array(copies, dtype=mx.uint32)
+    q_lp = point_masses(tokens, seq.source.vocab_size) if seq.rejection else None
+    return Draft(mx.concatenate([tokens, mx.zeros((width - 1 - len(copies),), dtype=mx.uint32)]), q_lp, None)
 
 
 def _caught_up(seq: Running) -> Optional[mx.array]:

@@ -181,28 +181,34 @@ class Planner:
 
     def fixed(self, seqs: Sequence[Planned], width: int, then: Optional[int] = None, branches: int = 0,
               apart: Optional[Sequence[bool]] = None) -> CyclePlan:
-        """A cycle of `width` (at most the planner's) for every sequence: plain where one keeps no
-        drafter's context; a tree of `branches` where every sequence allows that many; else a
-        linear cycle, each sequence's forced tokens copied first, else what its sizer run expects
-        to pay of its lookup's offer. A sequence held `apart` verifies its last token alone where
-        drafting it does not pay at its length (`narrow`)."""
+        """A cycle of `width` (at most the planner's) for every sequence: a tree of `branches` where
+        every sequence allows that many and keeps a drafter's context; else a linear cycle, each
+        sequence's forced tokens copied first, else what its sizer run expects to pay of its
+        lookup's offer. A sequence held `apart` verifies its last token alone where drafting it
+        does not pay at its length (`narrow`); one that keeps no drafter's context (its policy
+        found no drafted cycle could pay at its length) verifies its copies alone, no drafts
+        after them. Plain where no sequence verifies more than its last token."""
         B = len(seqs)
         w = max(1, min(width, self.width))
-        if w == 1 or not all(s.tapped for s in seqs):  # a sequence without a drafter's context cannot draft
+        if w == 1 or not any(s.tapped or s.constraint is not None or s.lookup for s in seqs):
             return plain(B, then)
         branches = min([branches] + [s.branches for s in seqs])
-        if branches:
+        if branches and all(s.tapped for s in seqs):  # a tree drafts every sequence
             return CyclePlan([Plan(w, 0, branches)] * B, [[] for _ in seqs], [0] * B, then)
-        widths = [narrow(s, w, self.column_share) if apart is not None and apart[b] else w
+        widths = [narrow(s, w, self.column_share) if apart is not None and apart[b] and s.tapped else w
                   for b, s in enumerate(seqs)]
-        if max(widths) < w:  # no sequence verifies the block's last rows
-            if max(widths) == 1:
-                return plain(B, then)
-            widths = [min(x, max(widths)) for x in widths]
         offers = [self.offer(s, x - 1, lookup=x - 1 if s.sizer is not None else 0) for s, x in zip(seqs, widths)]
         copies = [list(o.tokens) if o.forced else list(o.tokens[: s.sizer.copies(o.tokens, x)]) if o.tokens else []
                   for s, o, x in zip(seqs, offers, widths)]
-        return CyclePlan([Plan(x, len(c)) for x, c in zip(widths, copies)], copies, [o.forced for o in offers], then)
+        widths = [x if s.tapped else 1 + len(c) for s, x, c in zip(seqs, widths, copies)]
+        top = max(widths)
+        if top == 1:
+            return plain(B, then)
+        if top < w:  # no sequence verifies the block's last rows
+            widths = [min(x, top) for x in widths]
+            copies = [c[: x - 1] for c, x in zip(copies, widths)]
+        return CyclePlan([Plan(x, len(c)) for x, c in zip(widths, copies)], copies,
+                         [min(o.forced, len(c)) for o, c in zip(offers, copies)], then)
 
     def gains(self, seqs: Sequence[Planned], widths: Sequence[int]) -> Optional[Dict[int, float]]:
         """The tokens the sequences expect a cycle of each width to commit, in all, from their sizer
@@ -214,7 +220,7 @@ class Planner:
         for s in seqs:
             offer = self.offer(s, max(widths) - 1)
             order = getattr(offer.tokens, "order", 0)
-            alphas = s.sizer.alphas()
+            alphas = s.sizer.alphas() if s.tapped else [0.0] * (max(widths) - 1)  # no drafts after its copies
             look = [1.0] * len(alphas) if offer.forced else s.sizer.lookup_alphas(order) if offer.tokens else None
             for w in widths:
                 gains[w] += 1 + s.sizer.best_copies(len(offer.tokens), order, min(w, s.sizer.max_width), alphas, look)[1]
