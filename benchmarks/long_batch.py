@@ -15,7 +15,10 @@ at `--width`; each sequence with the adaptive sizer's statistics, as the server 
   join (the drafter reading the prompts' held taps, the batch policy's first widths) are timed apart;
   split into the short streams' tokens per cycle and the seconds per cycle;
 - joins: the K/V bytes of the sequences decoding already that a joining prompt's caches copy
-  (arrays of theirs replaced by the join).
+  (arrays of theirs replaced by the join);
+- what one row of the long prompt's attention costs on its own (`row_attention`, and the same at the
+  short length, and at the long one read once: `--attention-only` times these alone): the part of a
+  cycle beside it that no layout saves, since the short streams wait for the pass that carries it.
 With `--before REV`, the same measurements run first on the package from that commit (a temporary
 git worktree): both sets of figures come from one run on one machine.
 """
@@ -76,18 +79,61 @@ def arrays(c) -> list:
 
 def held(dec) -> int:
     """Bytes the decoder's caches hold, each array once: the target's K/V and states, the pooled
-    drafter contexts and the sequences' own."""
+    drafter contexts and the sequences' own, and the taps a sequence holds for its drafter to read
+    (a prompt's, until its first drafted cycle: alone, a long prompt that steps plainly holds them
+    where in a batch the pooled drafter has read them into its context)."""
     found = arrays(dec.caches.layers)
     if dec.drafting.pool is not None:
         found += arrays(dec.drafting.pool.cache)
     for s in dec.seqs:
-        found += arrays(s.source.context(s.dstate))
+        found += arrays(s.source.context(s.dstate)) + [a for t in s.taps for a in (t if isinstance(t, tuple) else [t])]
     return sum({id(a): a.nbytes for a in found}.values())
 
 
 def kv_arrays(dec) -> dict:
     """{id: bytes} of the arrays the target's caches hold now."""
     return {id(a): a.nbytes for a in arrays(dec.caches.layers)}
+
+
+def row_attention(target: str, columns: int, repeats: int = 20, once: bool = False) -> float:
+    """Seconds of one query row's attention over `columns` rows of K/V in every full-attention layer
+    of the target (its heads and head size, float32), as its attention runs it
+    (`mx.fast.scaled_dot_product_attention` on K/V held in mlx-lm's `KVCache`): what a sequence of
+    that length adds to a batch's pass, beyond its rows through the weights. With `once`, the same
+    attention with the query heads that share a K/V head grouped as rows of one product, so that
+    each K/V head is read once. Median of `repeats`."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    caches = []
+    for _ in range(cfg["num_hidden_layers"]):
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, kv, columns, dim)), mx.random.normal((1, kv, columns, dim)))
+        caches.append(c)
+    mx.eval([(c.keys, c.values) for c in caches])
+    q, new = mx.random.normal((1, heads, 1, dim)), mx.random.normal((1, kv, 1, dim))
+
+    def attend(k, v):
+        if not once:
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5)
+        grouped = q.reshape(1, kv, heads // kv, dim) * dim**-0.5
+        weights = mx.softmax(grouped @ k.swapaxes(-1, -2), axis=-1, precise=True)
+        return (weights @ v).reshape(1, heads, 1, dim)
+
+    times = []
+    for _ in range(repeats + 2):
+        tic = time.perf_counter()
+        outs = []
+        for c in caches:
+            outs.append(attend(*c.update_and_fetch(new, new)))
+        mx.eval(outs)
+        times.append(time.perf_counter() - tic)
+        for c in caches:
+            c.trim(1)
+    return sorted(times[2:])[repeats // 2]
 
 
 def measure(target: str, drafter: str, long: int, short: int, streams: int, steps: int, width: int) -> dict:
@@ -134,6 +180,8 @@ def measure(target: str, drafter: str, long: int, short: int, streams: int, step
     together = decode([long_p] + short_p, steps, count=list(range(1, streams + 1)))
     print(f"{target}: the short ones without it", file=sys.stderr, flush=True)
     without = decode(short_p, steps)
+    attention = {n: row_attention(target, n) for n in (long, short)}
+    attention["once"] = row_attention(target, long, once=True)
     own = alone[0][0] + streams * alone[1][0]
     own_bytes = alone[0][1] + streams * alone[1][1]
     return {"weights_bytes": weights, "held_alone_sum": own, "held_batch": together[0],
@@ -143,7 +191,9 @@ def measure(target: str, drafter: str, long: int, short: int, streams: int, step
             "kv_bytes_copied_by_joins": together[3], "warmup_seconds_beside_long": together[4],
             "warmup_seconds_without": without[4],
             "short_tokens_per_cycle_beside_long": together[5], "short_tokens_per_cycle_without": without[5],
-            "cycle_seconds_beside_long": together[6], "cycle_seconds_without": without[6]}
+            "cycle_seconds_beside_long": together[6], "cycle_seconds_without": without[6],
+            "row_attention_seconds_long": attention[long], "row_attention_seconds_short": attention[short],
+            "row_attention_seconds_long_read_once": attention["once"]}
 
 
 def run(root: Path, args, target: Path) -> dict:
@@ -168,11 +218,19 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=24, help="cycles timed per measurement, after WARMUP")
     ap.add_argument("--width", type=int, default=8, help="the batch's block width")
     ap.add_argument("--before", help="also measure the package at this git revision first")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="time only `row_attention` at --long and --short columns (and read once at --long)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     for need in ("target/config.json", "drafter"):
         if not (args.pair / need).exists():
             ap.error(f"--pair {args.pair} has no {need}; build the pair with benchmarks/peers/widen.py")
+    if args.attention_only:
+        target = str(args.pair / "target")
+        times = {"long": row_attention(target, args.long), "short": row_attention(target, args.short),
+                 "long_read_once": row_attention(target, args.long, once=True)}
+        print(json.dumps({"command": " ".join(sys.argv), "row_attention_seconds": times}, indent=2))
+        return
     work = Path(tempfile.mkdtemp(prefix="long-batch-"))
     try:
         target = stand_in(args.pair, args.long, work / "pair")
