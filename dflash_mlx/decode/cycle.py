@@ -169,9 +169,6 @@ class Block:
     masks: Any = None  # each row's grammar mask, filled once the verify pass is launched (`constrained.BlockMasks`)
     refused: Optional[list] = None  # per sequence, a forbidden draft cut off and its proposal row, or None
     widths: Optional[List[int]] = None  # per sequence, the rows it verifies (the rest pad its block), where some differ
-    # per sequence, the rows of the block its K/V keeps, where some differ: a narrow sequence held apart
-    # keeps its own (`widths`), one in a padded array every row
-    held: Optional[List[int]] = None
 
     @property
     def width(self) -> int:
@@ -235,7 +232,7 @@ class LinearCycle:
 
     def cut(self, keeps: Sequence[int]) -> None:
         """Sequence b's caches keep the first keeps[b] rows of its block (no copy)."""
-        self.rows.crop(keeps, self.block.held or self.width)
+        self.rows.crop(keeps, self.block.widths or self.width)
 
     def drop(self) -> None:
         """Undo the cycle, launched and not wanted after all: every row of its block is cropped."""

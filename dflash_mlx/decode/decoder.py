@@ -317,7 +317,6 @@ class Decoder:
         widths = [min(x.width, width) for x in plan.plans]
         if min(widths) < width:  # some sequences verify fewer rows (`policy.planner.fixed`)
             p.block.widths = widths
-            p.block.held = [x if alone else width for x, alone in zip(widths, self.caches.alone())]
         p.copies = [c[: x - 1] for c, x in zip(p.copies, widths)]
         return Launched(LinearCycle(self._rows(), p.block), [Plan(x, len(c)) for x, c in zip(widths, p.copies)], p,
                         [min(f, x - 1) for f, x in zip(plan.forced, widths)])

@@ -118,15 +118,15 @@ class Drafting:
 
     def _pooled(self, seqs: List[Running], lasts: mx.array, width: int, noises: list, copies: List[List[int]],
                 scales: list, skip=frozenset()) -> List[Draft]:
-        """Every sequence's drafts from one drafter pass (but those in `skip`: padding), each
+        """Every sequence's drafts from one drafter pass (but those in `skip`: None), each
         sequence's `copies` in its first positions (point masses, for rejection sampling)."""
         which = [b for b in range(len(seqs)) if b not in skip]
         if not which:
-            return [_padding(width) for _ in seqs]
+            return [None] * len(seqs)
         hiddens = [joined(seqs[b].take_taps()) if seqs[b].taps else None for b in which]
         some = lasts if not skip else mx.take(lasts, mx.array(which), axis=0)
         logits = self.pool.propose(some, hiddens, width, None if not skip else which)
-        drawn: List[Draft] = [_padding(width)] * len(seqs)
+        drawn: List[Optional[Draft]] = [None] * len(seqs)
         if all(seqs[b].params.greedy and not seqs[b].proc for b in which):
             tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
             for i, b in enumerate(which):
@@ -135,7 +135,7 @@ class Drafting:
             for i, b in enumerate(which):
                 s, n = seqs[b], noises[b]
                 drawn[b] = pick_drafts(logits[i], s.params, s.proc or None, None if n is None else n[:-1], scales[b])
-        return [d if not c else _copied(d, c) for d, c in zip(drawn, copies)]
+        return [d if d is None or not c else _copied(d, c) for d, c in zip(drawn, copies)]
 
     @staticmethod
     def _own(seq: Running, width: int, noise: Optional[mx.array], copies: Sequence[int] = (),

@@ -1032,14 +1032,16 @@ class TargetAdapter:
     def crop_each(self, cache, keeps: Sequence[int], width: Union[int, Sequence[int]], before: Optional[dict] = None):
         """`crop` for a batch (`target.ragged.RaggedKVCache` and batched recurrent states):
         sequence b keeps the first `keeps[b]` of the last `width` positions (per sequence, where
-        a pass was `narrow`: the rows its K/V holds). A pass that was not recorded can only keep
+        a pass was `narrow`: the rows it verified, which its K/V took where it is a part of its own
+        and every row of the block in a padded array: `SequenceKV.taken`). A pass that was not recorded can only keep
         them all, or, given the recurrent states from before it (`states`, taken before a plain
         step), none."""
         widths = [width] * len(keeps) if isinstance(width, int) else width
-        drops = [w - k for w, k in zip(widths, keeps)]
         undone = [max(widths) - k for k in keeps]  # a recurrent state ran every row of the block
         for i, c in enumerate(cache):
             if i not in self._gdn:
+                taken = c.taken(widths) if isinstance(c, SequenceKV) else [max(widths)] * len(keeps)
+                drops = [t - k for t, k in zip(taken, keeps)]
                 if any(drops):
                     c.crop(drops)
             elif not any(undone):

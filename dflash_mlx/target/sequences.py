@@ -117,6 +117,16 @@ class SequenceKV:
             else:
                 keep_rows([layer.parts[p] for layer in layers], list(rows[m[0]]), width)
 
+    def taken(self, widths: Sequence[int]) -> List[int]:
+        """Per sequence, the rows of a pass's block its K/V took, where sequence b verified the first
+        widths[b]: a sequence in a part of its own its own (the pass narrows it: `adapter.GroupedAttention`),
+        one in a group every row of the block."""
+        out = [max(widths)] * len(self)
+        for m in self.members:
+            if len(m) == 1:
+                out[m[0]] = widths[m[0]]
+        return out
+
     def filter(self, keep: Sequence[int]) -> None:
         """Keep sequences `keep` (indices, in that order): a part held apart is let go or kept as it
         is; a group that loses sequences is copied once (its own rows only)."""
